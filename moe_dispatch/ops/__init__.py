@@ -1,0 +1,4 @@
+"""Permutation ops: Triton kernels on CUDA and their pure-torch twins on CPU."""
+from .permutation import RowIdMap, expert_row_counts, permute, set_backend, sort_chunks, unpermute
+
+__all__ = ["RowIdMap", "expert_row_counts", "permute", "set_backend", "sort_chunks", "unpermute"]

@@ -1,0 +1,369 @@
+"""Exact, deterministic permute / unpermute, registered as torch.library custom ops.
+
+``permute`` moves each token to one row per expert it is routed to (expert-major, ascending token
+within an expert). ``unpermute`` sums a token's rows back, weighted by its probabilities, in
+ascending expert order in fp32 (fp64 for fp64 probabilities) and rounds once. Results are
+bitwise reproducible and do not depend on other tokens. CUDA tensors run the Triton kernels, CPU
+tensors the torch twin (``set_backend('triton')`` runs the kernels on CPU under TRITON_INTERPRET).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from . import torch_twin
+
+_BACKENDS = ("auto", "torch", "triton")
+_backend = os.environ.get("MOE_DISPATCH_BACKEND", "auto")
+
+
+@contextlib.contextmanager
+def set_backend(name: str) -> Iterator[None]:
+    """Force a backend inside the block: 'auto' (CUDA -> Triton, CPU -> torch), 'torch' or 'triton'."""
+    global _backend
+    if name not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {name!r}")
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
+
+
+def _impl(x: torch.Tensor):
+    use_triton = _backend == "triton" or (_backend == "auto" and x.is_cuda)
+    if not use_triton:
+        return torch_twin
+    from . import triton_kernels  # imported lazily: CPU-only users need no Triton
+    return triton_kernels
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops (tensors and ints only), with fake implementations for torch.compile.
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("moe_dispatch::make_slots", mutates_args=())
+def _make_slots_op(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(routing_map).make_slots(routing_map, pad_multiple)
+
+
+@_make_slots_op.register_fake
+def _(routing_map, pad_multiple):
+    T, E = routing_map.shape
+    return (routing_map.new_empty((T, 2 * E + 1), dtype=torch.int32),
+            routing_map.new_empty((E,), dtype=torch.int64))
+
+
+@torch.library.custom_op("moe_dispatch::permute_rows", mutates_args=())
+def _permute_op(tokens: torch.Tensor, slots: torch.Tensor, probs: Optional[torch.Tensor],
+                num_out: int, zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(tokens).permute_rows(tokens, slots, probs, num_out, zero_fill)
+
+
+@_permute_op.register_fake
+def _(tokens, slots, probs, num_out, zero_fill):
+    out_probs = probs.new_empty((num_out,)) if probs is not None else tokens.new_empty((0,), dtype=torch.float32)
+    return tokens.new_empty((num_out, tokens.shape[1])), out_probs
+
+
+@torch.library.custom_op("moe_dispatch::permute_rows_backward", mutates_args=())
+def _permute_bwd_op(grad: torch.Tensor, slots: torch.Tensor, grad_probs: Optional[torch.Tensor],
+                    probs_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(grad).permute_rows_backward(grad, slots, grad_probs, probs_dtype)
+
+
+@_permute_bwd_op.register_fake
+def _(grad, slots, grad_probs, probs_dtype):
+    T, E = slots.shape[0], (slots.shape[1] - 1) // 2
+    gp = grad.new_empty((T, E) if grad_probs is not None else (0,), dtype=probs_dtype)
+    return grad.new_empty((T, grad.shape[1])), gp
+
+
+def _permute_setup(ctx, inputs, output):
+    tokens, slots, probs, _, _ = inputs
+    ctx.save_for_backward(slots)
+    ctx.has_probs = probs is not None
+    ctx.probs_dtype = probs.dtype if probs is not None else torch.float32
+
+
+def _permute_backward(ctx, grad_out, grad_out_probs):
+    (slots,) = ctx.saved_tensors
+    grad_probs = None
+    if ctx.has_probs:
+        grad_probs = grad_out_probs if grad_out_probs is not None else torch.zeros(
+            grad_out.shape[0], dtype=ctx.probs_dtype, device=grad_out.device)
+    grad_tokens, grad_token_probs = _permute_bwd_op(grad_out.contiguous(), slots, grad_probs, ctx.probs_dtype)
+    return grad_tokens, None, grad_token_probs if ctx.has_probs else None, None, None
+
+
+_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+@torch.library.custom_op("moe_dispatch::unpermute_rows", mutates_args=())
+def _unpermute_op(rows: torch.Tensor, slots: torch.Tensor, probs: Optional[torch.Tensor],
+                  has_pad_rows: bool) -> torch.Tensor:
+    # has_pad_rows only matters to the backward: pad rows then get an explicit zero gradient.
+    return _impl(rows).unpermute_rows(rows, slots, probs)
+
+
+@_unpermute_op.register_fake
+def _(rows, slots, probs, has_pad_rows):
+    return rows.new_empty((slots.shape[0], rows.shape[1]))
+
+
+@torch.library.custom_op("moe_dispatch::unpermute_rows_backward", mutates_args=())
+def _unpermute_bwd_op(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                      probs: Optional[torch.Tensor], zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(rows).unpermute_rows_backward(grad, rows, slots, probs, zero_fill)
+
+
+@_unpermute_bwd_op.register_fake
+def _(grad, rows, slots, probs, zero_fill):
+    gp = (probs.new_empty(probs.shape) if probs is not None else rows.new_empty((0,), dtype=torch.float32))
+    return rows.new_empty(rows.shape), gp
+
+
+def _unpermute_setup(ctx, inputs, output):
+    rows, slots, probs, has_pad_rows = inputs
+    ctx.save_for_backward(rows, slots, probs)
+    ctx.has_pad_rows = has_pad_rows
+
+
+def _unpermute_backward(ctx, grad_out):
+    rows, slots, probs = ctx.saved_tensors
+    grad_rows, grad_probs = _unpermute_bwd_op(grad_out.contiguous(), rows, slots, probs, ctx.has_pad_rows)
+    return grad_rows, None, grad_probs if probs is not None else None, None
+
+
+_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+@torch.library.custom_op("moe_dispatch::gather_rows", mutates_args=())
+def _gather_rows_op(x: torch.Tensor, index: torch.Tensor, inverse_index: torch.Tensor) -> torch.Tensor:
+    return _impl(x).gather_rows(x, index)
+
+
+@_gather_rows_op.register_fake
+def _(x, index, inverse_index):
+    return x.new_empty((index.shape[0], x.shape[1]))
+
+
+def _gather_setup(ctx, inputs, output):
+    _, index, inverse_index = inputs
+    ctx.save_for_backward(index, inverse_index)
+
+
+def _gather_backward(ctx, grad):
+    index, inverse_index = ctx.saved_tensors
+    # A permutation: the gradient is the inverse gather, no sums involved.
+    return _gather_rows_op(grad.contiguous(), inverse_index, index), None, None
+
+
+_gather_rows_op.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowIdMap:
+    """Where every (token, expert) pair sits in the permuted rows. Made by ``permute``.
+
+    Attributes:
+        slots: int32 [T, 2E + 1]. ``slots[t, 0]`` is n_t, the number of experts of token t;
+            ``slots[t, 1 + j]`` for j < n_t is the permuted row of its j-th expert (experts in
+            ascending id); ``slots[t, 1 + E + j]`` is that expert's id. Unused entries are -1.
+        tokens_per_expert: int64 [E], rows each expert received (without padding), on the device.
+        padded_tokens_per_expert: int64 [E], rows of each expert's block (with padding).
+        num_out_tokens: N, the number of permuted rows.
+        has_pad_rows: True when some permuted rows belong to no token (padding or extra rows).
+    """
+
+    slots: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    padded_tokens_per_expert: torch.Tensor
+    num_out_tokens: int
+    has_pad_rows: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slots.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return (self.slots.shape[1] - 1) // 2
+
+
+def _check_tokens(name: str, tokens: torch.Tensor) -> None:
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tokens).__name__}")
+    if tokens.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, H], got shape {tuple(tokens.shape)}")
+    if tokens.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {tokens.dtype}")
+
+
+def _check_probs(probs: torch.Tensor, num_tokens: int, num_experts: int, device: torch.device) -> None:
+    if not isinstance(probs, torch.Tensor):
+        raise TypeError(f"probs must be a torch.Tensor, got {type(probs).__name__}")
+    if tuple(probs.shape) != (num_tokens, num_experts):
+        raise ValueError(f"probs must have shape [T, E] = {[num_tokens, num_experts]}, got {list(probs.shape)}")
+    if probs.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"probs must be float32 or float64 (never bf16: it breaks the contract), got {probs.dtype}")
+    if probs.device != device:
+        raise ValueError(f"probs is on {probs.device}, expected {device} like the tokens")
+
+
+def expert_row_counts(routing_map: torch.Tensor, pad_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows per expert without and with padding: ([E] int64, [E] int64), on the map's device."""
+    counts = routing_map.sum(0, dtype=torch.int64)
+    return counts, (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+
+
+def permute(
+    tokens: torch.Tensor,
+    routing_map: torch.Tensor,
+    probs: Optional[torch.Tensor] = None,
+    *,
+    num_out_tokens: Optional[int] = None,
+    pad_multiple: int = 1,
+    tokens_per_expert: Optional[Sequence[int]] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], RowIdMap]:
+    """Copy each token to one row per expert it is routed to.
+
+    Args:
+        tokens: [T, H] float32, float16 or bfloat16.
+        routing_map: [T, E] bool.
+        probs: optional [T, E] float32 or float64; permuted with the tokens, dtype kept.
+        num_out_tokens: N, the rows to allocate. Default: the (padded) number of routed pairs.
+            Smaller than that raises ValueError; extra rows are zero.
+        pad_multiple: pad each expert's block of rows to a multiple of this (pad rows are zero).
+        tokens_per_expert: optional host-side per-expert counts (unpadded, length E) the caller
+            already knows; then no device-to-host synchronisation happens here.
+
+    Returns:
+        permuted_tokens [N, H] in tokens.dtype, expert-major, ascending token within an expert;
+        permuted_probs [N] in probs.dtype (None without probs); the RowIdMap for ``unpermute``.
+    """
+    _check_tokens("tokens", tokens)
+    if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool:
+        got = routing_map.dtype if isinstance(routing_map, torch.Tensor) else type(routing_map).__name__
+        raise TypeError(f"routing_map must be a bool tensor, got {got}")
+    if routing_map.dim() != 2 or routing_map.shape[0] != tokens.shape[0]:
+        raise ValueError(f"routing_map must be [T, E] with T = {tokens.shape[0]}, got {list(routing_map.shape)}")
+    if routing_map.device != tokens.device:
+        raise ValueError(f"routing_map is on {routing_map.device}, expected {tokens.device} like the tokens")
+    T, E = routing_map.shape
+    if E < 1:
+        raise ValueError("routing_map must have at least one expert column")
+    if probs is not None:
+        _check_probs(probs, T, E, tokens.device)
+    if not isinstance(pad_multiple, int) or pad_multiple < 1:
+        raise ValueError(f"pad_multiple must be an int >= 1, got {pad_multiple!r}")
+
+    slots, counts = _make_slots_op(routing_map.contiguous(), pad_multiple)
+    padded = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+    if tokens_per_expert is not None:
+        host_counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).cpu()
+        if host_counts.shape != (E,):
+            raise ValueError(f"tokens_per_expert must have E = {E} entries, got {tuple(host_counts.shape)}")
+    else:
+        host_counts = counts.cpu()  # the one host synchronisation: sizes decide allocation
+    routed = int(host_counts.sum())
+    needed = int(((host_counts + pad_multiple - 1) // pad_multiple * pad_multiple).sum())
+    if num_out_tokens is None:
+        num_out_tokens = needed
+    elif num_out_tokens < needed:
+        raise ValueError(f"num_out_tokens={num_out_tokens} is smaller than the {needed} rows the routing map "
+                         f"needs (routed pairs {routed}, pad_multiple {pad_multiple})")
+    has_pad_rows = num_out_tokens > routed
+    permuted, permuted_probs = _permute_op(tokens, slots, probs, num_out_tokens, has_pad_rows)
+    row_id_map = RowIdMap(slots, counts, padded, num_out_tokens, has_pad_rows)
+    return permuted, (permuted_probs if probs is not None else None), row_id_map
+
+
+def unpermute(
+    permuted_tokens: torch.Tensor,
+    row_id_map: RowIdMap,
+    probs: Optional[torch.Tensor] = None,
+    *,
+    restore_shape: Optional[Sequence[int]] = None,
+) -> torch.Tensor:
+    """out[t] = sum over experts e of t, ascending, of (probs[t, e] or 1) * permuted_tokens[row(t, e)].
+
+    Products and the running sum are fp32 (fp64 for fp64 probs), rounded once to
+    permuted_tokens.dtype. No atomics; a token's result depends only on its own rows.
+
+    Args:
+        permuted_tokens: [N, H] float32, float16 or bfloat16 (N = row_id_map.num_out_tokens).
+        row_id_map: from ``permute``.
+        probs: optional [T, E] float32 or float64.
+        restore_shape: optional shape for the output (e.g. [S, B, H]); T*H elements.
+
+    Returns:
+        [T, H] (or restore_shape) in permuted_tokens.dtype. Tokens routed nowhere give zero rows.
+    """
+    _check_tokens("permuted_tokens", permuted_tokens)
+    if not isinstance(row_id_map, RowIdMap):
+        raise TypeError(f"row_id_map must be the RowIdMap returned by permute, got {type(row_id_map).__name__}")
+    if permuted_tokens.shape[0] != row_id_map.num_out_tokens:
+        raise ValueError(f"permuted_tokens has {permuted_tokens.shape[0]} rows, expected "
+                         f"row_id_map.num_out_tokens = {row_id_map.num_out_tokens}")
+    if row_id_map.slots.device != permuted_tokens.device:
+        raise ValueError(f"permuted_tokens is on {permuted_tokens.device}, row_id_map on {row_id_map.slots.device}")
+    if probs is not None:
+        _check_probs(probs, row_id_map.num_tokens, row_id_map.num_experts, permuted_tokens.device)
+    out = _unpermute_op(permuted_tokens, row_id_map.slots, probs, row_id_map.has_pad_rows)
+    if restore_shape is not None:
+        out = out.reshape(restore_shape)
+    return out
+
+
+def sort_chunks(
+    tokens: torch.Tensor,
+    split_sizes: Sequence[int] | torch.Tensor,
+    sorted_idxs: Sequence[int] | torch.Tensor,
+    probs: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Reorder contiguous row chunks: output chunk i is input chunk sorted_idxs[i].
+
+    The alltoall dispatcher uses it to go from source-rank-major to expert-major rows and back.
+    It is a pure permutation (rows are copied, never summed), so it is exact; its backward is the
+    inverse permutation.
+
+    Args:
+        tokens: [N, H]; split_sizes: C chunk lengths summing to N (host list or tensor);
+        sorted_idxs: a permutation of range(C); probs: optional [N] rows carried along.
+
+    Returns:
+        (tokens [N, H], probs [N] or None) in the new chunk order.
+    """
+    _check_tokens("tokens", tokens)
+    sizes = torch.as_tensor(split_sizes, dtype=torch.int64).cpu()
+    order = torch.as_tensor(sorted_idxs, dtype=torch.int64).cpu()
+    if sizes.dim() != 1 or order.shape != sizes.shape:
+        raise ValueError(f"split_sizes and sorted_idxs must be 1-D of equal length, got "
+                         f"{tuple(sizes.shape)} and {tuple(order.shape)}")
+    if int(sizes.sum()) != tokens.shape[0] or bool((sizes < 0).any()):
+        raise ValueError(f"split_sizes must be >= 0 and sum to tokens.shape[0] = {tokens.shape[0]}, "
+                         f"got {sizes.tolist()}")
+    if not torch.equal(order.sort().values, torch.arange(len(order))):
+        raise ValueError(f"sorted_idxs must be a permutation of range({len(order)}), got {order.tolist()}")
+    if probs is not None and (probs.dim() != 1 or probs.shape[0] != tokens.shape[0]):
+        raise ValueError(f"probs must be [N] with N = {tokens.shape[0]}, got {list(probs.shape)}")
+    src_start = sizes.cumsum(0) - sizes
+    dst_sizes = sizes[order]
+    dst_start = dst_sizes.cumsum(0) - dst_sizes
+    chunk = torch.repeat_interleave(torch.arange(len(order)), dst_sizes)
+    index = src_start[order][chunk] + torch.arange(len(chunk)) - dst_start[chunk]
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(len(index))
+    index, inverse = index.to(tokens.device), inverse.to(tokens.device)
+    out = _gather_rows_op(tokens, index, inverse)
+    out_probs = None
+    if probs is not None:
+        out_probs = _gather_rows_op(probs[:, None], index, inverse)[:, 0]
+    return out, out_probs

@@ -1,0 +1,145 @@
+"""Pure-torch twins of the Triton kernels: the CPU backend, and the statement of what each kernel
+computes. Same ``slots`` layout, same arithmetic in the same order, so fp32 results are bitwise
+equal to the kernels'. Sums over a token's experts are a fixed-order loop over slots (ascending
+expert id) into an fp32 (fp64 for fp64 probabilities) accumulator, never scatter_add.
+"""
+from __future__ import annotations
+
+import torch
+
+from .triton_kernels import block_h
+
+
+def _num_experts(slots: torch.Tensor) -> int:
+    return (slots.shape[1] - 1) // 2
+
+
+def _max_slots(slots: torch.Tensor) -> int:
+    return int(slots[:, 0].max()) if slots.shape[0] else 0
+
+
+def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """routing_map [T, E] bool -> (slots [T, 2E+1] int32, tokens_per_expert [E] int64)."""
+    T, E = routing_map.shape
+    routed = routing_map.to(torch.int64)
+    tokens_per_expert = routed.sum(0)
+    padded = (tokens_per_expert + pad_multiple - 1) // pad_multiple * pad_multiple
+    expert_start = padded.cumsum(0) - padded
+    rows = expert_start[None, :] + routed.cumsum(0) - routed  # row of (t, e) if routed
+    slot = routed.cumsum(1) - 1
+    slots = torch.full((T, 2 * E + 1), -1, dtype=torch.int32, device=routing_map.device)
+    slots[:, 0] = routed.sum(1).to(torch.int32)
+    t_idx, e_idx = routing_map.nonzero(as_tuple=True)
+    j = slot[t_idx, e_idx]
+    slots[t_idx, 1 + j] = rows[t_idx, e_idx].to(torch.int32)
+    slots[t_idx, 1 + E + j] = e_idx.to(torch.int32)
+    return slots, tokens_per_expert
+
+
+def _slot(slots: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(valid [T] bool, row [T] int64 clamped to >= 0, expert [T] int64 clamped) of slot j."""
+    E = _num_experts(slots)
+    row = slots[:, 1 + j].to(torch.int64)
+    expert = slots[:, 1 + E + j].to(torch.int64)
+    valid = row >= 0
+    return valid, row.clamp(min=0), expert.clamp(min=0)
+
+
+def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None,
+                 num_out: int, zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """out[row(t, e)] = tokens[t]; out_probs[row(t, e)] = probs[t, e]. Other rows are zero."""
+    H = tokens.shape[1]
+    E = _num_experts(slots)
+    out = tokens.new_zeros((num_out, H))
+    out_probs = (probs.new_zeros((num_out,)) if probs is not None
+                 else torch.empty(0, dtype=torch.float32, device=tokens.device))
+    t_idx, j_idx = (slots[:, 1:1 + E] >= 0).nonzero(as_tuple=True)
+    rows = slots[t_idx, 1 + j_idx].to(torch.int64)
+    out[rows] = tokens[t_idx]
+    if probs is not None:
+        out_probs[rows] = probs[t_idx, slots[t_idx, 1 + E + j_idx].to(torch.int64)]
+    return out, out_probs
+
+
+def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: torch.Tensor | None,
+                          probs_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad_tokens[t] = sum over slots j (in order) of grad[row_j], fp32, rounded once."""
+    T = slots.shape[0]
+    E = _num_experts(slots)
+    acc = torch.zeros((T, grad.shape[1]), dtype=torch.float32, device=grad.device)
+    grad_token_probs = (torch.zeros((T, E), dtype=probs_dtype, device=grad.device) if grad_probs is not None
+                        else torch.empty(0, dtype=probs_dtype, device=grad.device))
+    arange_t = torch.arange(T, device=grad.device)
+    for j in range(_max_slots(slots)):
+        valid, row, expert = _slot(slots, j)
+        acc = acc + torch.where(valid[:, None], grad[row].to(torch.float32), 0.0)
+        if grad_probs is not None:
+            grad_token_probs[arange_t[valid], expert[valid]] = grad_probs[row[valid]].to(probs_dtype)
+    return acc.to(grad.dtype), grad_token_probs
+
+
+def _acc_dtype(probs: torch.Tensor | None) -> torch.dtype:
+    return torch.float64 if probs is not None and probs.dtype == torch.float64 else torch.float32
+
+
+def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    """out[t] = sum over slots j (ascending expert) of probs[t, e_j] * rows[row_j], fp32, rounded once."""
+    T = slots.shape[0]
+    acc_dtype = _acc_dtype(probs)
+    acc = torch.zeros((T, rows.shape[1]), dtype=acc_dtype, device=rows.device)
+    arange_t = torch.arange(T, device=rows.device)
+    for j in range(_max_slots(slots)):
+        valid, row, expert = _slot(slots, j)
+        term = rows[row].to(acc_dtype)
+        if probs is not None:
+            term = probs[arange_t, expert].to(acc_dtype)[:, None] * term
+        acc = acc + torch.where(valid[:, None], term, 0.0)
+    return acc.to(rows.dtype)
+
+
+def halving_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum the last dim (a power of two) as x[..., :half] + x[..., half:], repeatedly."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def blocked_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row-wise dot [M, H] x [M, H] -> [M] in the kernel's order: chunks of block_h(H) summed
+    elementwise in order, then a halving sum across the chunk."""
+    M, H = a.shape
+    bh = block_h(H)
+    acc = torch.zeros((M, bh), dtype=a.dtype, device=a.device)
+    for h0 in range(0, H, bh):
+        prod = a[:, h0:h0 + bh] * b[:, h0:h0 + bh]
+        acc = acc + torch.nn.functional.pad(prod, (0, bh - prod.shape[1]))
+    return halving_sum(acc)
+
+
+def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                            probs: torch.Tensor | None, zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad_rows[row_j] = grad[t] * p_j (fp32, rounded once); grad_probs[t, e_j] = <rows[row_j], grad[t]>."""
+    T = slots.shape[0]
+    E = _num_experts(slots)
+    acc_dtype = _acc_dtype(probs)
+    grad_rows = rows.new_zeros(rows.shape)
+    grad_probs = (torch.zeros((T, E), dtype=probs.dtype, device=rows.device) if probs is not None
+                  else torch.empty(0, dtype=torch.float32, device=rows.device))
+    arange_t = torch.arange(T, device=rows.device)
+    for j in range(_max_slots(slots)):
+        valid, row, expert = _slot(slots, j)
+        t, row, expert = arange_t[valid], row[valid], expert[valid]
+        if probs is None:
+            grad_rows[row] = grad[t].to(rows.dtype)
+            continue
+        g = grad[t].to(acc_dtype)
+        p = probs[t, expert].to(acc_dtype)
+        grad_rows[row] = (g * p[:, None]).to(rows.dtype)
+        grad_probs[t, expert] = blocked_dot(rows[row].to(acc_dtype), g).to(probs.dtype)
+    return grad_rows, grad_probs
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [N, H], index [M] -> x[index] [M, H]."""
+    return x.index_select(0, index)

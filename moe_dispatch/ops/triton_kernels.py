@@ -1,0 +1,344 @@
+"""Triton kernels for permute / unpermute, each beside its launcher.
+
+Every kernel here has a pure-torch twin in ``torch_twin.py`` that states what it computes; on
+CPU the twin runs, on CUDA these kernels run, and under ``TRITON_INTERPRET=1`` the tests check
+that the two agree bitwise in fp32.
+
+Layout of the ``slots`` tensor that all kernels share (int32, ``[T, 2E + 1]``):
+    slots[t, 0]            n_t, the number of experts token t is routed to
+    slots[t, 1 + j]        permuted row of token t's j-th expert, j < n_t, experts ascending
+    slots[t, 1 + E + j]    expert id of that slot
+    unused slots hold -1.
+
+Rules that make results exact and reproducible:
+- no atomics; every output element is written by exactly one program;
+- sums over a token's experts run in slot order (ascending expert id) in an fp32 (fp64 for fp64
+  probabilities) accumulator and are rounded once;
+- launches pass ``enable_fp_fusion=False`` so ``acc + p * y`` is a multiply then an add, exactly
+  as the torch twin computes it, rather than an FMA.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# One H-block size per H, so the order of the probability-gradient reduction over H is a
+# function of H alone (the torch twin reproduces it from the same constant).
+MAX_BLOCK_H = 1024
+
+
+def block_h(hidden: int) -> int:
+    """The H-chunk width used by every kernel (and by the twin's H reduction) for this H."""
+    return max(16, min(MAX_BLOCK_H, triton.next_power_of_2(max(hidden, 1))))
+
+
+def _num_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8
+
+
+def _launch_opts() -> dict:
+    return {"enable_fp_fusion": False}
+
+
+# --------------------------------------------------------------------------------------------
+# Row-id map: per-block expert counts, then slot lists.
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _block_counts_kernel(
+    map_ptr, counts_ptr, T, E, stride_mt, stride_me,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """counts[b, e] = number of tokens t in block b (rows b*BLOCK_T ...) routed to expert e."""
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    mask = (offs_t[:, None] < T) & (offs_e[None, :] < E)
+    routed = tl.load(map_ptr + offs_t[:, None].to(tl.int64) * stride_mt + offs_e[None, :] * stride_me,
+                     mask=mask, other=0).to(tl.int32)
+    tl.store(counts_ptr + pid * E + offs_e, tl.sum(routed, axis=0), mask=offs_e < E)
+
+
+@triton.jit
+def _slots_kernel(
+    map_ptr, block_start_ptr, slots_ptr, T, E, stride_mt, stride_me,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Fill slots for the tokens of one block.
+
+    block_start[b, e] is the permuted row of the first token of block b routed to expert e, so
+    the row of (t, e) is block_start[b, e] + (tokens of block b before t routed to e).
+    """
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    valid_t = offs_t < T
+    valid_e = offs_e < E
+    mask = valid_t[:, None] & valid_e[None, :]
+    routed = tl.load(map_ptr + offs_t[:, None].to(tl.int64) * stride_mt + offs_e[None, :] * stride_me,
+                     mask=mask, other=0).to(tl.int32)
+    start = tl.load(block_start_ptr + pid * E + offs_e, mask=valid_e, other=0)
+    rows = start[None, :] + tl.cumsum(routed, axis=0) - routed
+    slot = tl.cumsum(routed, axis=1) - 1
+    width = 2 * E + 1
+    base = slots_ptr + offs_t[:, None].to(tl.int64) * width
+    tl.store(slots_ptr + offs_t.to(tl.int64) * width, tl.sum(routed, axis=1), mask=valid_t)
+    minus_one = tl.full([BLOCK_T, BLOCK_E], -1, tl.int32)
+    tl.store(base + 1 + offs_e[None, :], minus_one, mask=mask)
+    tl.store(base + 1 + E + offs_e[None, :], minus_one, mask=mask)
+    # The -1 fill and the scatter below touch the same addresses from different threads.
+    tl.debug_barrier()
+    hit = mask & (routed != 0)
+    tl.store(base + 1 + slot, rows, mask=hit)
+    tl.store(base + 1 + E + slot, offs_e[None, :] + tl.zeros([BLOCK_T, BLOCK_E], tl.int32), mask=hit)
+
+
+def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher. routing_map [T, E] bool -> (slots [T, 2E+1] int32, tokens_per_expert [E] int64)."""
+    T, E = routing_map.shape
+    slots = torch.empty((T, 2 * E + 1), dtype=torch.int32, device=routing_map.device)
+    if T == 0:
+        return slots, torch.zeros(E, dtype=torch.int64, device=routing_map.device)
+    block_e = triton.next_power_of_2(E)
+    block_t = max(1, min(128, 8192 // block_e))
+    num_blocks = triton.cdiv(T, block_t)
+    routed = routing_map.view(torch.uint8)
+    counts = torch.empty((num_blocks, E), dtype=torch.int32, device=routing_map.device)
+    _block_counts_kernel[(num_blocks,)](routed, counts, T, E, routed.stride(0), routed.stride(1),
+                                        BLOCK_T=block_t, BLOCK_E=block_e)
+    inclusive = counts.cumsum(0, dtype=torch.int32)
+    tokens_per_expert = inclusive[-1].to(torch.int64)
+    padded = (tokens_per_expert + pad_multiple - 1) // pad_multiple * pad_multiple
+    expert_start = (padded.cumsum(0) - padded).to(torch.int32)
+    block_start = (expert_start[None, :] + inclusive - counts).contiguous()
+    _slots_kernel[(num_blocks,)](routed, block_start, slots, T, E, routed.stride(0), routed.stride(1),
+                                 BLOCK_T=block_t, BLOCK_E=block_e)
+    return slots, tokens_per_expert
+
+
+# --------------------------------------------------------------------------------------------
+# Permute: copy each token to its rows; backward sums the rows back in slot order.
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _permute_kernel(
+    tokens_ptr, slots_ptr, probs_ptr, out_ptr, out_probs_ptr,
+    H, E, stride_tt, stride_th, stride_pt, stride_pe,
+    HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    slot_row = slots_ptr + t * (2 * E + 1)
+    n = tl.load(slot_row)
+    x = tl.load(tokens_ptr + t * stride_tt + offs_h * stride_th, mask=mask_h)
+    for j in range(0, n):
+        row = tl.load(slot_row + 1 + j).to(tl.int64)
+        tl.store(out_ptr + row * H + offs_h, x, mask=mask_h)
+        if HAS_PROBS:
+            if pid_h == 0:
+                e = tl.load(slot_row + 1 + E + j)
+                tl.store(out_probs_ptr + row, tl.load(probs_ptr + t * stride_pt + e * stride_pe))
+
+
+def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None,
+                 num_out: int, zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher. tokens [T, H], probs [T, E] -> (out [num_out, H], out_probs [num_out] or [0])."""
+    T, H = tokens.shape
+    E = (slots.shape[1] - 1) // 2
+    alloc = torch.zeros if zero_fill else torch.empty
+    out = alloc((num_out, H), dtype=tokens.dtype, device=tokens.device)
+    if probs is None:
+        out_probs = torch.empty(0, dtype=torch.float32, device=tokens.device)
+    else:
+        out_probs = alloc((num_out,), dtype=probs.dtype, device=tokens.device)
+    if T == 0 or H == 0:
+        return out, out_probs
+    bh = block_h(H)
+    p = probs if probs is not None else out_probs
+    p_strides = (probs.stride(0), probs.stride(1)) if probs is not None else (0, 0)
+    _permute_kernel[(T, triton.cdiv(H, bh))](
+        tokens, slots, p, out, out_probs, H, E, tokens.stride(0), tokens.stride(1), *p_strides,
+        HAS_PROBS=probs is not None, BLOCK_H=bh, num_warps=_num_warps(bh), **_launch_opts())
+    return out, out_probs
+
+
+@triton.jit
+def _permute_bwd_kernel(
+    grad_ptr, slots_ptr, grad_probs_ptr, grad_tokens_ptr, grad_token_probs_ptr,
+    H, E, stride_gn, stride_gh,
+    HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    slot_row = slots_ptr + t * (2 * E + 1)
+    n = tl.load(slot_row)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(0, n):
+        row = tl.load(slot_row + 1 + j).to(tl.int64)
+        acc += tl.load(grad_ptr + row * stride_gn + offs_h * stride_gh, mask=mask_h, other=0.0).to(tl.float32)
+        if HAS_PROBS:
+            if pid_h == 0:
+                e = tl.load(slot_row + 1 + E + j)
+                tl.store(grad_token_probs_ptr + t * E + e, tl.load(grad_probs_ptr + row))
+    tl.store(grad_tokens_ptr + t * H + offs_h, acc.to(grad_tokens_ptr.dtype.element_ty), mask=mask_h)
+
+
+def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: torch.Tensor | None,
+                          probs_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher. grad [N, H], grad_probs [N] -> (grad_tokens [T, H], grad_token_probs [T, E] or [0])."""
+    T = slots.shape[0]
+    E = (slots.shape[1] - 1) // 2
+    H = grad.shape[1]
+    grad_tokens = torch.empty((T, H), dtype=grad.dtype, device=grad.device)
+    if grad_probs is None:
+        grad_token_probs = torch.empty(0, dtype=probs_dtype, device=grad.device)
+    else:
+        grad_token_probs = torch.zeros((T, E), dtype=probs_dtype, device=grad.device)
+    if T == 0 or H == 0:
+        return grad_tokens.zero_(), grad_token_probs
+    bh = block_h(H)
+    gp = grad_probs.to(probs_dtype).contiguous() if grad_probs is not None else grad_token_probs
+    _permute_bwd_kernel[(T, triton.cdiv(H, bh))](
+        grad, slots, gp, grad_tokens, grad_token_probs, H, E, grad.stride(0), grad.stride(1),
+        HAS_PROBS=grad_probs is not None, BLOCK_H=bh, num_warps=_num_warps(bh), **_launch_opts())
+    return grad_tokens, grad_token_probs
+
+
+# --------------------------------------------------------------------------------------------
+# Unpermute: fixed-order weighted sum of a token's rows; backward gives row and prob gradients.
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _unpermute_kernel(
+    rows_ptr, slots_ptr, probs_ptr, out_ptr,
+    H, E, stride_rn, stride_rh, stride_pt, stride_pe,
+    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    slot_row = slots_ptr + t * (2 * E + 1)
+    n = tl.load(slot_row)
+    acc_ty = tl.float64 if ACC_FP64 else tl.float32
+    acc = tl.zeros([BLOCK_H], dtype=acc_ty)
+    for j in range(0, n):
+        row = tl.load(slot_row + 1 + j).to(tl.int64)
+        y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_h, other=0.0).to(acc_ty)
+        if HAS_PROBS:
+            e = tl.load(slot_row + 1 + E + j)
+            p = tl.load(probs_ptr + t * stride_pt + e * stride_pe).to(acc_ty)
+            acc += p * y
+        else:
+            acc += y
+    tl.store(out_ptr + t * H + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
+
+
+def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    """Launcher. rows [N, H], probs [T, E] -> out [T, H] in rows.dtype."""
+    T = slots.shape[0]
+    E = (slots.shape[1] - 1) // 2
+    H = rows.shape[1]
+    out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
+    if T == 0 or H == 0:
+        return out
+    bh = block_h(H)
+    p = probs if probs is not None else out
+    p_strides = (probs.stride(0), probs.stride(1)) if probs is not None else (0, 0)
+    _unpermute_kernel[(T, triton.cdiv(H, bh))](
+        rows, slots, p, out, H, E, rows.stride(0), rows.stride(1), *p_strides,
+        HAS_PROBS=probs is not None, ACC_FP64=probs is not None and probs.dtype == torch.float64,
+        BLOCK_H=bh, num_warps=_num_warps(bh), **_launch_opts())
+    return out
+
+
+@triton.jit
+def _halving_sum(x, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+    """Sum a [BLOCK] vector as x[:half] + x[half:], repeatedly: an order the twin reproduces."""
+    for level in tl.static_range(LOG2_BLOCK):
+        x = tl.sum(tl.reshape(x, [2, BLOCK >> (level + 1)]), axis=0)
+    return tl.sum(x, axis=0)
+
+
+@triton.jit
+def _unpermute_bwd_kernel(
+    grad_ptr, rows_ptr, slots_ptr, probs_ptr, grad_rows_ptr, grad_probs_ptr,
+    H, E, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
+    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, LOG2_BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot_row = slots_ptr + t * (2 * E + 1)
+    n = tl.load(slot_row)
+    acc_ty = tl.float64 if ACC_FP64 else tl.float32
+    for j in range(0, n):
+        row = tl.load(slot_row + 1 + j).to(tl.int64)
+        if HAS_PROBS:
+            e = tl.load(slot_row + 1 + E + j)
+            p = tl.load(probs_ptr + t * stride_pt + e * stride_pe).to(acc_ty)
+            dot = tl.zeros([BLOCK_H], dtype=acc_ty)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < H
+            g = tl.load(grad_ptr + t * stride_gt + offs_h * stride_gh, mask=mask_h, other=0.0)
+            if HAS_PROBS:
+                g = g.to(acc_ty)
+                y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_h, other=0.0).to(acc_ty)
+                dot += y * g
+                tl.store(grad_rows_ptr + row * H + offs_h, (g * p).to(grad_rows_ptr.dtype.element_ty), mask=mask_h)
+            else:
+                tl.store(grad_rows_ptr + row * H + offs_h, g.to(grad_rows_ptr.dtype.element_ty), mask=mask_h)
+        if HAS_PROBS:
+            tl.store(grad_probs_ptr + t * E + e, _halving_sum(dot, BLOCK_H, LOG2_BLOCK_H).to(grad_probs_ptr.dtype.element_ty))
+
+
+def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                            probs: torch.Tensor | None, zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher. grad [T, H], rows [N, H], probs [T, E] -> (grad_rows [N, H], grad_probs [T, E] or [0])."""
+    T = slots.shape[0]
+    E = (slots.shape[1] - 1) // 2
+    N, H = rows.shape
+    alloc = torch.zeros if zero_fill else torch.empty
+    grad_rows = alloc((N, H), dtype=rows.dtype, device=rows.device)
+    if probs is None:
+        grad_probs = torch.empty(0, dtype=torch.float32, device=rows.device)
+    else:
+        # Probabilities of slots nobody chose get a zero gradient.
+        grad_probs = torch.zeros((T, E), dtype=probs.dtype, device=rows.device)
+    if T == 0 or H == 0:
+        return grad_rows, grad_probs
+    bh = block_h(H)
+    p = probs if probs is not None else grad_probs
+    p_strides = (probs.stride(0), probs.stride(1)) if probs is not None else (0, 0)
+    _unpermute_bwd_kernel[(T,)](
+        grad, rows, slots, p, grad_rows, grad_probs, H, E, grad.stride(0), grad.stride(1),
+        rows.stride(0), rows.stride(1), *p_strides,
+        HAS_PROBS=probs is not None, ACC_FP64=probs is not None and probs.dtype == torch.float64,
+        BLOCK_H=bh, LOG2_BLOCK_H=bh.bit_length() - 1, num_warps=_num_warps(bh), **_launch_opts())
+    return grad_rows, grad_probs
+
+
+# --------------------------------------------------------------------------------------------
+# Row gather, for sort_chunks: out[r] = x[index[r]].
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, H, stride_xn, stride_xh, BLOCK_H: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    src = tl.load(index_ptr + r).to(tl.int64)
+    tl.store(out_ptr + r * H + offs_h, tl.load(x_ptr + src * stride_xn + offs_h * stride_xh, mask=mask_h), mask=mask_h)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Launcher. x [N, H], index [M] int64 -> x[index] [M, H]."""
+    M = index.shape[0]
+    H = x.shape[1]
+    out = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    if M == 0 or H == 0:
+        return out
+    bh = block_h(H)
+    _gather_rows_kernel[(M, triton.cdiv(H, bh))](x, index, out, H, x.stride(0), x.stride(1),
+                                                 BLOCK_H=bh, num_warps=_num_warps(bh))
+    return out
