@@ -267,13 +267,14 @@ def permute(
     slots, counts = _make_slots_op(routing_map.contiguous(), pad_multiple)
     padded = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
     if tokens_per_expert is not None:
-        host_counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).cpu()
-        if host_counts.shape != (E,):
-            raise ValueError(f"tokens_per_expert must have E = {E} entries, got {tuple(host_counts.shape)}")
+        host_counts = (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
+                       else [int(c) for c in tokens_per_expert])
+        if len(host_counts) != E:
+            raise ValueError(f"tokens_per_expert must have E = {E} entries, got {len(host_counts)}")
     else:
-        host_counts = counts.cpu()  # the one host synchronisation: sizes decide allocation
-    routed = int(host_counts.sum())
-    needed = int(((host_counts + pad_multiple - 1) // pad_multiple * pad_multiple).sum())
+        host_counts = counts.tolist()  # the one host synchronisation: sizes decide allocation
+    routed = sum(host_counts)
+    needed = sum((c + pad_multiple - 1) // pad_multiple * pad_multiple for c in host_counts)
     if num_out_tokens is None:
         num_out_tokens = needed
     elif num_out_tokens < needed:

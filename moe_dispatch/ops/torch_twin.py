@@ -94,7 +94,7 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
         if probs is not None:
             term = probs[arange_t, expert].to(acc_dtype)[:, None] * term
         acc = acc + torch.where(valid[:, None], term, 0.0)
-    return acc.to(rows.dtype)
+    return acc.to(torch.float32).to(rows.dtype)
 
 
 def halving_sum(x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +135,7 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
             continue
         g = grad[t].to(acc_dtype)
         p = probs[t, expert].to(acc_dtype)
-        grad_rows[row] = (g * p[:, None]).to(rows.dtype)
+        grad_rows[row] = (g * p[:, None]).to(torch.float32).to(rows.dtype)
         grad_probs[t, expert] = blocked_dot(rows[row].to(acc_dtype), g).to(probs.dtype)
     return grad_rows, grad_probs
 

@@ -233,7 +233,8 @@ def _unpermute_kernel(
             acc += p * y
         else:
             acc += y
-    tl.store(out_ptr + t * H + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
+    # fp64 results go through fp32 as torch's own fp64 -> half conversion does (same on CPU and GPU).
+    tl.store(out_ptr + t * H + offs_h, acc.to(tl.float32).to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
 def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
@@ -286,7 +287,8 @@ def _unpermute_bwd_kernel(
                 g = g.to(acc_ty)
                 y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_h, other=0.0).to(acc_ty)
                 dot += y * g
-                tl.store(grad_rows_ptr + row * H + offs_h, (g * p).to(grad_rows_ptr.dtype.element_ty), mask=mask_h)
+                tl.store(grad_rows_ptr + row * H + offs_h, (g * p).to(tl.float32).to(grad_rows_ptr.dtype.element_ty),
+                         mask=mask_h)
             else:
                 tl.store(grad_rows_ptr + row * H + offs_h, g.to(grad_rows_ptr.dtype.element_ty), mask=mask_h)
         if HAS_PROBS:

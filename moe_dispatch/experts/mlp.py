@@ -1,0 +1,186 @@
+"""`GroupedMLP` and `SequentialMLP`: the local experts of one EP rank.
+
+Both hold the same parameters and compute the same function; they differ only in how the expert
+GEMMs run (`moe_dispatch.experts.gemm`):
+
+- ``weight1`` [E_local, H, fc1_out] (fc1_out = 2 * ffn for swiglu, else ffn),
+- ``weight2`` [E_local, ffn, H],
+
+in ``config.params_dtype``; ``y = act(x @ weight1[e]) @ weight2[e]`` for the rows of expert e.
+Local expert i is global expert ``local_expert_offset + i``; its weights come from
+(``config.init_seed``, global id) only (`moe_dispatch.experts.init`).
+
+Row stability (default ``row_stable=True``): a row's output and its input gradient do not depend
+on how many rows its expert received, on where the row sits, or on the other experts' rows. It
+holds per GEMM strategy and activation as documented in `gemm` and `activations`. Weight
+gradients are per-expert sums over that expert's rows: deterministic, and equal at any EP size
+when the expert receives the same rows in the same order. ``row_stable=False`` allows faster
+paths that lose this (plain per-expert mm, or grouped_mm in CPU fp32).
+
+GroupedMLP and SequentialMLP are bitwise equal where both end up on plain mm (CPU fp32, where
+GroupedMLP takes the padded loop too). Elsewhere they differ in the last bits: grouped_mm and mm
+are different kernels (CPU bf16 happened to agree in our tests; CUDA does not).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .activations import activate, scale_rows
+from .gemm import GemmStrategy, expert_gemm, select_gemm
+from .init import WEIGHT1, WEIGHT2, init_expert_weights
+from .megatron_state import (
+    from_megatron_grouped,
+    from_megatron_sequential,
+    to_megatron_grouped,
+    to_megatron_sequential,
+)
+
+
+class _LocalExperts(nn.Module):
+    """Shared parameters, init and forward; subclasses choose the GEMM strategy."""
+
+    prefer_grouped: bool = False
+
+    def __init__(
+        self,
+        config: Any,
+        num_local_experts: int,
+        local_expert_offset: int = 0,
+        *,
+        row_stable: bool = True,
+        row_tile: int = 0,
+        device: Optional[torch.device | str] = None,
+    ) -> None:
+        """``config``: a `moe_dispatch.config.MoEConfig` (reads hidden_size, ffn_hidden_size,
+        num_experts, activation, init_seed, params_dtype, probs_in_experts).
+        ``row_tile``: rows per padding unit on the padded path; 0 = the device default."""
+        super().__init__()
+        if num_local_experts < 1 or local_expert_offset < 0:
+            raise ValueError("num_local_experts must be >= 1 and local_expert_offset >= 0")
+        if local_expert_offset + num_local_experts > config.num_experts:
+            raise ValueError(
+                f"local experts {local_expert_offset}..{local_expert_offset + num_local_experts - 1} "
+                f"exceed num_experts={config.num_experts}"
+            )
+        if config.activation not in ("gelu", "relu", "swiglu"):
+            raise ValueError(f"unknown activation {config.activation!r}")
+        self.hidden_size = config.hidden_size
+        self.ffn_hidden_size = config.ffn_hidden_size
+        self.activation = config.activation
+        self.probs_in_experts = bool(config.probs_in_experts)
+        self.init_seed = config.init_seed
+        self.num_local_experts = num_local_experts
+        self.local_expert_offset = local_expert_offset
+        self.row_stable = row_stable
+        self.row_tile = row_tile
+        fc1_out = 2 * self.ffn_hidden_size if self.activation == "swiglu" else self.ffn_hidden_size
+        kw = dict(dtype=config.params_dtype, device=device)
+        self.weight1 = nn.Parameter(torch.empty(num_local_experts, self.hidden_size, fc1_out, **kw))
+        self.weight2 = nn.Parameter(torch.empty(num_local_experts, self.ffn_hidden_size, self.hidden_size, **kw))
+        self.reset_parameters()
+
+    @property
+    def global_expert_ids(self) -> range:
+        return range(self.local_expert_offset, self.local_expert_offset + self.num_local_experts)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """normal(0, 1/sqrt(fan_in)) per expert from its own seeded generator (keeps the output
+        scale independent of H and ffn; Megatron's default is normal(0, 0.02))."""
+        ids = list(self.global_expert_ids)
+        for param, which, fan_in in ((self.weight1, WEIGHT1, self.hidden_size), (self.weight2, WEIGHT2, self.ffn_hidden_size)):
+            w = init_expert_weights(param.shape[1:], self.init_seed, ids, which, fan_in**-0.5, param.dtype, param.device)
+            param.copy_(w)
+
+    def gemm_strategies(self, x: torch.Tensor) -> Tuple[GemmStrategy, GemmStrategy]:
+        """The (fc1, fc2) strategies a forward on ``x`` [N, H] would use."""
+        w1, w2 = self.weight1.to(x.dtype), self.weight2.to(x.dtype)
+        act = x.new_empty(0, self.ffn_hidden_size)
+        return (
+            select_gemm(x, w1, self.prefer_grouped, self.row_stable),
+            select_gemm(act, w2, self.prefer_grouped, self.row_stable),
+        )
+
+    def forward(
+        self,
+        permuted_tokens: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        permuted_probs: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """permuted_tokens [N, H] (expert-major rows), tokens_per_expert [E_local] (int, summing
+        to N), permuted_probs [N] or None -> [N, H] in permuted_tokens' dtype.
+
+        With ``config.probs_in_experts`` and probs given, the activation is multiplied by each
+        row's prob before fc2 (in float32 at least, rounded once), as Megatron's experts do;
+        otherwise probs are ignored (the combine applies them).
+        """
+        x = permuted_tokens
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"permuted_tokens must be [N, {self.hidden_size}], got {tuple(x.shape)}")
+        if tokens_per_expert.shape != (self.num_local_experts,):
+            raise ValueError(
+                f"tokens_per_expert must be [{self.num_local_experts}], got {tuple(tokens_per_expert.shape)}"
+            )
+        # Weights follow the activations' dtype (e.g. float32 master weights, bf16 compute).
+        w1, w2 = self.weight1.to(x.dtype), self.weight2.to(x.dtype)
+        s1 = select_gemm(x, w1, self.prefer_grouped, self.row_stable)
+        h = expert_gemm(x, w1, tokens_per_expert, s1, self.row_tile)
+        act = activate(h, self.activation)
+        if self.probs_in_experts and permuted_probs is not None:
+            if permuted_probs.shape != (x.shape[0],):
+                raise ValueError(f"permuted_probs must be [{x.shape[0]}], got {tuple(permuted_probs.shape)}")
+            act = scale_rows(act, permuted_probs)
+        s2 = select_gemm(act, w2, self.prefer_grouped, self.row_stable)
+        return expert_gemm(act, w2, tokens_per_expert, s2, self.row_tile)
+
+    # ---- Megatron-core state dict layouts -------------------------------------------------
+
+    def megatron_state_dict(self, layout: str = "sequential", prefix: str = "") -> Dict[str, torch.Tensor]:
+        """These experts under Megatron-core's names: ``layout`` 'sequential' (SequentialMLP,
+        ``local_experts.{i}.linear_fc{1,2}.weight``) or 'grouped' (GroupedMLP ``weight1/2``)."""
+        if layout == "sequential":
+            return to_megatron_sequential(self.weight1.detach(), self.weight2.detach(), prefix)
+        if layout == "grouped":
+            return to_megatron_grouped(self.weight1.detach(), self.weight2.detach(), prefix)
+        raise ValueError(f"layout must be 'sequential' or 'grouped', got {layout!r}")
+
+    @torch.no_grad()
+    def load_megatron_state_dict(self, state_dict: Dict[str, torch.Tensor], layout: str = "sequential", prefix: str = "") -> None:
+        """Inverse of `megatron_state_dict`; shapes must match these experts exactly."""
+        if layout == "sequential":
+            w1, w2 = from_megatron_sequential(state_dict, self.num_local_experts, prefix)
+        elif layout == "grouped":
+            w1, w2 = from_megatron_grouped(state_dict, self.num_local_experts, self.hidden_size, prefix)
+        else:
+            raise ValueError(f"layout must be 'sequential' or 'grouped', got {layout!r}")
+        for param, w, name in ((self.weight1, w1, "weight1"), (self.weight2, w2, "weight2")):
+            if w.shape != param.shape:
+                raise ValueError(f"{name}: Megatron tensor maps to {tuple(w.shape)}, expected {tuple(param.shape)}")
+            param.copy_(w)
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.local_expert_offset}..{self.local_expert_offset + self.num_local_experts - 1}, "
+            f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, activation={self.activation}, "
+            f"row_stable={self.row_stable}"
+        )
+
+
+class GroupedMLP(_LocalExperts):
+    """Local experts through ``torch._grouped_mm`` where it is available and (by default)
+    row-stable: CUDA bf16 (sm90+), CPU bf16/fp16. Elsewhere the padded per-expert loop; with
+    ``row_stable=False``, grouped_mm wherever it runs (also CPU fp32) else the plain loop."""
+
+    prefer_grouped = True
+
+
+class SequentialMLP(_LocalExperts):
+    """Local experts one at a time with plain mm, each expert's rows padded to a multiple of
+    ``row_tile`` so the kernel does not change with the row count; ``row_stable=False`` drops the
+    padding (Megatron's SequentialMLP behaviour: not row-stable)."""
+
+    prefer_grouped = False

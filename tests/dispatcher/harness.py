@@ -1,0 +1,46 @@
+"""Run a function on N gloo ranks (torch.multiprocessing spawn) under a wall-clock timeout.
+
+Each rank's return value is saved with torch.save and handed back to the test process, so the
+assertions run in pytest with readable messages. A rank that raises fails the test with that
+rank's traceback; a hang fails it after `timeout` seconds (the ranks are killed).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)  # 4 ranks share 2 cores; also keeps CPU reductions single-threaded
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 150.0) -> list:
+    """fn(rank, world_size, *args) on `world_size` ranks; returns the list of per-rank results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        ctx = mp.start_processes(_entry, args=(fn, world_size, init_file, tmp, args), nprocs=world_size,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s "
+                                       f"(a hang in a collective?)")
+        finally:
+            for p in ctx.processes:  # only the processes started above
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

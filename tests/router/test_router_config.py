@@ -1,0 +1,134 @@
+"""MoEConfig: validation, probs_dtype, and the Megatron-core TransformerConfig mapping."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_dispatch.config import MoEConfig
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+BASE = dict(hidden_size=32, num_experts=8, topk=2, ffn_hidden_size=16)
+
+
+def cfg(**kw):
+    return MoEConfig(**{**BASE, **kw})
+
+
+def test_defaults_and_probs_dtype():
+    c = cfg()
+    assert (c.router_dtype, c.score_function, c.load_balancing_type, c.dispatcher) == ("fp32", "softmax", "aux_loss", "alltoall")
+    assert c.capacity_factor is None and c.pad_multiple == 1 and c.params_dtype == torch.float32
+    assert c.probs_dtype(torch.bfloat16) == torch.float32
+    assert cfg(router_dtype="fp64").probs_dtype(torch.bfloat16) == torch.float64
+    assert cfg(router_dtype=None).probs_dtype(torch.bfloat16) == torch.bfloat16
+    assert cfg(router_dtype=None).probs_dtype(torch.float16) == torch.float16
+
+
+BAD = [
+    (dict(topk=9), "topk"),
+    (dict(topk=0), "topk"),
+    (dict(num_experts=0), "num_experts"),
+    (dict(hidden_size=-1), "hidden_size"),
+    (dict(num_groups=3, group_topk=1), "num_groups"),
+    (dict(num_groups=4, group_topk=5, topk=6), "group_topk"),
+    (dict(group_topk=1), "group_topk"),
+    (dict(num_groups=4, group_topk=3, topk=2), "group_topk"),  # ranks groups by top-0 scores
+    (dict(num_groups=4, group_topk=1, topk=3), "topk"),  # 1 group of 2 experts cannot give 3
+    (dict(pad_to_capacity=True), "pad_to_capacity"),
+    (dict(capacity_factor=0.0), "capacity_factor"),
+    (dict(router_dtype="bf16"), "router_dtype"),
+    (dict(score_function="relu"), "score_function"),
+    (dict(load_balancing_type="sinkhorn"), "load_balancing_type"),
+    (dict(drop_policy="random"), "drop_policy"),
+    (dict(dispatcher="flex"), "dispatcher"),
+    (dict(activation="geglu"), "activation"),
+    (dict(expert_impl="fused"), "expert_impl"),
+    (dict(pad_multiple=0), "pad_multiple"),
+    (dict(enable_expert_bias=True), "enable_expert_bias"),
+    (dict(topk=1), "pre_softmax"),
+    (dict(aux_loss_coeff=-1.0), "aux_loss_coeff"),
+    (dict(z_loss_coeff=float("nan")), "z_loss_coeff"),
+    (dict(topk_scaling_factor=0.0), "topk_scaling_factor"),
+    (dict(bias_update_rate=-1e-3), "bias_update_rate"),
+    (dict(params_dtype=torch.int32), "params_dtype"),
+    (dict(shared_expert_ffn_hidden_size=0), "shared_expert_ffn_hidden_size"),
+]
+
+
+@pytest.mark.parametrize("changes,field", BAD, ids=[f for _, f in BAD])
+def test_bad_config_names_field(changes, field):
+    with pytest.raises(ValueError, match=field):
+        cfg(**changes)
+
+
+def test_valid_combinations():
+    cfg(topk=1, pre_softmax=True)
+    cfg(topk=1, score_function="sigmoid")
+    cfg(num_groups=4)  # alone: allowed and ignored, as in Megatron
+    cfg(num_groups=4, group_topk=2, topk=4, score_function="sigmoid", enable_expert_bias=True)
+    cfg(capacity_factor=1.0, pad_to_capacity=True, drop_policy="position")
+    with pytest.raises(ValueError, match="topk"):
+        cfg().replace(topk=100)
+
+
+def tc(**kw):
+    base = dict(
+        num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=16, moe_router_topk=4,
+        moe_ffn_hidden_size=24, add_bias_linear=False,
+    )
+    base.update(kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return TransformerConfig(**base)
+
+
+def test_from_megatron_maps_every_field():
+    c = MoEConfig.from_megatron(
+        tc(
+            moe_router_dtype="fp64", moe_router_score_function="sigmoid", moe_router_pre_softmax=True,
+            moe_router_topk_scaling_factor=2.5, moe_router_num_groups=4, moe_router_group_topk=2,
+            moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2,
+            moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-3, moe_z_loss_coeff=1e-4,
+            moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True,
+            moe_token_drop_policy="position", moe_token_dispatcher_type="alltoall",
+            gated_linear_unit=True, activation_func=F.silu, params_dtype=torch.bfloat16,
+            moe_shared_expert_intermediate_size=48,
+        ),
+        init_seed=7,
+    )
+    assert (c.hidden_size, c.num_experts, c.topk, c.ffn_hidden_size) == (64, 16, 4, 24)
+    assert (c.router_dtype, c.score_function, c.pre_softmax, c.topk_scaling_factor) == ("fp64", "sigmoid", True, 2.5)
+    assert (c.num_groups, c.group_topk, c.enable_expert_bias, c.bias_update_rate) == (4, 2, True, 1e-2)
+    assert (c.load_balancing_type, c.aux_loss_coeff, c.z_loss_coeff) == ("seq_aux_loss", 1e-3, 1e-4)
+    assert (c.capacity_factor, c.pad_to_capacity, c.drop_policy, c.dispatcher) == (1.5, True, "position", "alltoall")
+    assert (c.activation, c.params_dtype, c.shared_expert_ffn_hidden_size, c.init_seed) == ("swiglu", torch.bfloat16, 48, 7)
+
+
+def test_from_megatron_defaults_and_activations():
+    c = MoEConfig.from_megatron(tc(moe_ffn_hidden_size=None, ffn_hidden_size=40))
+    assert c.router_dtype is None  # Megatron's default: the input dtype
+    assert (c.ffn_hidden_size, c.dispatcher, c.activation, c.capacity_factor) == (40, "allgather", "gelu", None)
+    assert MoEConfig.from_megatron(tc(activation_func=F.relu)).activation == "relu"
+    assert MoEConfig.from_megatron(tc(moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[0.1])).aux_loss_coeff == 0.1
+
+
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(add_bias_linear=True), "add_bias_linear"),
+        (dict(moe_router_load_balancing_type="sinkhorn"), "sinkhorn"),
+        (dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.1, 0.1]), "moe_router_load_balancing_type"),
+        (dict(moe_token_dispatcher_type="flex"), "moe_token_dispatcher_type"),
+        (dict(gated_linear_unit=True, activation_func=F.gelu), "activation_func"),
+        (dict(moe_input_jitter_eps=0.1), "moe_input_jitter_eps"),
+        (dict(calculate_per_token_loss=True, moe_aux_loss_coeff=0.1), "calculate_per_token_loss"),
+    ],
+)
+def test_from_megatron_rejects_unsupported(kw, field):
+    with pytest.raises(ValueError, match=field):
+        MoEConfig.from_megatron(tc(**kw))

@@ -1,0 +1,164 @@
+"""Aux losses and z-loss: Megatron-core values, gradient injection, and group reductions."""
+
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as tmp
+
+from moe_dispatch.config import MoEConfig
+from router_dist_worker import distributed_worker
+
+from moe_dispatch.router import AuxLossScaler, TopKRouter, attach_loss, scores_for_aux_loss, switch_aux_loss, z_loss
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core.transformer.moe import moe_utils as mu
+
+H, E, K = 32, 16, 4
+
+
+def cfg(**kw):
+    base = dict(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=8, aux_loss_coeff=1e-2)
+    base.update(kw)
+    return MoEConfig(**base)
+
+
+def hidden(t, dtype=torch.float32, seed=0):
+    return torch.randn(t, H, generator=torch.Generator().manual_seed(seed)).to(dtype)  # as the worker
+
+
+@pytest.fixture(autouse=True)
+def _reset_scales():
+    yield
+    AuxLossScaler.set_loss_scale(1.0)
+    mu.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_loss_functions_match_megatron(score_function, dtype):
+    logits = torch.randn(100, E, generator=torch.Generator().manual_seed(1), dtype=dtype) * 3
+    rmap, scores = scores_for_aux_loss(logits, K, score_function)
+    m_map, m_scores = mu.compute_routing_scores_for_aux_loss(logits, K, score_function)
+    assert torch.equal(rmap, m_map)
+    torch.testing.assert_close(scores.double(), m_scores.double(), rtol=1e-6, atol=1e-7)
+    counts = rmap.sum(0)
+    ours = switch_aux_loss(scores, counts, 100, K, 1e-2)
+    theirs = mu.switch_load_balancing_loss_func(m_scores, counts, 100, K, E, 1e-2)
+    torch.testing.assert_close(ours.double(), theirs.double(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(z_loss(logits, 1e-3), mu.z_loss_func(logits, 1e-3), rtol=1e-12, atol=0)
+
+
+def megatron_aux(logits, kind, coeff, seq=None, batch=1, counts_history=()):
+    """The loss Megatron's TopKRouter attaches, from its own functions (one rank, no TP/CP)."""
+    rmap, scores = mu.compute_routing_scores_for_aux_loss(logits, K, "softmax")
+    if kind == "aux_loss":
+        return mu.switch_load_balancing_loss_func(scores, rmap.sum(0), logits.shape[0], K, E, coeff)
+    if kind == "seq_aux_loss":
+        s, m = scores.reshape(seq, -1), rmap.reshape(seq, -1)
+        return mu.switch_load_balancing_loss_func(s, m.sum(0), seq, K, E, coeff) / batch
+    counts = torch.stack([*counts_history, rmap.sum(0).float()]).sum(0) / (len(counts_history) + 1)
+    return mu.switch_load_balancing_loss_func(scores, counts, logits.shape[0], K, E, coeff)
+
+
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss", "global_aux_loss"])
+def test_router_losses_match_megatron(kind):
+    router = TopKRouter(cfg(load_balancing_type=kind, z_loss_coeff=1e-3))
+    x = hidden(6 * 5).view(6, 5, H)  # [S, B, H]
+    probs, _ = router(x)
+    logits = router.gating(x.view(-1, H))
+    names = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss", "global_aux_loss": "global_load_balancing_loss"}
+    assert set(router.last_losses) == {names[kind], "z_loss"}
+    expected = megatron_aux(logits, kind, 1e-2, seq=6, batch=5)
+    torch.testing.assert_close(router.last_losses[names[kind]], expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(router.last_losses["z_loss"], mu.z_loss_func(logits, 1e-3), rtol=1e-6, atol=0)
+    assert all(not v.requires_grad for v in router.last_losses.values())
+
+
+def test_global_aux_loss_averages_counts_until_reset():
+    router = TopKRouter(cfg(load_balancing_type="global_aux_loss"))
+    xs = [hidden(40, seed=s) for s in range(3)]
+    history = []
+    for x in xs:
+        router(x)
+        logits = router.gating(x)
+        expected = megatron_aux(logits, "global_aux_loss", 1e-2, counts_history=history)
+        torch.testing.assert_close(router.last_losses["global_load_balancing_loss"], expected, rtol=1e-6, atol=0)
+        history.append(mu.compute_routing_scores_for_aux_loss(logits, K, "softmax")[0].sum(0).float())
+    router.reset_global_aux_loss_tracker()
+    router(xs[0])
+    expected = megatron_aux(router.gating(xs[0]), "global_aux_loss", 1e-2)
+    torch.testing.assert_close(router.last_losses["global_load_balancing_loss"], expected, rtol=1e-6, atol=0)
+
+
+def test_no_losses_in_eval_or_without_grad():
+    router = TopKRouter(cfg(z_loss_coeff=1e-3, load_balancing_type="global_aux_loss"))
+    router(hidden(8))
+    assert router.last_losses
+    with torch.no_grad():
+        router(hidden(8))
+    assert router.last_losses == {} and router.ga_steps.item() == 1
+    router.eval()
+    router(hidden(8))
+    assert router.last_losses == {}
+    router.train()
+    router_none = TopKRouter(cfg(load_balancing_type="none"))
+    router_none(hidden(8))
+    assert router_none.last_losses == {}
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_scaler_injects_the_same_gradient_as_megatron(scale):
+    x = torch.randn(10, E, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(10, E, dtype=torch.float64)
+    AuxLossScaler.set_loss_scale(scale)
+    mu.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, dtype=torch.float64))
+    grads = []
+    for apply in (attach_loss, mu.MoEAuxLossAutoScaler.apply):
+        x.grad = None
+        y = torch.softmax(x, -1)
+        out = apply(y, z_loss(x, 0.1))
+        assert torch.equal(out, y)
+        out.backward(g)
+        grads.append(x.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+    x.grad = None
+    (torch.softmax(x, -1) * g).sum().backward(retain_graph=True)
+    (z_loss(x, 0.1) * scale).backward()
+    torch.testing.assert_close(grads[0], x.grad, rtol=1e-13, atol=1e-15)
+
+
+def test_loss_groups_sum_counts_over_ranks():
+    world = 2
+    with tempfile.TemporaryDirectory() as d:
+        results = tmp.Manager().dict()
+        tmp.spawn(distributed_worker, args=(H, E, K, world, os.path.join(d, "init"), results), nprocs=world)
+    x = hidden(6 * 2 * world).view(6 * world, 2, H)
+    flat = x.view(-1, H)
+    base = cfg(score_function="sigmoid", enable_expert_bias=True)
+    router = TopKRouter(base)
+    logits = router.gating(flat)
+    rmap, scores = scores_for_aux_loss(logits, K, "sigmoid")
+    counts = rmap.sum(0)
+    n_local = flat.shape[0] // world
+    for rank in range(world):
+        local = scores[rank * n_local : (rank + 1) * n_local]
+        got = results[rank]
+        for kind in ("aux_loss", "global_aux_loss"):
+            name = "load_balancing_loss" if kind == "aux_loss" else "global_load_balancing_loss"
+            expected = switch_aux_loss(local, counts, flat.shape[0], K, 1e-2).item()
+            assert got[kind][name] == pytest.approx(expected, rel=1e-6)
+        seq_counts = rmap.view(6 * world, 2, E).sum(0)
+        local_seq = local.view(6, 2, E).sum(0)
+        expected = (local_seq * seq_counts).sum().item() * E * 1e-2 / (K * (6 * world) ** 2) / 2
+        assert got["seq_aux_loss"]["seq_load_balancing_loss"] == pytest.approx(expected, rel=1e-6)
+        lse = torch.logsumexp(logits[rank * n_local : (rank + 1) * n_local], -1)
+        assert got["aux_loss"]["z_loss"] == pytest.approx((lse**2).mean().item() * 1e-3 / world, rel=1e-6)
+    # both ranks applied the same bias update, from the summed counts of the routed tokens
+    assert results[0]["bias"] == results[1]["bias"]
+    _, routed = router(flat)
+    router.update_expert_bias(routed.sum(0))
+    assert results[0]["bias"] == router.expert_bias.tolist()
