@@ -107,6 +107,38 @@ def run_shape(T: int, E: int, H: int, K: int, bw: float, moe_utils) -> list[tupl
     return rows
 
 
+def host_overhead() -> list[tuple[str, float]]:
+    """Host microseconds per call (no synchronisation): where small shapes lose their time."""
+    import time
+
+    from moe_dispatch.ops import triton_kernels as K
+    T, E, H, K_ = 1024, 16, 256, 4
+    tokens = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
+    routing_map, probs = routing(T, E, K_)
+    _, _, rmap = permute(tokens, routing_map, probs)
+    counts = rmap.tokens_per_expert.tolist()
+    y = torch.randn((T * K_, H), device="cuda", dtype=torch.bfloat16)
+    calls = {
+        "triton launch: unpermute_rows": lambda: K.unpermute_rows(y, rmap.slots, probs),
+        "custom op: unpermute_rows": lambda: P._unpermute_op(y, rmap.slots, probs, False),
+        "API: unpermute": lambda: unpermute(y, rmap, probs),
+        "triton launches: make_slots": lambda: K.make_slots(routing_map, 1),
+        "API: permute, counts known": lambda: permute(tokens, routing_map, probs, tokens_per_expert=counts),
+        "API: permute (syncs)": lambda: permute(tokens, routing_map, probs),
+    }
+    out = []
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(200):
+            fn()
+        out.append((name, (time.perf_counter() - start) / 200 * 1e6))
+        torch.cuda.synchronize()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=None, help="T,E,H,K tuples")
@@ -125,6 +157,9 @@ def main() -> None:
         for row in run_shape(*shape, bw, moe_utils):
             print(f"| {row[0]} | {row[1]} | {row[2]:.3f} | {row[3]:.3f} | {row[4]:.2f}x | {row[5]:.3f} |")
         torch.cuda.empty_cache()
+    print("\n| host overhead (T=1024, H=256) | us per call |\n|---|---|")
+    for name, us in host_overhead():
+        print(f"| {name} | {us:.1f} |")
 
 
 if __name__ == "__main__":

@@ -219,23 +219,5 @@ class _Expand(torch.autograd.Function):
 def expand(x: torch.Tensor, probs: torch.Tensor, recv_x: torch.Tensor, recv_map: torch.Tensor,
            recv_probs: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows for the local experts: ([N, H], permuted probs [N]) in the receiver layout."""
-    import os
-    if os.environ.get("MUTATE") and handle.layout.ep_size > 1:
-        # naive: receiver reduces a token's local copies (bf16), sender sums copies
-        from .comm import all_to_all_rows_autograd
-        from ..ops import permute
-        L = handle.layout; P, El, me = L.ep_size, L.num_local_experts, L.rank
-        T = x.shape[0]
-        if handle.kind == "alltoall":
-            local = handle.routing_map.reshape(T, P, El)
-            idx = local.any(-1).t().nonzero(); dest, token = idx[:, 0], idx[:, 1]
-            sx = x.index_select(0, token)
-            rx = all_to_all_rows_autograd(sx, [L.sent[s][me] for s in range(P)], L.sent[me], handle.group)
-        else:
-            raise RuntimeError
-        em = expert_row_id_map(recv_map, L)
-        from ..ops.permutation import _permute_op
-        rows, rp = _permute_op(rx, em.slots, recv_probs, em.num_out_tokens, em.has_pad_rows)
-        return rows, rp
     probs_in = probs if handle.probs_in_experts else probs.detach()
     return _Expand.apply(x, probs_in, recv_x, recv_map, recv_probs, handle)

@@ -33,6 +33,10 @@ def block_h(hidden: int) -> int:
     return max(16, min(MAX_BLOCK_H, triton.next_power_of_2(max(hidden, 1))))
 
 
+# Slots handled together by the unpermute backward (covers top-k <= 8 in one pass).
+UNPERMUTE_BWD_BLOCK_K = 8
+
+
 def _num_warps(block: int) -> int:
     return 4 if block <= 1024 else 8
 
@@ -42,77 +46,96 @@ def _launch_opts() -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# Row-id map: per-block expert counts, then slot lists.
+# Row-id map: per-chunk expert counts, then slot lists. Two launches, no torch ops between.
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _block_counts_kernel(
+def _chunk_counts_kernel(
     map_ptr, counts_ptr, T, E, stride_mt, stride_me,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    CHUNK_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """counts[b, e] = number of tokens t in block b (rows b*BLOCK_T ...) routed to expert e."""
+    """counts[c, e] = number of tokens of chunk c (rows c*CHUNK_T ...) routed to expert e."""
     pid = tl.program_id(0)
-    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, BLOCK_E)
-    mask = (offs_t[:, None] < T) & (offs_e[None, :] < E)
-    routed = tl.load(map_ptr + offs_t[:, None].to(tl.int64) * stride_mt + offs_e[None, :] * stride_me,
-                     mask=mask, other=0).to(tl.int32)
-    tl.store(counts_ptr + pid * E + offs_e, tl.sum(routed, axis=0), mask=offs_e < E)
+    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for t0 in range(0, CHUNK_T, BLOCK_T):
+        offs_t = pid * CHUNK_T + t0 + tl.arange(0, BLOCK_T)
+        mask = (offs_t[:, None] < T) & (offs_e[None, :] < E)
+        routed = tl.load(map_ptr + offs_t[:, None].to(tl.int64) * stride_mt + offs_e[None, :] * stride_me,
+                         mask=mask, other=0).to(tl.int32)
+        total += tl.sum(routed, axis=0)
+    tl.store(counts_ptr + pid * E + offs_e, total, mask=offs_e < E)
 
 
 @triton.jit
 def _slots_kernel(
-    map_ptr, block_start_ptr, slots_ptr, T, E, stride_mt, stride_me,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    map_ptr, counts_ptr, slots_ptr, tokens_per_expert_ptr, T, E, num_chunks, pad_multiple,
+    stride_mt, stride_me,
+    CHUNK_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Fill slots for the tokens of one block.
+    """Fill slots for the tokens of one chunk.
 
-    block_start[b, e] is the permuted row of the first token of block b routed to expert e, so
-    the row of (t, e) is block_start[b, e] + (tokens of block b before t routed to e).
+    Every program re-reads the small [num_chunks, E] count table to get its own prefix and the
+    expert totals, so the scan needs no extra launch. The row of (t, e) is
+    expert_start[e] + (tokens before t routed to e).
     """
     pid = tl.program_id(0)
-    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, BLOCK_E)
-    valid_t = offs_t < T
     valid_e = offs_e < E
-    mask = valid_t[:, None] & valid_e[None, :]
-    routed = tl.load(map_ptr + offs_t[:, None].to(tl.int64) * stride_mt + offs_e[None, :] * stride_me,
-                     mask=mask, other=0).to(tl.int32)
-    start = tl.load(block_start_ptr + pid * E + offs_e, mask=valid_e, other=0)
-    rows = start[None, :] + tl.cumsum(routed, axis=0) - routed
-    slot = tl.cumsum(routed, axis=1) - 1
+    prefix = tl.zeros([BLOCK_E], dtype=tl.int32)
+    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        counts = tl.load(counts_ptr + offs_c[:, None] * E + offs_e[None, :],
+                         mask=(offs_c[:, None] < num_chunks) & valid_e[None, :], other=0)
+        total += tl.sum(counts, axis=0)
+        prefix += tl.sum(tl.where(offs_c[:, None] < pid, counts, 0), axis=0)
+    padded = (total + pad_multiple - 1) // pad_multiple * pad_multiple
+    running = tl.cumsum(padded, axis=0) - padded + prefix
+    if pid == 0:
+        tl.store(tokens_per_expert_ptr + offs_e, total.to(tl.int64), mask=valid_e)
     width = 2 * E + 1
-    base = slots_ptr + offs_t[:, None].to(tl.int64) * width
-    tl.store(slots_ptr + offs_t.to(tl.int64) * width, tl.sum(routed, axis=1), mask=valid_t)
-    minus_one = tl.full([BLOCK_T, BLOCK_E], -1, tl.int32)
-    tl.store(base + 1 + offs_e[None, :], minus_one, mask=mask)
-    tl.store(base + 1 + E + offs_e[None, :], minus_one, mask=mask)
-    # The -1 fill and the scatter below touch the same addresses from different threads.
-    tl.debug_barrier()
-    hit = mask & (routed != 0)
-    tl.store(base + 1 + slot, rows, mask=hit)
-    tl.store(base + 1 + E + slot, offs_e[None, :] + tl.zeros([BLOCK_T, BLOCK_E], tl.int32), mask=hit)
+    for t0 in range(0, CHUNK_T, BLOCK_T):
+        offs_t = pid * CHUNK_T + t0 + tl.arange(0, BLOCK_T)
+        valid_t = offs_t < T
+        mask = valid_t[:, None] & valid_e[None, :]
+        routed = tl.load(map_ptr + offs_t[:, None].to(tl.int64) * stride_mt + offs_e[None, :] * stride_me,
+                         mask=mask, other=0).to(tl.int32)
+        rows = running[None, :] + tl.cumsum(routed, axis=0) - routed
+        running += tl.sum(routed, axis=0)
+        slot = tl.cumsum(routed, axis=1) - 1
+        base = slots_ptr + offs_t[:, None].to(tl.int64) * width
+        tl.store(slots_ptr + offs_t.to(tl.int64) * width, tl.sum(routed, axis=1), mask=valid_t)
+        minus_one = tl.full([BLOCK_T, BLOCK_E], -1, tl.int32)
+        tl.store(base + 1 + offs_e[None, :], minus_one, mask=mask)
+        tl.store(base + 1 + E + offs_e[None, :], minus_one, mask=mask)
+        # The -1 fill and the scatter below touch the same addresses from different threads.
+        tl.debug_barrier()
+        hit = mask & (routed != 0)
+        tl.store(base + 1 + slot, rows, mask=hit)
+        tl.store(base + 1 + E + slot, offs_e[None, :] + tl.zeros([BLOCK_T, BLOCK_E], tl.int32), mask=hit)
 
 
 def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher. routing_map [T, E] bool -> (slots [T, 2E+1] int32, tokens_per_expert [E] int64)."""
     T, E = routing_map.shape
-    slots = torch.empty((T, 2 * E + 1), dtype=torch.int32, device=routing_map.device)
+    device = routing_map.device
+    slots = torch.empty((T, 2 * E + 1), dtype=torch.int32, device=device)
     if T == 0:
-        return slots, torch.zeros(E, dtype=torch.int64, device=routing_map.device)
+        return slots, torch.zeros(E, dtype=torch.int64, device=device)
     block_e = triton.next_power_of_2(E)
-    block_t = max(1, min(128, 8192 // block_e))
-    num_blocks = triton.cdiv(T, block_t)
+    block_t = max(1, min(128, 4096 // block_e))
+    # About 128 chunks: enough programs to fill the GPU, a count table small enough to re-read.
+    chunk_t = block_t * triton.cdiv(triton.cdiv(T, 128), block_t)
+    num_chunks = triton.cdiv(T, chunk_t)
     routed = routing_map.view(torch.uint8)
-    counts = torch.empty((num_blocks, E), dtype=torch.int32, device=routing_map.device)
-    _block_counts_kernel[(num_blocks,)](routed, counts, T, E, routed.stride(0), routed.stride(1),
-                                        BLOCK_T=block_t, BLOCK_E=block_e)
-    inclusive = counts.cumsum(0, dtype=torch.int32)
-    tokens_per_expert = inclusive[-1].to(torch.int64)
-    padded = (tokens_per_expert + pad_multiple - 1) // pad_multiple * pad_multiple
-    expert_start = (padded.cumsum(0) - padded).to(torch.int32)
-    block_start = (expert_start[None, :] + inclusive - counts).contiguous()
-    _slots_kernel[(num_blocks,)](routed, block_start, slots, T, E, routed.stride(0), routed.stride(1),
-                                 BLOCK_T=block_t, BLOCK_E=block_e)
+    counts = torch.empty((num_chunks, E), dtype=torch.int32, device=device)
+    tokens_per_expert = torch.empty(E, dtype=torch.int64, device=device)
+    _chunk_counts_kernel[(num_chunks,)](routed, counts, T, E, routed.stride(0), routed.stride(1),
+                                        CHUNK_T=chunk_t, BLOCK_T=block_t, BLOCK_E=block_e)
+    _slots_kernel[(num_chunks,)](routed, counts, slots, tokens_per_expert, T, E, num_chunks, pad_multiple,
+                                 routed.stride(0), routed.stride(1),
+                                 CHUNK_T=chunk_t, BLOCK_T=block_t, BLOCK_E=block_e,
+                                 BLOCK_C=max(1, min(32, 8192 // block_e)))
     return slots, tokens_per_expert
 
 
@@ -256,43 +279,53 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
 
 
 @triton.jit
-def _halving_sum(x, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
-    """Sum a [BLOCK] vector as x[:half] + x[half:], repeatedly: an order the twin reproduces."""
+def _halving_sum_rows(x, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+    """Sum each row of a [ROWS, BLOCK] tile as x[:, :half] + x[:, half:], repeatedly: an order
+    the torch twin reproduces exactly (``torch_twin.halving_sum``)."""
     for level in tl.static_range(LOG2_BLOCK):
-        x = tl.sum(tl.reshape(x, [2, BLOCK >> (level + 1)]), axis=0)
-    return tl.sum(x, axis=0)
+        x = tl.sum(tl.reshape(x, [ROWS, 2, BLOCK >> (level + 1)]), axis=1)
+    return tl.sum(x, axis=1)
 
 
 @triton.jit
 def _unpermute_bwd_kernel(
     grad_ptr, rows_ptr, slots_ptr, probs_ptr, grad_rows_ptr, grad_probs_ptr,
     H, E, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
-    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, LOG2_BLOCK_H: tl.constexpr,
+    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    LOG2_BLOCK_H: tl.constexpr,
 ):
+    """One token per program; its slots in groups of BLOCK_K so each chunk of g is loaded once
+    per group and the K row loads are in flight together."""
     t = tl.program_id(0).to(tl.int64)
     slot_row = slots_ptr + t * (2 * E + 1)
     n = tl.load(slot_row)
     acc_ty = tl.float64 if ACC_FP64 else tl.float32
-    for j in range(0, n):
-        row = tl.load(slot_row + 1 + j).to(tl.int64)
+    for k0 in range(0, n, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < n
+        row = tl.load(slot_row + 1 + offs_k, mask=mask_k, other=0).to(tl.int64)
         if HAS_PROBS:
-            e = tl.load(slot_row + 1 + E + j)
-            p = tl.load(probs_ptr + t * stride_pt + e * stride_pe).to(acc_ty)
-            dot = tl.zeros([BLOCK_H], dtype=acc_ty)
+            e = tl.load(slot_row + 1 + E + offs_k, mask=mask_k, other=0)
+            p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=mask_k, other=0.0).to(acc_ty)
+            dot = tl.zeros([BLOCK_K, BLOCK_H], dtype=acc_ty)
         for h0 in range(0, H, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask_h = offs_h < H
+            mask = mask_k[:, None] & mask_h[None, :]
             g = tl.load(grad_ptr + t * stride_gt + offs_h * stride_gh, mask=mask_h, other=0.0)
+            out_ptrs = grad_rows_ptr + row[:, None] * H + offs_h[None, :]
             if HAS_PROBS:
-                g = g.to(acc_ty)
-                y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_h, other=0.0).to(acc_ty)
+                g = g.to(acc_ty)[None, :]
+                y = tl.load(rows_ptr + row[:, None] * stride_rn + offs_h[None, :] * stride_rh, mask=mask,
+                            other=0.0).to(acc_ty)
                 dot += y * g
-                tl.store(grad_rows_ptr + row * H + offs_h, (g * p).to(tl.float32).to(grad_rows_ptr.dtype.element_ty),
-                         mask=mask_h)
+                tl.store(out_ptrs, (g * p[:, None]).to(tl.float32).to(grad_rows_ptr.dtype.element_ty), mask=mask)
             else:
-                tl.store(grad_rows_ptr + row * H + offs_h, g.to(grad_rows_ptr.dtype.element_ty), mask=mask_h)
+                tl.store(out_ptrs, g[None, :].to(grad_rows_ptr.dtype.element_ty) +
+                         tl.zeros([BLOCK_K, BLOCK_H], grad_rows_ptr.dtype.element_ty), mask=mask)
         if HAS_PROBS:
-            tl.store(grad_probs_ptr + t * E + e, _halving_sum(dot, BLOCK_H, LOG2_BLOCK_H).to(grad_probs_ptr.dtype.element_ty))
+            dots = _halving_sum_rows(dot, BLOCK_K, BLOCK_H, LOG2_BLOCK_H)
+            tl.store(grad_probs_ptr + t * E + e, dots.to(grad_probs_ptr.dtype.element_ty), mask=mask_k)
 
 
 def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
@@ -317,7 +350,7 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
         grad, rows, slots, p, grad_rows, grad_probs, H, E, grad.stride(0), grad.stride(1),
         rows.stride(0), rows.stride(1), *p_strides,
         HAS_PROBS=probs is not None, ACC_FP64=probs is not None and probs.dtype == torch.float64,
-        BLOCK_H=bh, LOG2_BLOCK_H=bh.bit_length() - 1, num_warps=_num_warps(bh), **_launch_opts())
+        BLOCK_K=UNPERMUTE_BWD_BLOCK_K, BLOCK_H=bh, LOG2_BLOCK_H=bh.bit_length() - 1, num_warps=8, **_launch_opts())
     return grad_rows, grad_probs
 
 

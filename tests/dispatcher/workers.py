@@ -149,3 +149,165 @@ def contract_worker(rank: int, world_size: int) -> list:
         group, _ = groups[ep]
         naive[ep] = (torch.tensor(per_rank[dist.get_rank(group)]), naive_combine(data, per_rank[dist.get_rank(group)], group))
     return dict(records=records, naive=naive)
+
+
+def _outcome(fn) -> tuple:
+    try:
+        fn()
+        return ("ok", "")
+    except Exception as exc:  # the test compares type and message across ranks
+        return (type(exc).__name__, str(exc))
+
+
+def round_trip(kind: str, cfg, x, rmap, probs, group) -> torch.Tensor:
+    """Identity experts: the combine returns sum_e p_e x (probs in the combine)."""
+    d = DISPATCHERS[kind](cfg, group)
+    rows, tpe, handle = d.dispatch(x, rmap, probs)
+    out = d.combine(rows * 1, handle)
+    if out.requires_grad:
+        out.sum().backward()
+    return out
+
+
+def bad_input_worker(rank: int, world_size: int) -> dict:
+    """Bad input on one rank must raise the same ValueError on every rank, without a hang, and
+    leave the group usable. Also: every rank empty."""
+    from types import SimpleNamespace
+
+    from moe_dispatch.dispatcher import dispatch, dispatcher_from_megatron
+
+    groups = make_groups(rank)
+    world, (pair, _) = dist.group.WORLD, groups[2]
+    data = batch(torch.bfloat16, n=32)
+    sl = slice(8 * rank, 8 * rank + 8)
+    x, rmap, probs = data["x"][sl], data["rmap"][sl], data["probs"][sl]
+    cfg = config()
+    out = {}
+    out["ctor_indivisible"] = _outcome(lambda: AllToAllDispatcher(config(num_experts=6), world))
+    out["functional_indivisible"] = _outcome(
+        lambda: dispatch(x, rmap[:, :6], probs[:, :6], config(num_experts=6), world, "allgather"))
+    for kind in DISPATCHERS:
+        wide = torch.cat([rmap, torch.zeros(8, 1, dtype=torch.bool)], 1) if rank == 2 else rmap
+        wide_p = torch.cat([probs, torch.zeros(8, 1)], 1) if rank == 2 else probs
+        out[f"{kind}_map_columns"] = _outcome(lambda: DISPATCHERS[kind](cfg, world).dispatch(x, wide, wide_p))
+        narrow_h = x[:, :32] if rank == 1 else x
+        out[f"{kind}_hidden_size"] = _outcome(lambda: DISPATCHERS[kind](cfg, world).dispatch(narrow_h, rmap, probs))
+        bad_p = probs[:, :-1] if rank == 3 else probs
+        out[f"{kind}_probs_shape_megatron_api"] = _outcome(
+            lambda: DISPATCHERS[kind](cfg, world).dispatch_preprocess(x, rmap, bad_p))
+        int_map = rmap.to(torch.int64) if rank == 0 else rmap
+        out[f"{kind}_map_dtype_ep2"] = _outcome(lambda: DISPATCHERS[kind](cfg, pair).dispatch(x, int_map, probs))
+        mixed = x.float() if rank == 3 else x
+        out[f"{kind}_hidden_dtype"] = _outcome(lambda: DISPATCHERS[kind](cfg, world).dispatch(mixed, rmap, probs))
+        tight = config(capacity_factor=0.25, pad_to_capacity=True)  # capacity 1 < routed tokens
+        out[f"{kind}_capacity_overflow"] = _outcome(lambda: DISPATCHERS[kind](tight, world).dispatch(x, rmap, probs))
+    expt_tp = SimpleNamespace(ep=world, tp_ep=world, expt_tp=pair)
+    out["expert_tp"] = _outcome(lambda: dispatcher_from_megatron(expt_tp, cfg))
+    # The group still works after all the errors, and an all-empty step works too.
+    checks = {}
+    for kind in DISPATCHERS:
+        xs = x.clone().requires_grad_()
+        ps = probs.clone().requires_grad_()
+        checks[kind] = round_trip(kind, cfg, xs, rmap, ps, world).detach()
+        checks[f"{kind}_ep1"] = round_trip(kind, cfg, x, rmap, probs, groups[1][0]).detach()
+        e_x = torch.zeros(0, H, dtype=torch.bfloat16, requires_grad=True)
+        e_p = torch.zeros(0, E, requires_grad=True)
+        empty = round_trip(kind, cfg, e_x, torch.zeros(0, E, dtype=torch.bool), e_p, world)
+        checks[f"{kind}_empty"] = (tuple(empty.shape), tuple(e_x.grad.shape), tuple(e_p.grad.shape))
+    return dict(outcomes=out, checks=checks)
+
+
+def _megatron_shims() -> None:
+    """Test-only patches that let megatron-core 0.16.1's dispatchers run on CPU/gloo (FACTS.md)."""
+    import contextlib
+
+    class _NoStream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, *args):
+            pass
+
+        def record_event(self, *args):
+            return _NoStream()
+
+        def synchronize(self):
+            pass
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.Stream = torch.cuda.Event = _NoStream
+    torch.cuda.current_stream = lambda *args, **kwargs: None
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and as_numpy:  # CPU split sizes must become numpy arrays too
+            return tensor.cpu().numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=False)
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()  # the allgather dispatcher gathers into it
+
+
+def _six_steps(d, x, rmap, probs, w, b, apply_probs: bool):
+    h, hp = d.dispatch_preprocess(x, rmap, probs)
+    h, hp = d.token_dispatch(h, hp)
+    rows, tpe, pp = d.dispatch_postprocess(h, hp)
+    rows.retain_grad()
+    y = run_experts(rows, torch.as_tensor(tpe), w, b, pp if apply_probs else None)
+    out = d.combine_postprocess(d.token_combine(d.combine_preprocess(y)))
+    return rows, tpe, y, out
+
+
+def megatron_worker(rank: int, world_size: int) -> list:
+    """Megatron-core's MoEAlltoAllTokenDispatcher / MoEAllGatherTokenDispatcher vs ours, same input."""
+    _megatron_shims()
+    import warnings
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
+                                                                 MoEAlltoAllTokenDispatcher)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    warnings.filterwarnings("ignore")
+    megatron = {"alltoall": MoEAlltoAllTokenDispatcher, "allgather": MoEAllGatherTokenDispatcher}
+    groups = make_groups(rank)
+    data = batch(torch.bfloat16, seed=3)
+    w_all, b_all = expert_weights(torch.bfloat16)
+    records = []
+    for ep in (2, 4):
+        group, _ = groups[ep]
+        P, me = dist.get_world_size(group), dist.get_rank(group)
+        El = E // P
+        idx = torch.tensor(_split(list(range(G)), P)[me])
+        pg = ProcessGroupCollection(ep=group, tp_ep=group, expt_tp=groups[1][0])
+        for kind in DISPATCHERS:
+            tc = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=E,
+                                   moe_router_topk=helpers.K, moe_token_dispatcher_type=kind,
+                                   moe_permute_fusion=False, add_bias_linear=False, bf16=True,
+                                   params_dtype=torch.bfloat16, expert_model_parallel_size=P)
+            rec = dict(ep=ep, kind=kind, rank=rank)
+            for impl in ("megatron", "ours-experts", "ours-combine"):
+                x = data["x"][idx].clone().requires_grad_()
+                p = data["probs"][idx].clone().requires_grad_()
+                w = w_all[me * El:(me + 1) * El]
+                b = b_all[me * El:(me + 1) * El]
+                if impl == "megatron":
+                    d = megatron[kind](El, list(range(me * El, (me + 1) * El)), tc, pg_collection=pg)
+                else:
+                    d = DISPATCHERS[kind](config(probs_in_experts=impl == "ours-experts"), group)
+                rows, tpe, y, out = _six_steps(d, x, data["rmap"][idx], p, w, b, impl != "ours-combine")
+                out.backward(data["r"][idx])
+                rec[impl] = dict(rows=rows.detach(), tpe=torch.as_tensor(tpe).clone(), out=out.detach(),
+                                 gx=x.grad, gp=p.grad, row_grads=rows.grad)
+                if impl == "ours-experts":  # magnitudes for the bounds: sum_e |p_e y_e|, sum_e |g_e|
+                    d2 = DISPATCHERS[kind](config(probs_in_experts=True), group)
+                    _, _, h2 = d2.dispatch(x.detach(), data["rmap"][idx], p.detach())
+                    rec["mag_out"] = d2.combine(y.detach().abs(), h2)
+                    rec["mag_gx"] = d2.combine(rows.grad.abs(), h2)
+            records.append(rec)
+    return records

@@ -438,3 +438,11 @@ def test_cuda_int64_offsets():
     assert torch.equal(out[-64:], acc.to(torch.bfloat16))
     del permuted, out
     torch.cuda.empty_cache()
+
+
+def test_triton_interpreter_more_experts_per_token_than_one_slot_group():
+    """K = 10 > UNPERMUTE_BWD_BLOCK_K: the backward walks the slots in two groups."""
+    routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(6, 12, 10, 24, torch.float32, seed=9)
+    a, b = _both_backends(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs)
+    for key in ["slots", "permuted", "permuted_probs", "out", "grad_tokens", "grad_rows", "grad_probs"]:
+        assert torch.equal(a[key], b[key]), key
