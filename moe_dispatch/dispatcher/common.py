@@ -49,7 +49,8 @@ def blocked_row_id_map(routing_map: torch.Tensor, counts: list, blocks: list, ta
         A RowIdMap whose rows are column-major; within a column, segment-major blocks (ascending
         row inside a block, padding at the block's end), then the column's tail padding.
     """
-    slots, col_counts = _make_slots_op(routing_map.contiguous(), 1)
+    slots, stats = _make_slots_op(routing_map.contiguous(), 1)  # stats: [X] counts, then max n_t
+    col_counts = stats[:-1]
     S, X = len(counts), routing_map.shape[1]
     padded = [sum(blocks[s][x] for s in range(S)) + tail[x] for x in range(X)]
     routed = sum(map(sum, counts))

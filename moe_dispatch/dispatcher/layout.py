@@ -19,11 +19,14 @@ import torch
 
 from .comm import ProcessGroup, all_gather_rows, group_size_rank
 
-_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.bool: 5}
+_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.bool: 5,
+                torch.int64: 6, torch.int32: 7, torch.int16: 8, torch.int8: 9, torch.uint8: 10}
 _CODE_NAMES = {code: str(dtype).replace("torch.", "") for dtype, code in _DTYPE_CODES.items()}
+_CODE_NAMES.update({0: "unsupported dtype", -1: "non-tensor"})
 _HIDDEN_DTYPES = (1, 2, 3)
 _PROBS_DTYPES = (1, 2, 3, 4)
-# Descriptor fields; -1 = "not a tensor" / "wrong number of dimensions", 0 = unknown dtype.
+# Descriptor fields; shapes -1 = not a tensor or wrong number of dimensions; dtype -1 = not a
+# tensor, 0 = a dtype without a code.
 _FIELDS = ("hidden_T", "hidden_H", "hidden_dtype", "map_T", "map_E", "map_dtype",
            "probs_T", "probs_E", "probs_dtype", "probs_grad")
 
@@ -137,15 +140,15 @@ def _problems(desc: list, config: Any, ep_size: int) -> list:
         where = f"on EP rank {r}"
         if f["hidden_T"] < 0 or f["hidden_dtype"] not in _HIDDEN_DTYPES:
             out.append(f"hidden_states must be a float32/float16/bfloat16 tensor [T, H] or [S, B, H] {where}, "
-                       f"got dtype {_CODE_NAMES.get(f['hidden_dtype'], 'unknown')}")
+                       f"got {_CODE_NAMES[f['hidden_dtype']]} [{f['hidden_T']}, {f['hidden_H']}]")
             continue
         T = f["hidden_T"]
         if f["map_dtype"] != _DTYPE_CODES[torch.bool] or (f["map_T"], f["map_E"]) != (T, E):
             out.append(f"routing_map must be a bool tensor [T, num_experts] = [{T}, {E}] {where}, got "
-                       f"{_CODE_NAMES.get(f['map_dtype'], 'non-tensor')} [{f['map_T']}, {f['map_E']}]")
+                       f"{_CODE_NAMES[f['map_dtype']]} [{f['map_T']}, {f['map_E']}]")
         if f["probs_dtype"] not in _PROBS_DTYPES or (f["probs_T"], f["probs_E"]) != (T, E):
             out.append(f"probs must be a float tensor [T, num_experts] = [{T}, {E}] {where}, got "
-                       f"{_CODE_NAMES.get(f['probs_dtype'], 'non-tensor')} [{f['probs_T']}, {f['probs_E']}]")
+                       f"{_CODE_NAMES[f['probs_dtype']]} [{f['probs_T']}, {f['probs_E']}]")
     if not out:
         for field, what in (("hidden_H", "hidden size H"), ("hidden_dtype", "hidden_states dtype"),
                             ("probs_dtype", "probs dtype")):

@@ -54,7 +54,7 @@ def _make_slots_op(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.
 def _(routing_map, pad_multiple):
     T, E = routing_map.shape
     return (routing_map.new_empty((T, 2 * E + 1), dtype=torch.int32),
-            routing_map.new_empty((E,), dtype=torch.int64))
+            routing_map.new_empty((E + 1,), dtype=torch.int64))
 
 
 @torch.library.custom_op("moe_dispatch::permute_rows", mutates_args=())
@@ -104,38 +104,42 @@ _permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 @torch.library.custom_op("moe_dispatch::unpermute_rows", mutates_args=())
 def _unpermute_op(rows: torch.Tensor, slots: torch.Tensor, probs: Optional[torch.Tensor],
-                  has_pad_rows: bool) -> torch.Tensor:
-    # has_pad_rows only matters to the backward: pad rows then get an explicit zero gradient.
+                  has_pad_rows: bool, max_slots: int) -> torch.Tensor:
+    # has_pad_rows and max_slots only matter to the backward: pad rows get an explicit zero
+    # gradient; max_slots sizes its buffer of partial probability gradients.
     return _impl(rows).unpermute_rows(rows, slots, probs)
 
 
 @_unpermute_op.register_fake
-def _(rows, slots, probs, has_pad_rows):
+def _(rows, slots, probs, has_pad_rows, max_slots):
     return rows.new_empty((slots.shape[0], rows.shape[1]))
 
 
 @torch.library.custom_op("moe_dispatch::unpermute_rows_backward", mutates_args=())
 def _unpermute_bwd_op(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                      probs: Optional[torch.Tensor], zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl(rows).unpermute_rows_backward(grad, rows, slots, probs, zero_fill)
+                      probs: Optional[torch.Tensor], zero_fill: bool,
+                      max_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(rows).unpermute_rows_backward(grad, rows, slots, probs, zero_fill, max_slots)
 
 
 @_unpermute_bwd_op.register_fake
-def _(grad, rows, slots, probs, zero_fill):
+def _(grad, rows, slots, probs, zero_fill, max_slots):
     gp = (probs.new_empty(probs.shape) if probs is not None else rows.new_empty((0,), dtype=torch.float32))
     return rows.new_empty(rows.shape), gp
 
 
 def _unpermute_setup(ctx, inputs, output):
-    rows, slots, probs, has_pad_rows = inputs
+    rows, slots, probs, has_pad_rows, max_slots = inputs
     ctx.save_for_backward(rows, slots, probs)
     ctx.has_pad_rows = has_pad_rows
+    ctx.max_slots = max_slots
 
 
 def _unpermute_backward(ctx, grad_out):
     rows, slots, probs = ctx.saved_tensors
-    grad_rows, grad_probs = _unpermute_bwd_op(grad_out.contiguous(), rows, slots, probs, ctx.has_pad_rows)
-    return grad_rows, None, grad_probs if probs is not None else None, None
+    grad_rows, grad_probs = _unpermute_bwd_op(grad_out.contiguous(), rows, slots, probs, ctx.has_pad_rows,
+                                              ctx.max_slots)
+    return grad_rows, None, grad_probs if probs is not None else None, None, None
 
 
 _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
@@ -180,6 +184,8 @@ class RowIdMap:
         padded_tokens_per_expert: int64 [E], rows of each expert's block (with padding).
         num_out_tokens: N, the number of permuted rows.
         has_pad_rows: True when some permuted rows belong to no token (padding or extra rows).
+        max_experts_per_token: an upper bound on n_t (None means E); sizes the backward's buffer
+            of partial probability gradients.
     """
 
     slots: torch.Tensor
@@ -187,6 +193,7 @@ class RowIdMap:
     padded_tokens_per_expert: torch.Tensor
     num_out_tokens: int
     has_pad_rows: bool
+    max_experts_per_token: Optional[int] = None
 
     @property
     def num_tokens(self) -> int:
@@ -231,6 +238,7 @@ def permute(
     num_out_tokens: Optional[int] = None,
     pad_multiple: int = 1,
     tokens_per_expert: Optional[Sequence[int]] = None,
+    max_experts_per_token: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], RowIdMap]:
     """Copy each token to one row per expert it is routed to.
 
@@ -243,6 +251,8 @@ def permute(
         pad_multiple: pad each expert's block of rows to a multiple of this (pad rows are zero).
         tokens_per_expert: optional host-side per-expert counts (unpadded, length E) the caller
             already knows; then no device-to-host synchronisation happens here.
+        max_experts_per_token: with tokens_per_expert, an upper bound on experts per token (e.g.
+            top-k); it sizes a backward buffer. Default E. Measured on the device otherwise.
 
     Returns:
         permuted_tokens [N, H] in tokens.dtype, expert-major, ascending token within an expert;
@@ -264,15 +274,18 @@ def permute(
     if not isinstance(pad_multiple, int) or pad_multiple < 1:
         raise ValueError(f"pad_multiple must be an int >= 1, got {pad_multiple!r}")
 
-    slots, counts = _make_slots_op(routing_map.contiguous(), pad_multiple)
+    slots, stats = _make_slots_op(routing_map.contiguous(), pad_multiple)
+    counts = stats[:E]
     padded = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
     if tokens_per_expert is not None:
         host_counts = (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
                        else [int(c) for c in tokens_per_expert])
         if len(host_counts) != E:
             raise ValueError(f"tokens_per_expert must have E = {E} entries, got {len(host_counts)}")
+        most = E if max_experts_per_token is None else int(max_experts_per_token)
     else:
-        host_counts = counts.tolist()  # the one host synchronisation: sizes decide allocation
+        host_stats = stats.tolist()  # the one host synchronisation: sizes decide allocation
+        host_counts, most = host_stats[:E], host_stats[E]
     routed = sum(host_counts)
     needed = sum((c + pad_multiple - 1) // pad_multiple * pad_multiple for c in host_counts)
     if num_out_tokens is None:
@@ -282,7 +295,7 @@ def permute(
                          f"needs (routed pairs {routed}, pad_multiple {pad_multiple})")
     has_pad_rows = num_out_tokens > routed
     permuted, permuted_probs = _permute_op(tokens, slots, probs, num_out_tokens, has_pad_rows)
-    row_id_map = RowIdMap(slots, counts, padded, num_out_tokens, has_pad_rows)
+    row_id_map = RowIdMap(slots, counts, padded, num_out_tokens, has_pad_rows, most)
     return permuted, (permuted_probs if probs is not None else None), row_id_map
 
 
@@ -317,7 +330,9 @@ def unpermute(
         raise ValueError(f"permuted_tokens is on {permuted_tokens.device}, row_id_map on {row_id_map.slots.device}")
     if probs is not None:
         _check_probs(probs, row_id_map.num_tokens, row_id_map.num_experts, permuted_tokens.device)
-    out = _unpermute_op(permuted_tokens, row_id_map.slots, probs, row_id_map.has_pad_rows)
+    most = row_id_map.max_experts_per_token
+    out = _unpermute_op(permuted_tokens, row_id_map.slots, probs, row_id_map.has_pad_rows,
+                        row_id_map.num_experts if most is None else most)
     if restore_shape is not None:
         out = out.reshape(restore_shape)
     return out

@@ -19,7 +19,8 @@ def _max_slots(slots: torch.Tensor) -> int:
 
 
 def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """routing_map [T, E] bool -> (slots [T, 2E+1] int32, tokens_per_expert [E] int64)."""
+    """routing_map [T, E] bool -> (slots [T, 2E+1] int32, stats int64 [E + 1]): tokens per expert,
+    then the most experts any token is routed to."""
     T, E = routing_map.shape
     routed = routing_map.to(torch.int64)
     tokens_per_expert = routed.sum(0)
@@ -33,7 +34,8 @@ def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tens
     j = slot[t_idx, e_idx]
     slots[t_idx, 1 + j] = rows[t_idx, e_idx].to(torch.int32)
     slots[t_idx, 1 + E + j] = e_idx.to(torch.int32)
-    return slots, tokens_per_expert
+    most = slots[:, 0].max().to(torch.int64).reshape(1) if T else torch.zeros(1, dtype=torch.int64)
+    return slots, torch.cat([tokens_per_expert, most])
 
 
 def _slot(slots: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,19 +108,20 @@ def halving_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def blocked_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Row-wise dot [M, H] x [M, H] -> [M] in the kernel's order: chunks of block_h(H) summed
-    elementwise in order, then a halving sum across the chunk."""
+    """Row-wise dot [M, H] x [M, H] -> [M] in the kernel's order: a halving sum inside each
+    chunk of block_h(H) elements, then the chunk sums added in chunk order."""
     M, H = a.shape
     bh = block_h(H)
-    acc = torch.zeros((M, bh), dtype=a.dtype, device=a.device)
+    acc = torch.zeros((M,), dtype=a.dtype, device=a.device)
     for h0 in range(0, H, bh):
         prod = a[:, h0:h0 + bh] * b[:, h0:h0 + bh]
-        acc = acc + torch.nn.functional.pad(prod, (0, bh - prod.shape[1]))
-    return halving_sum(acc)
+        acc = acc + halving_sum(torch.nn.functional.pad(prod, (0, bh - prod.shape[1])))
+    return acc
 
 
 def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                            probs: torch.Tensor | None, zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                            probs: torch.Tensor | None, zero_fill: bool,
+                            max_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """grad_rows[row_j] = grad[t] * p_j (fp32, rounded once); grad_probs[t, e_j] = <rows[row_j], grad[t]>."""
     T = slots.shape[0]
     E = _num_experts(slots)

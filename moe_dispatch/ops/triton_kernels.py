@@ -33,10 +33,6 @@ def block_h(hidden: int) -> int:
     return max(16, min(MAX_BLOCK_H, triton.next_power_of_2(max(hidden, 1))))
 
 
-# Slots handled together by the unpermute backward (covers top-k <= 8 in one pass).
-UNPERMUTE_BWD_BLOCK_K = 8
-
-
 def _num_warps(block: int) -> int:
     return 4 if block <= 1024 else 8
 
@@ -50,25 +46,29 @@ def _launch_opts() -> dict:
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _chunk_counts_kernel(
-    map_ptr, counts_ptr, T, E, stride_mt, stride_me,
+    map_ptr, counts_ptr, chunk_max_ptr, T, E, stride_mt, stride_me,
     CHUNK_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """counts[c, e] = number of tokens of chunk c (rows c*CHUNK_T ...) routed to expert e."""
+    """counts[c, e] = number of tokens of chunk c (rows c*CHUNK_T ...) routed to expert e;
+    chunk_max[c] = the most experts any token of chunk c is routed to."""
     pid = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    most = tl.zeros([BLOCK_T], dtype=tl.int32)
     for t0 in range(0, CHUNK_T, BLOCK_T):
         offs_t = pid * CHUNK_T + t0 + tl.arange(0, BLOCK_T)
         mask = (offs_t[:, None] < T) & (offs_e[None, :] < E)
         routed = tl.load(map_ptr + offs_t[:, None].to(tl.int64) * stride_mt + offs_e[None, :] * stride_me,
                          mask=mask, other=0).to(tl.int32)
         total += tl.sum(routed, axis=0)
+        most = tl.maximum(most, tl.sum(routed, axis=1))
     tl.store(counts_ptr + pid * E + offs_e, total, mask=offs_e < E)
+    tl.store(chunk_max_ptr + pid, tl.max(most, axis=0))
 
 
 @triton.jit
 def _slots_kernel(
-    map_ptr, counts_ptr, slots_ptr, tokens_per_expert_ptr, T, E, num_chunks, pad_multiple,
+    map_ptr, counts_ptr, chunk_max_ptr, slots_ptr, stats_ptr, T, E, num_chunks, pad_multiple,
     stride_mt, stride_me,
     CHUNK_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -92,7 +92,12 @@ def _slots_kernel(
     padded = (total + pad_multiple - 1) // pad_multiple * pad_multiple
     running = tl.cumsum(padded, axis=0) - padded + prefix
     if pid == 0:
-        tl.store(tokens_per_expert_ptr + offs_e, total.to(tl.int64), mask=valid_e)
+        tl.store(stats_ptr + offs_e, total.to(tl.int64), mask=valid_e)
+        most = tl.zeros([BLOCK_C], dtype=tl.int32)
+        for c0 in range(0, num_chunks, BLOCK_C):
+            offs_c = c0 + tl.arange(0, BLOCK_C)
+            most = tl.maximum(most, tl.load(chunk_max_ptr + offs_c, mask=offs_c < num_chunks, other=0))
+        tl.store(stats_ptr + E, tl.max(most, axis=0).to(tl.int64))
     width = 2 * E + 1
     for t0 in range(0, CHUNK_T, BLOCK_T):
         offs_t = pid * CHUNK_T + t0 + tl.arange(0, BLOCK_T)
@@ -116,12 +121,13 @@ def _slots_kernel(
 
 
 def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher. routing_map [T, E] bool -> (slots [T, 2E+1] int32, tokens_per_expert [E] int64)."""
+    """Launcher. routing_map [T, E] bool -> (slots [T, 2E+1] int32, stats int64 [E + 1]):
+    stats[:E] = tokens per expert, stats[E] = the most experts of any token (one host copy)."""
     T, E = routing_map.shape
     device = routing_map.device
     slots = torch.empty((T, 2 * E + 1), dtype=torch.int32, device=device)
     if T == 0:
-        return slots, torch.zeros(E, dtype=torch.int64, device=device)
+        return slots, torch.zeros(E + 1, dtype=torch.int64, device=device)
     block_e = triton.next_power_of_2(E)
     block_t = max(1, min(128, 4096 // block_e))
     # About 128 chunks: enough programs to fill the GPU, a count table small enough to re-read.
@@ -129,14 +135,15 @@ def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tens
     num_chunks = triton.cdiv(T, chunk_t)
     routed = routing_map.view(torch.uint8)
     counts = torch.empty((num_chunks, E), dtype=torch.int32, device=device)
-    tokens_per_expert = torch.empty(E, dtype=torch.int64, device=device)
-    _chunk_counts_kernel[(num_chunks,)](routed, counts, T, E, routed.stride(0), routed.stride(1),
+    chunk_max = torch.empty(num_chunks, dtype=torch.int32, device=device)
+    stats = torch.empty(E + 1, dtype=torch.int64, device=device)
+    _chunk_counts_kernel[(num_chunks,)](routed, counts, chunk_max, T, E, routed.stride(0), routed.stride(1),
                                         CHUNK_T=chunk_t, BLOCK_T=block_t, BLOCK_E=block_e)
-    _slots_kernel[(num_chunks,)](routed, counts, slots, tokens_per_expert, T, E, num_chunks, pad_multiple,
+    _slots_kernel[(num_chunks,)](routed, counts, chunk_max, slots, stats, T, E, num_chunks, pad_multiple,
                                  routed.stride(0), routed.stride(1),
                                  CHUNK_T=chunk_t, BLOCK_T=block_t, BLOCK_E=block_e,
                                  BLOCK_C=max(1, min(32, 8192 // block_e)))
-    return slots, tokens_per_expert
+    return slots, stats
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,58 +286,66 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
 
 
 @triton.jit
-def _halving_sum_rows(x, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
-    """Sum each row of a [ROWS, BLOCK] tile as x[:, :half] + x[:, half:], repeatedly: an order
-    the torch twin reproduces exactly (``torch_twin.halving_sum``)."""
+def _halving_sum(x, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+    """Sum a [BLOCK] vector as x[:half] + x[half:], repeatedly: an order the torch twin
+    reproduces exactly (``torch_twin.halving_sum``)."""
     for level in tl.static_range(LOG2_BLOCK):
-        x = tl.sum(tl.reshape(x, [ROWS, 2, BLOCK >> (level + 1)]), axis=1)
-    return tl.sum(x, axis=1)
+        x = tl.sum(tl.reshape(x, [2, BLOCK >> (level + 1)]), axis=0)
+    return tl.sum(x, axis=0)
 
 
 @triton.jit
 def _unpermute_bwd_kernel(
-    grad_ptr, rows_ptr, slots_ptr, probs_ptr, grad_rows_ptr, grad_probs_ptr,
-    H, E, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
-    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-    LOG2_BLOCK_H: tl.constexpr,
+    grad_ptr, rows_ptr, slots_ptr, probs_ptr, grad_rows_ptr, partial_ptr,
+    H, E, max_slots, num_chunks, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
+    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, LOG2_BLOCK_H: tl.constexpr,
 ):
-    """One token per program; its slots in groups of BLOCK_K so each chunk of g is loaded once
-    per group and the K row loads are in flight together."""
+    """Program (t, c): rows' gradient g * p over H-chunk c, and the chunk's partial dot
+    <y_row, g> per slot into partial[t, j, c] (summed in chunk order by _probs_grad_kernel)."""
     t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
     slot_row = slots_ptr + t * (2 * E + 1)
     n = tl.load(slot_row)
     acc_ty = tl.float64 if ACC_FP64 else tl.float32
-    for k0 in range(0, n, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < n
-        row = tl.load(slot_row + 1 + offs_k, mask=mask_k, other=0).to(tl.int64)
+    g = tl.load(grad_ptr + t * stride_gt + offs_h * stride_gh, mask=mask_h, other=0.0)
+    for j in range(0, n):
+        row = tl.load(slot_row + 1 + j).to(tl.int64)
         if HAS_PROBS:
-            e = tl.load(slot_row + 1 + E + offs_k, mask=mask_k, other=0)
-            p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=mask_k, other=0.0).to(acc_ty)
-            dot = tl.zeros([BLOCK_K, BLOCK_H], dtype=acc_ty)
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            mask_h = offs_h < H
-            mask = mask_k[:, None] & mask_h[None, :]
-            g = tl.load(grad_ptr + t * stride_gt + offs_h * stride_gh, mask=mask_h, other=0.0)
-            out_ptrs = grad_rows_ptr + row[:, None] * H + offs_h[None, :]
-            if HAS_PROBS:
-                g = g.to(acc_ty)[None, :]
-                y = tl.load(rows_ptr + row[:, None] * stride_rn + offs_h[None, :] * stride_rh, mask=mask,
-                            other=0.0).to(acc_ty)
-                dot += y * g
-                tl.store(out_ptrs, (g * p[:, None]).to(tl.float32).to(grad_rows_ptr.dtype.element_ty), mask=mask)
-            else:
-                tl.store(out_ptrs, g[None, :].to(grad_rows_ptr.dtype.element_ty) +
-                         tl.zeros([BLOCK_K, BLOCK_H], grad_rows_ptr.dtype.element_ty), mask=mask)
-        if HAS_PROBS:
-            dots = _halving_sum_rows(dot, BLOCK_K, BLOCK_H, LOG2_BLOCK_H)
-            tl.store(grad_probs_ptr + t * E + e, dots.to(grad_probs_ptr.dtype.element_ty), mask=mask_k)
+            e = tl.load(slot_row + 1 + E + j)
+            p = tl.load(probs_ptr + t * stride_pt + e * stride_pe).to(acc_ty)
+            g_acc = g.to(acc_ty)
+            y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_h, other=0.0).to(acc_ty)
+            tl.store(grad_rows_ptr + row * H + offs_h, (g_acc * p).to(tl.float32).to(grad_rows_ptr.dtype.element_ty),
+                     mask=mask_h)
+            partial = _halving_sum(y * g_acc, BLOCK_H, LOG2_BLOCK_H)
+            tl.store(partial_ptr + (t * max_slots + j) * num_chunks + c, partial)
+        else:
+            tl.store(grad_rows_ptr + row * H + offs_h, g.to(grad_rows_ptr.dtype.element_ty), mask=mask_h)
+
+
+@triton.jit
+def _probs_grad_kernel(partial_ptr, slots_ptr, grad_probs_ptr, E, max_slots, num_chunks,
+                       BLOCK_J: tl.constexpr):
+    """grad_probs[t, e_j] = sum over chunks c, in order, of partial[t, j, c]."""
+    t = tl.program_id(0).to(tl.int64)
+    slot_row = slots_ptr + t * (2 * E + 1)
+    n = tl.load(slot_row)
+    offs_j = tl.arange(0, BLOCK_J)
+    mask_j = offs_j < n
+    acc = tl.zeros([BLOCK_J], dtype=partial_ptr.dtype.element_ty)
+    for c in range(0, num_chunks):
+        acc += tl.load(partial_ptr + (t * max_slots + offs_j) * num_chunks + c, mask=mask_j, other=0.0)
+    e = tl.load(slot_row + 1 + E + offs_j, mask=mask_j, other=0)
+    tl.store(grad_probs_ptr + t * E + e, acc.to(grad_probs_ptr.dtype.element_ty), mask=mask_j)
 
 
 def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                            probs: torch.Tensor | None, zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher. grad [T, H], rows [N, H], probs [T, E] -> (grad_rows [N, H], grad_probs [T, E] or [0])."""
+                            probs: torch.Tensor | None, zero_fill: bool,
+                            max_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher. grad [T, H], rows [N, H], probs [T, E] -> (grad_rows [N, H], grad_probs [T, E] or [0]).
+    max_slots bounds n_t (the most experts of any token)."""
     T = slots.shape[0]
     E = (slots.shape[1] - 1) // 2
     N, H = rows.shape
@@ -344,13 +359,21 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
     if T == 0 or H == 0:
         return grad_rows, grad_probs
     bh = block_h(H)
+    num_chunks = triton.cdiv(H, bh)
+    max_slots = max(1, min(max_slots, E))
+    acc_dtype = torch.float64 if probs is not None and probs.dtype == torch.float64 else torch.float32
+    partial = torch.empty((T, max_slots, num_chunks) if probs is not None else (0,), dtype=acc_dtype,
+                          device=rows.device)
     p = probs if probs is not None else grad_probs
     p_strides = (probs.stride(0), probs.stride(1)) if probs is not None else (0, 0)
-    _unpermute_bwd_kernel[(T,)](
-        grad, rows, slots, p, grad_rows, grad_probs, H, E, grad.stride(0), grad.stride(1),
+    _unpermute_bwd_kernel[(T, num_chunks)](
+        grad, rows, slots, p, grad_rows, partial, H, E, max_slots, num_chunks, grad.stride(0), grad.stride(1),
         rows.stride(0), rows.stride(1), *p_strides,
-        HAS_PROBS=probs is not None, ACC_FP64=probs is not None and probs.dtype == torch.float64,
-        BLOCK_K=UNPERMUTE_BWD_BLOCK_K, BLOCK_H=bh, LOG2_BLOCK_H=bh.bit_length() - 1, num_warps=8, **_launch_opts())
+        HAS_PROBS=probs is not None, ACC_FP64=acc_dtype == torch.float64,
+        BLOCK_H=bh, LOG2_BLOCK_H=bh.bit_length() - 1, num_warps=_num_warps(bh), **_launch_opts())
+    if probs is not None:
+        _probs_grad_kernel[(T,)](partial, slots, grad_probs, E, max_slots, num_chunks,
+                                 BLOCK_J=triton.next_power_of_2(max_slots), **_launch_opts())
     return grad_rows, grad_probs
 
 

@@ -30,6 +30,13 @@ _HALF = (torch.bfloat16, torch.float16)
 if triton is not None:
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}
 
+    @triton.jit
+    def _to_operand(x, OP_TY: tl.constexpr):
+        if OP_TY == tl.float64:
+            if x.dtype.is_bf16() or x.dtype.is_fp16():
+                x = x.to(tl.float32)  # half -> fp64 has no direct lowering; via fp32 is exact
+        return x.to(OP_TY)
+
     @triton.jit(do_not_specialize=["M"])
     def _row_stable_mm_kernel(
         a_ptr, b_ptr, c_ptr, M, N, K,
@@ -49,12 +56,12 @@ if triton is not None:
             a = tl.load(
                 a_ptr + rm[:, None] * stride_am + ks[None, :] * stride_ak,
                 mask=(rm[:, None] < M) & (ks[None, :] < K), other=0.0,
-            ).to(OP_TY)
+            )
             b = tl.load(
                 b_ptr + ks[:, None] * stride_bk + rn[None, :] * stride_bn,
                 mask=(ks[:, None] < K) & (rn[None, :] < N), other=0.0,
-            ).to(OP_TY)
-            acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc_ty)
+            )
+            acc = tl.dot(_to_operand(a, OP_TY), _to_operand(b, OP_TY), acc, input_precision="ieee", out_dtype=acc_ty)
         tl.store(
             c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
             acc.to(c_ptr.dtype.element_ty),
@@ -62,7 +69,9 @@ if triton is not None:
         )
 
 
-def triton_row_stable_mm(a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dtype) -> Optional[torch.Tensor]:
+def triton_row_stable_mm(
+    a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dtype, _config: Optional[tuple] = None
+) -> Optional[torch.Tensor]:
     """``a @ b_t.T`` for a: [M, K], b_t: [N, K] on CUDA in ``out_dtype`` -> [M, N]; None if unsupported.
 
     When both operands are the same half type and the result is at least as wide, the products
@@ -74,7 +83,7 @@ def triton_row_stable_mm(a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dt
         return None
     half_operands = a.dtype == b_t.dtype and a.dtype in _HALF and out_dtype in (a.dtype, torch.float32)
     op_dtype = a.dtype if half_operands else out_dtype
-    bm, bn, bk, warps, stages = _CONFIGS[op_dtype]
+    bm, bn, bk, warps, stages = _config or _CONFIGS[op_dtype]  # _config: for tuning scripts only
     m, k = a.shape
     n = b_t.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)

@@ -11,8 +11,10 @@ mm treats odd M differently, cuBLAS on H200 changes between M<=64 and M>=128). S
   same problem every time. A row's result was measured to be independent of its position inside
   the block (tests/router/test_gating.py keeps checking it).
 
-Backward: ``grad_hidden = grad_logits @ weight`` goes through the same row-stable path;
-``grad_weight = grad_logits.T @ hidden`` is one library GEMM, deterministic for a given shape.
+Backward (deterministic run to run; batch invariance is a forward promise): ``grad_weight =
+grad_logits.T @ hidden`` is one library GEMM. ``grad_hidden = grad_logits @ weight`` is row-stable
+on CPU (blocked, nearly free) and one cuBLAS GEMM on CUDA (an fp32 FMA kernel in Triton was
+2-3x slower than cuBLAS there, and the gradient need not be row-stable).
 """
 
 from __future__ import annotations
@@ -74,8 +76,10 @@ class _GatingLinear(torch.autograd.Function):
         grad = grad.to(ctx.dtype)
         grad_hidden = grad_weight = None
         if ctx.needs_input_grad[0]:
-            # [T, E] @ [E, H]: the right operand transposed is weight.T, [H, E].
-            grad_hidden = row_stable_mm(grad, weight.t(), ctx.dtype).to(hidden.dtype)
+            if grad.is_cuda:
+                grad_hidden = torch.mm(grad, weight.to(ctx.dtype)).to(hidden.dtype)
+            else:  # [T, E] @ [E, H]: the right operand transposed is weight.T, [H, E]
+                grad_hidden = row_stable_mm(grad, weight.t(), ctx.dtype).to(hidden.dtype)
         if ctx.needs_input_grad[1]:
             # A reduction over tokens: deterministic for a fixed T, batch-dependent by nature.
             grad_weight = torch.mm(grad.t(), hidden.to(ctx.dtype)).to(weight.dtype)

@@ -44,7 +44,9 @@ class TopKRouter(nn.Module):
             the z-loss coefficient is divided by its size. None: the tokens are all local.
         global_loss_group: group for 'global_aux_loss' counts (Megatron's TP x DP x CP group).
         check_finite: raise ValueError on NaN/inf logits. On CUDA this costs one device-to-host
-            sync per forward; pass False to skip it (non-finite logits then route arbitrarily).
+            sync per forward (taken after the routing kernels are queued, so the GPU does not
+            idle, but the host cannot run ahead of it); pass False to skip it (non-finite logits
+            then route arbitrarily).
         device: where to put the weight; it is always generated on the CPU from
             ``config.init_seed + ROUTER_SEED_OFFSET``, so every rank builds the same one.
 
@@ -124,11 +126,7 @@ class TopKRouter(nn.Module):
 
     def gating(self, hidden: torch.Tensor) -> torch.Tensor:
         """Row-stable logits in the router dtype: [T, H] -> [T, E]."""
-        dtype = self.config.probs_dtype(hidden.dtype)
-        logits = gating_linear(hidden, self.weight, dtype)
-        if self.check_finite and not bool(torch.isfinite(logits).all()):
-            raise ValueError("router logits contain NaN or inf (check the hidden states and router.weight)")
-        return logits
+        return gating_linear(hidden, self.weight, self.config.probs_dtype(hidden.dtype))
 
     def forward(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Route tokens.
@@ -156,6 +154,8 @@ class TopKRouter(nn.Module):
                 f"logits must be [seq_length * batch, {cfg.num_experts}] = [{seq_length * batch}, "
                 f"{cfg.num_experts}], got {tuple(logits.shape)}"
             )
+        # Reduced now, read (one device sync) only after the routing kernels are queued.
+        finite = torch.isfinite(logits).all() if self.check_finite else None
         train = self.training and torch.is_grad_enabled()
         if train and cfg.z_loss_coeff:
             group_size = 1 if self.loss_group is None else torch.distributed.get_world_size(self.loss_group)
@@ -176,6 +176,8 @@ class TopKRouter(nn.Module):
             probs, routing_map = apply_capacity(
                 probs, routing_map, cfg.topk, cfg.capacity_factor, cfg.drop_policy, cfg.pad_to_capacity
             )
+        if finite is not None and not bool(finite):  # before any buffer is updated
+            raise ValueError("router logits contain NaN or inf (check the hidden states and router.weight)")
         if train and cfg.aux_loss_coeff > 0 and cfg.load_balancing_type != "none":
             probs = self._attach_aux_loss(probs, logits, seq_length, batch)
         if train and self.local_tokens_per_expert is not None:

@@ -35,6 +35,14 @@ def test_same_rows_in_front_of_the_experts(records):
         assert torch.equal(m["row_grads"], ours["row_grads"]), (rec["ep"], rec["kind"])
 
 
+def test_dispatcher_from_megatron_process_groups(records):
+    names = {"alltoall": "AllToAllDispatcher", "allgather": "AllGatherDispatcher"}
+    for rec in records:
+        ep, me = rec["ep"], rec["rank"] % rec["ep"]
+        El = 8 // ep
+        assert rec["built"] == (names[rec["kind"]], ep, list(range(me * El, (me + 1) * El)))
+
+
 def test_probs_gradients_bitwise_equal(records):
     for rec in records:
         assert torch.equal(rec["megatron"]["gp"], rec["ours-experts"]["gp"]), (rec["ep"], rec["kind"])
@@ -42,7 +50,7 @@ def test_probs_gradients_bitwise_equal(records):
 
 @pytest.mark.parametrize("impl", ["ours-experts", "ours-combine"])
 def test_outputs_and_input_grads_within_bf16_rounding(records, impl):
-    worst = 0.0
+    worst, differ = 0.0, 0
     for rec in records:
         m, ours = rec["megatron"], rec[impl]
         for field, mag in (("out", rec["mag_out"]), ("gx", rec["mag_gx"])):
@@ -50,5 +58,5 @@ def test_outputs_and_input_grads_within_bf16_rounding(records, impl):
             bound = 2 * K * HALF_ULP_BF16 * mag.double() * 1.01  # 1.01: mag itself is rounded to bf16
             assert bool((err <= bound).all()), (rec["ep"], rec["kind"], field, (err - bound).max().item())
             worst = max(worst, float((err / bound.clamp(min=1e-30)).max()))
-        assert not torch.equal(m["out"], ours["out"]) or impl == "ours-experts"
-    print(f"{impl}: worst error / bound = {worst:.3f}")
+        differ += int((m["out"] != ours["out"]).any(1).sum())
+    print(f"{impl}: worst error / bound = {worst:.3f}; {differ} token outputs not bitwise equal to Megatron's")

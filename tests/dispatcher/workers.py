@@ -290,7 +290,11 @@ def megatron_worker(rank: int, world_size: int) -> list:
                                    moe_router_topk=helpers.K, moe_token_dispatcher_type=kind,
                                    moe_permute_fusion=False, add_bias_linear=False, bf16=True,
                                    params_dtype=torch.bfloat16, expert_model_parallel_size=P)
-            rec = dict(ep=ep, kind=kind, rank=rank)
+            from moe_dispatch.dispatcher import dispatcher_from_megatron
+
+            built = dispatcher_from_megatron(pg, tc)  # TransformerConfig -> MoEConfig -> dispatcher
+            rec = dict(ep=ep, kind=kind, rank=rank,
+                       built=(type(built).__name__, built.ep_size, built.local_expert_indices))
             for impl in ("megatron", "ours-experts", "ours-combine"):
                 x = data["x"][idx].clone().requires_grad_()
                 p = data["probs"][idx].clone().requires_grad_()
@@ -302,8 +306,10 @@ def megatron_worker(rank: int, world_size: int) -> list:
                     d = DISPATCHERS[kind](config(probs_in_experts=impl == "ours-experts"), group)
                 rows, tpe, y, out = _six_steps(d, x, data["rmap"][idx], p, w, b, impl != "ours-combine")
                 out.backward(data["r"][idx])
-                rec[impl] = dict(rows=rows.detach(), tpe=torch.as_tensor(tpe).clone(), out=out.detach(),
-                                 gx=x.grad, gp=p.grad, row_grads=rows.grad)
+                # clone: Megatron's allgather gathers into (and reduce-scatters out of) a reused
+                # global buffer, so x.grad can be a view that the next step overwrites
+                rec[impl] = {k: torch.as_tensor(v).detach().clone() for k, v in dict(
+                    rows=rows, tpe=tpe, out=out, gx=x.grad, gp=p.grad, row_grads=rows.grad).items()}
                 if impl == "ours-experts":  # magnitudes for the bounds: sum_e |p_e y_e|, sum_e |g_e|
                     d2 = DISPATCHERS[kind](config(probs_in_experts=True), group)
                     _, _, h2 = d2.dispatch(x.detach(), data["rmap"][idx], p.detach())

@@ -335,11 +335,11 @@ def test_sort_chunks_round_trip_and_gradient():
 
 def test_custom_ops_pass_opcheck():
     routing_map, tokens, probs, y, g_out, _, _ = _case(9, 4, 2, 16, torch.float32)
-    slots, counts = permutation_module._make_slots_op(routing_map, 1)
-    N = int(counts.sum())
+    slots, stats = permutation_module._make_slots_op(routing_map, 1)
+    N = int(stats[:-1].sum())
     torch.library.opcheck(permutation_module._make_slots_op, (routing_map, 1))
     torch.library.opcheck(permutation_module._permute_op, (tokens.requires_grad_(), slots, probs, N, False))
-    torch.library.opcheck(permutation_module._unpermute_op, (y[:N].requires_grad_(), slots, probs, False))
+    torch.library.opcheck(permutation_module._unpermute_op, (y[:N].requires_grad_(), slots, probs, False, 2))
     idx = torch.tensor([2, 0, 1])
     torch.library.opcheck(permutation_module._gather_rows_op, (torch.randn(3, 4, requires_grad=True), idx,
                                                                 torch.tensor([1, 2, 0])))
@@ -400,7 +400,8 @@ def test_meta_device_mismatch_is_reported():
 @pytest.mark.parametrize("probs_dtype,pad_multiple", [(torch.float32, 1), (torch.float64, 1), (torch.float32, 16)])
 def test_cuda_kernels_match_cpu_twin_bitwise(dtype, probs_dtype, pad_multiple):
     """With FMA contraction off and round-to-nearest casts, CUDA equals the CPU twin bitwise."""
-    args = _case(2048, 64, 6, 1000, dtype, probs_dtype, seed=21, pad_multiple=pad_multiple)
+    routing_map, tokens, *rest = _case(2048, 64, 6, 1000, dtype, probs_dtype, seed=21, pad_multiple=pad_multiple)
+    args = (tokens, routing_map, *rest)
     cpu = _run(*args, pad_multiple=pad_multiple)
     gpu = _run(*[a.cuda() for a in args], pad_multiple=pad_multiple)
     for key in ["slots", "permuted", "permuted_probs", "out", "grad_tokens", "grad_rows", "grad_probs"]:
@@ -410,7 +411,8 @@ def test_cuda_kernels_match_cpu_twin_bitwise(dtype, probs_dtype, pad_multiple):
 @pytest.mark.gpu
 def test_cuda_reported_scenario_within_bound():
     for dtype in DTYPES:
-        args = _case(8192, 16, 4, 2048, dtype, seed=3)
+        routing_map, tokens, *rest = _case(8192, 16, 4, 2048, dtype, seed=3)
+        args = (tokens, routing_map, *rest)
         gpu = _run(*[a.cuda() for a in args])
         cpu = _run(*args)
         for key in ["out", "grad_tokens", "grad_rows", "grad_probs"]:
@@ -440,9 +442,9 @@ def test_cuda_int64_offsets():
     torch.cuda.empty_cache()
 
 
-def test_triton_interpreter_more_experts_per_token_than_one_slot_group():
-    """K = 10 > UNPERMUTE_BWD_BLOCK_K: the backward walks the slots in two groups."""
-    routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(6, 12, 10, 24, torch.float32, seed=9)
+def test_triton_interpreter_many_experts_per_token_and_several_h_chunks():
+    """K = 10 and H = 2100 > MAX_BLOCK_H: partial probability gradients over three H-chunks."""
+    routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(3, 12, 10, 2100, torch.float32, seed=9)
     a, b = _both_backends(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs)
     for key in ["slots", "permuted", "permuted_probs", "out", "grad_tokens", "grad_rows", "grad_probs"]:
         assert torch.equal(a[key], b[key]), key

@@ -105,6 +105,9 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         # transposed right operand through strides, as the backward uses it
         gt = triton_row_stable_mm(full, w.t(), dtype)
         torch.testing.assert_close(gt, (full.double() @ w.double()).to(dtype), rtol=1e-5, atol=1e-5)
+    a = torch.randn(70, 40, generator=g).bfloat16()  # half input, fp64 router: upcast via fp32
+    out = triton_row_stable_mm(a, w, torch.float64)
+    torch.testing.assert_close(out, a.double() @ w.double().t(), rtol=1e-12, atol=1e-12)
     print("OK")
     """
 )
@@ -141,6 +144,3 @@ def test_gpu_rows_bitwise_independent_of_batch(in_dtype, dtype):
     wg.grad = None
     gating_linear(xg, wg, dtype).backward(gout)
     assert torch.equal(xg.grad, gx) and torch.equal(wg.grad, gw)
-    x1 = x[:1].clone().requires_grad_(True)
-    gating_linear(x1, w, dtype).backward(gout[:1])
-    assert torch.equal(x1.grad, gx[:1])

@@ -128,6 +128,19 @@ def test_exact_ties_go_to_lower_index():
     assert group_limited_topk_indices(key, 2, 3, 1).tolist() == [[1, 0]]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_tie_free_topk_equals_stable_sort(dtype):
+    g = torch.Generator().manual_seed(6)
+    key = torch.randint(-3, 4, (500, 40), generator=g).to(dtype) * 0.5  # many exact ties
+    key[::5] = torch.randn(100, 40, generator=g).to(dtype) * 1e30 if dtype != torch.float16 else key[::5]
+    key[1::7, ::3] = float("-inf")
+    key[2::7, 1::4] = -0.0
+    key[3::7, 2::5] = float("inf")
+    for k in (1, 5, 40):
+        expected = torch.sort(key + 0.0, dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(stable_topk_indices(key, k), expected), k
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_many_ties_match_reference_rule(name):
     """Integer-valued logits make ties everywhere; every choice must follow the lower-index rule."""
