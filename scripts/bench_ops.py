@@ -89,6 +89,11 @@ def run_shape(T: int, E: int, H: int, K: int, bw: float, moe_utils) -> list[tupl
              "map only (make_slots)": (lambda: KT.make_slots(routing_map, 1), T * E + T * (2 * E + 1) * 4),
              "rows only (permute kernel)": (lambda: KT.permute_rows(tokens, slots, probs, N, False),
                                             floors["permute (map + rows)"] - T * E)}
+    for block, warps in [(2048, 8), (4096, 16)]:  # a copy: block size is free to tune
+        if block <= triton.next_power_of_2(H):
+            extra[f"rows only, block {block}/{warps} warps"] = (
+                lambda block=block, warps=warps: KT.permute_rows(tokens, slots, probs, N, False, block, warps),
+                floors["permute (map + rows)"] - T * E)
     theirs = {}
     if moe_utils is not None:
         def mg_permute():

@@ -36,7 +36,8 @@ def _host_tensor(values: list, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def blocked_row_id_map(routing_map: torch.Tensor, counts: list, blocks: list, tail: list) -> RowIdMap:
+def blocked_row_id_map(routing_map: torch.Tensor, counts: list, blocks: list, tail: list,
+                       max_per_row: int) -> RowIdMap:
     """RowIdMap for a layout of per-(column, segment) blocks.
 
     Args:
@@ -44,6 +45,7 @@ def blocked_row_id_map(routing_map: torch.Tensor, counts: list, blocks: list, ta
         counts: [S][X] host ints, routed rows of each (segment, column); must match routing_map.
         blocks: [S][X] host ints >= counts: rows reserved for each (segment, column) block.
         tail: [X] host ints, pad rows after each column's blocks.
+        max_per_row: an upper bound on the True entries of a row (sizes unpermute's backward).
 
     Returns:
         A RowIdMap whose rows are column-major; within a column, segment-major blocks (ascending
@@ -73,7 +75,7 @@ def blocked_row_id_map(routing_map: torch.Tensor, counts: list, blocks: list, ta
         moved = torch.where(rows >= 0, lut[rows.clamp(min=0).long()].to(torch.int32), rows)
         slots = torch.cat([slots[:, :1], moved, slots[:, 1 + X:]], dim=1)
     padded_t = _host_tensor(padded, routing_map.device)
-    return RowIdMap(slots, col_counts, padded_t, num_out, num_out > routed)
+    return RowIdMap(slots, col_counts, padded_t, num_out, num_out > routed, max(1, max_per_row))
 
 
 def permute_with_map(tokens: torch.Tensor, row_id_map: RowIdMap,
@@ -169,14 +171,15 @@ class DispatchHandle:
 def owner_row_id_map(routing_map: torch.Tensor, layout: Layout) -> RowIdMap:
     """RowIdMap of this rank's (token, expert) pairs in the buffer the experts send back."""
     return blocked_row_id_map(routing_map, [layout.counts[layout.rank]], [layout.owner_blocks()],
-                              [0] * layout.num_experts)
+                              [0] * layout.num_experts, layout.max_experts_per_token[layout.rank])
 
 
 def expert_row_id_map(recv_map: torch.Tensor, layout: Layout) -> RowIdMap:
     """RowIdMap of received tokens (grouped by source rank) -> receiver layout for local experts."""
     El, base = layout.num_local_experts, layout.rank * layout.num_local_experts
     counts = [row[base:base + El] for row in layout.counts]
-    return blocked_row_id_map(recv_map, counts, layout.local_blocks(), layout.local_tail_pad())
+    most = min(El, max(layout.max_experts_per_token))
+    return blocked_row_id_map(recv_map, counts, layout.local_blocks(), layout.local_tail_pad(), most)
 
 
 class _Expand(torch.autograd.Function):

@@ -28,7 +28,7 @@ _PROBS_DTYPES = (1, 2, 3, 4)
 # Descriptor fields; shapes -1 = not a tensor or wrong number of dimensions; dtype -1 = not a
 # tensor, 0 = a dtype without a code.
 _FIELDS = ("hidden_T", "hidden_H", "hidden_dtype", "map_T", "map_E", "map_dtype",
-           "probs_T", "probs_E", "probs_dtype", "probs_grad")
+           "probs_T", "probs_E", "probs_dtype", "probs_grad", "max_k")
 
 
 def check_ep_size(num_experts: int, ep_size: int) -> int:
@@ -68,6 +68,7 @@ class Layout:
         pad_multiple: dropless mode pads each local expert's block to a multiple of this.
         probs_grad: some rank's probs require grad (decided jointly so that every rank runs the
             same collectives in the backward).
+        max_experts_per_token: per source rank, the most experts one of its tokens is routed to.
     """
 
     ep_size: int
@@ -80,6 +81,7 @@ class Layout:
     capacity: Optional[list]
     pad_multiple: int
     probs_grad: bool
+    max_experts_per_token: list
 
     def block(self, source: int, expert: int) -> int:
         """Rows of global `expert` coming from `source` rank (with capacity padding)."""
@@ -127,8 +129,9 @@ def _describe(hidden: Any, routing_map: Any, probs: Any) -> list:
         return _DTYPE_CODES.get(x.dtype, 0) if isinstance(x, torch.Tensor) else -1
 
     grad = int(isinstance(probs, torch.Tensor) and probs.requires_grad)
+    # max_k (filled in on the device after validation) is a placeholder here
     return [*shape2(hidden, True), code(hidden), *shape2(routing_map, False), code(routing_map),
-            *shape2(probs, False), code(probs), grad]
+            *shape2(probs, False), code(probs), grad, 0]
 
 
 def _problems(desc: list, config: Any, ep_size: int) -> list:
@@ -173,14 +176,17 @@ def exchange_layout(hidden: Any, routing_map: Any, probs: Any, config: Any, grou
     local_ok = not _problems([desc], config, 1)
     device = next((x.device for x in (hidden, routing_map, probs) if isinstance(x, torch.Tensor)),
                   torch.device("cpu"))
+    desc_t = torch.tensor(desc, dtype=torch.int64, device=device)
     if local_ok:
         T = desc[0]
         counts = routing_map.sum(0, dtype=torch.int64)
         sent = routing_map.reshape(T, P, El).any(-1).sum(0, dtype=torch.int64)
+        if T:  # computed on the device: read back with everything else, no extra sync
+            desc_t[-1] = routing_map.sum(1, dtype=torch.int64).max()
     else:  # still take part in the exchange with zeros, so the other ranks do not hang
         counts = torch.zeros(E, dtype=torch.int64, device=device)
         sent = torch.zeros(P, dtype=torch.int64, device=device)
-    message = torch.cat([torch.tensor(desc, dtype=torch.int64, device=device), counts.to(device), sent.to(device)])
+    message = torch.cat([desc_t, counts.to(device), sent.to(device)])
     rows = all_gather_rows(message[None], group).tolist()  # the one host synchronisation
     nd = len(_FIELDS)
     descs = [row[:nd] for row in rows]
@@ -193,6 +199,7 @@ def exchange_layout(hidden: Any, routing_map: Any, probs: Any, config: Any, grou
         num_tokens=[d[0] for d in descs], counts=counts_all, sent=[row[nd + E:] for row in rows],
         capacity=None, pad_multiple=getattr(config, "pad_multiple", 1) or 1,
         probs_grad=any(d[_FIELDS.index("probs_grad")] for d in descs),
+        max_experts_per_token=[d[_FIELDS.index("max_k")] for d in descs],
     )
     if getattr(config, "pad_to_capacity", False):
         caps = [capacity_of(t, config) for t in layout.num_tokens]

@@ -96,6 +96,8 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         x, w, offs = ctx.saved_tensors
+        if grad.shape[0] == 0:  # no rows: an empty tensor may carry strides grouped_mm rejects
+            return torch.zeros_like(x), torch.zeros_like(w), None
         grad = grad.contiguous()
         # dx rows: dy_row @ w[e]^T, one grouped GEMM again (row-stable like the forward).
         gx = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None

@@ -8,7 +8,8 @@ Ours: ``weight1`` [E, H, fc1_out], ``weight2`` [E, ffn, H], y = x @ weight[e].
   (Megatron's glu applies the activation to the first chunk).
 - GroupedMLP: ``weight1`` [H, E * fc1_out] and ``weight2`` [E * ffn, H]. Megatron reads them with
   ``.view(E, H, -1)`` and ``.view(E, -1, H)``: the same memory as ours, only the nominal shape
-  differs (weight1 is not a transpose or concatenation along dim 1).
+  differs (weight1 is not a transpose or concatenation along dim 1). The flat layout does not
+  record E: 4 experts of ffn 48 and 2 of ffn 96 have the same shapes, so pass the right count.
 
 Megatron's SequentialMLP also has ``..._extra_state`` entries (None without TransformerEngine);
 load into it with ``strict=False`` or add them. Local indices are used: a rank's dict holds its

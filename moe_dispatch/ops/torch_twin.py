@@ -108,8 +108,9 @@ def halving_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def blocked_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Row-wise dot [M, H] x [M, H] -> [M] in the kernel's order: a halving sum inside each
-    chunk of block_h(H) elements, then the chunk sums added in chunk order."""
+    """Row-wise dot [M, H] x [M, H] -> [M]: a halving sum inside each chunk of block_h(H)
+    elements, then the chunk sums added in chunk order (the kernel sums inside a chunk with
+    tl.sum, whose order differs: equal within rounding, not bitwise)."""
     M, H = a.shape
     bh = block_h(H)
     acc = torch.zeros((M,), dtype=a.dtype, device=a.device)

@@ -172,7 +172,8 @@ def _permute_kernel(
 
 
 def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None,
-                 num_out: int, zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_out: int, zero_fill: bool, block: int | None = None,
+                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher. tokens [T, H], probs [T, E] -> (out [num_out, H], out_probs [num_out] or [0])."""
     T, H = tokens.shape
     E = (slots.shape[1] - 1) // 2
@@ -184,12 +185,12 @@ def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
         out_probs = alloc((num_out,), dtype=probs.dtype, device=tokens.device)
     if T == 0 or H == 0:
         return out, out_probs
-    bh = block_h(H)
+    bh = block or block_h(H)  # a copy: the block size does not change any value
     p = probs if probs is not None else out_probs
     p_strides = (probs.stride(0), probs.stride(1)) if probs is not None else (0, 0)
     _permute_kernel[(T, triton.cdiv(H, bh))](
         tokens, slots, p, out, out_probs, H, E, tokens.stride(0), tokens.stride(1), *p_strides,
-        HAS_PROBS=probs is not None, BLOCK_H=bh, num_warps=_num_warps(bh), **_launch_opts())
+        HAS_PROBS=probs is not None, BLOCK_H=bh, num_warps=num_warps or _num_warps(bh), **_launch_opts())
     return out, out_probs
 
 
@@ -286,22 +287,18 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
 
 
 @triton.jit
-def _halving_sum(x, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
-    """Sum a [BLOCK] vector as x[:half] + x[half:], repeatedly: an order the torch twin
-    reproduces exactly (``torch_twin.halving_sum``)."""
-    for level in tl.static_range(LOG2_BLOCK):
-        x = tl.sum(tl.reshape(x, [2, BLOCK >> (level + 1)]), axis=0)
-    return tl.sum(x, axis=0)
-
-
-@triton.jit
 def _unpermute_bwd_kernel(
     grad_ptr, rows_ptr, slots_ptr, probs_ptr, grad_rows_ptr, partial_ptr,
     H, E, max_slots, num_chunks, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
-    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, LOG2_BLOCK_H: tl.constexpr,
+    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Program (t, c): rows' gradient g * p over H-chunk c, and the chunk's partial dot
-    <y_row, g> per slot into partial[t, j, c] (summed in chunk order by _probs_grad_kernel)."""
+    <y_row, g> per slot into partial[t, j, c] (summed in chunk order by _probs_grad_kernel).
+
+    The in-chunk sum is tl.sum: its order is fixed for a compiled kernel (so results are
+    deterministic and independent of T and of other tokens) but it is not the twin's order, so
+    the probability gradient matches the twin within rounding, not bitwise. A halving tree that
+    the twin could reproduce cost 8x the memory floor here."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -319,8 +316,7 @@ def _unpermute_bwd_kernel(
             y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_h, other=0.0).to(acc_ty)
             tl.store(grad_rows_ptr + row * H + offs_h, (g_acc * p).to(tl.float32).to(grad_rows_ptr.dtype.element_ty),
                      mask=mask_h)
-            partial = _halving_sum(y * g_acc, BLOCK_H, LOG2_BLOCK_H)
-            tl.store(partial_ptr + (t * max_slots + j) * num_chunks + c, partial)
+            tl.store(partial_ptr + (t * max_slots + j) * num_chunks + c, tl.sum(y * g_acc, axis=0))
         else:
             tl.store(grad_rows_ptr + row * H + offs_h, g.to(grad_rows_ptr.dtype.element_ty), mask=mask_h)
 
@@ -370,7 +366,7 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
         grad, rows, slots, p, grad_rows, partial, H, E, max_slots, num_chunks, grad.stride(0), grad.stride(1),
         rows.stride(0), rows.stride(1), *p_strides,
         HAS_PROBS=probs is not None, ACC_FP64=acc_dtype == torch.float64,
-        BLOCK_H=bh, LOG2_BLOCK_H=bh.bit_length() - 1, num_warps=_num_warps(bh), **_launch_opts())
+        BLOCK_H=bh, num_warps=_num_warps(bh), **_launch_opts())
     if probs is not None:
         _probs_grad_kernel[(T,)](partial, slots, grad_probs, E, max_slots, num_chunks,
                                  BLOCK_J=triton.next_power_of_2(max_slots), **_launch_opts())

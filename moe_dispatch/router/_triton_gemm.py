@@ -17,32 +17,28 @@ try:
 except ImportError:  # triton is optional; gating.py falls back to fixed-shape blocked mm
     triton = None
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per operand dtype. fp32 operands use
-# input_precision="ieee": TF32 would silently lower the router precision below fp32.
-_CONFIGS = {
-    torch.bfloat16: (64, 128, 64, 4, 4),
-    torch.float16: (64, 128, 64, 4, 4),
-    torch.float32: (64, 64, 32, 4, 3),
-    torch.float64: (32, 32, 16, 4, 2),
-}
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per operand kind, tuned on H200 for
+# T=16384, H=4096/E=128 and H=7168/E=256. Wide N tiles pay off only when E fills them. fp32
+# operands use input_precision="ieee": TF32 would lower the router precision below fp32.
+def _config_for(kind: str, n: int) -> tuple:
+    if kind == "half":  # half x half, or half x (fp32 split into three halves)
+        return (128, 256, 64, 8, 3) if n >= 256 else (64, 128, 64, 4, 4)
+    if kind == "fp32":
+        return (128, 128, 32, 8, 3)
+    return (32, 32, 16, 4, 2)  # fp64
+
+
 _HALF = (torch.bfloat16, torch.float16)
 
 if triton is not None:
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}
-
-    @triton.jit
-    def _to_operand(x, OP_TY: tl.constexpr):
-        if OP_TY == tl.float64:
-            if x.dtype.is_bf16() or x.dtype.is_fp16():
-                x = x.to(tl.float32)  # half -> fp64 has no direct lowering; via fp32 is exact
-        return x.to(OP_TY)
 
     @triton.jit(do_not_specialize=["M"])
     def _row_stable_mm_kernel(
         a_ptr, b_ptr, c_ptr, M, N, K,
         stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        OP_TY: tl.constexpr,
+        OP_TY: tl.constexpr, SPLIT_B: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -56,12 +52,23 @@ if triton is not None:
             a = tl.load(
                 a_ptr + rm[:, None] * stride_am + ks[None, :] * stride_ak,
                 mask=(rm[:, None] < M) & (ks[None, :] < K), other=0.0,
-            )
+            ).to(OP_TY)
             b = tl.load(
                 b_ptr + ks[:, None] * stride_bk + rn[None, :] * stride_bn,
                 mask=(ks[:, None] < K) & (rn[None, :] < N), other=0.0,
             )
-            acc = tl.dot(_to_operand(a, OP_TY), _to_operand(b, OP_TY), acc, input_precision="ieee", out_dtype=acc_ty)
+            if SPLIT_B:
+                # fp32 b == hi + mid + lo exactly (8 significant bits each), and a half x half
+                # product is exact in fp32: three tensor-core dots give the fp32 products.
+                hi = b.to(OP_TY)
+                rest = b - hi.to(tl.float32)
+                mid = rest.to(OP_TY)
+                lo = (rest - mid.to(tl.float32)).to(OP_TY)
+                acc = tl.dot(a, hi, acc, out_dtype=acc_ty)
+                acc = tl.dot(a, mid, acc, out_dtype=acc_ty)
+                acc = tl.dot(a, lo, acc, out_dtype=acc_ty)
+            else:
+                acc = tl.dot(a, b.to(OP_TY), acc, input_precision="ieee", out_dtype=acc_ty)
         tl.store(
             c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
             acc.to(c_ptr.dtype.element_ty),
@@ -74,16 +81,25 @@ def triton_row_stable_mm(
 ) -> Optional[torch.Tensor]:
     """``a @ b_t.T`` for a: [M, K], b_t: [N, K] on CUDA in ``out_dtype`` -> [M, N]; None if unsupported.
 
-    When both operands are the same half type and the result is at least as wide, the products
-    are taken on the half operands: a bf16 x bf16 product is exact in fp32, so this is the same
-    fp32 GEMM of the upcast values, accumulated in fp32 on tensor cores. Otherwise the operands
-    are cast to ``out_dtype`` (an exact upcast, or the same rounding as ``w.to(router_dtype)``).
+    With half activations and an fp32 (or half) result, the products are taken on half operands
+    with fp32 accumulation on tensor cores: a bf16 x bf16 product is exact in fp32, and an fp32
+    weight is split exactly into three bf16 parts, so every product is the exact fp32 product of
+    the upcast values. Otherwise the operands are cast to ``out_dtype`` (an exact upcast, or the
+    rounding that ``weight.to(router_dtype)`` does).
     """
-    if triton is None or out_dtype not in _CONFIGS:
+    if triton is None or out_dtype not in _TL_DTYPES:
         return None
-    half_operands = a.dtype == b_t.dtype and a.dtype in _HALF and out_dtype in (a.dtype, torch.float32)
-    op_dtype = a.dtype if half_operands else out_dtype
-    bm, bn, bk, warps, stages = _config or _CONFIGS[op_dtype]  # _config: for tuning scripts only
+    split_b = False
+    if out_dtype == torch.float64:
+        # Triton cannot feed half operands converted in registers to an fp64 dot ("largeK MMA").
+        op_dtype, kind = torch.float64, "fp64"
+        a, b_t = a.to(torch.float64), b_t.to(torch.float64)
+    elif a.dtype in _HALF and out_dtype in (a.dtype, torch.float32) and b_t.dtype in (a.dtype, torch.float32):
+        op_dtype, kind = a.dtype, "half"
+        split_b = b_t.dtype == torch.float32 and out_dtype == torch.float32
+    else:
+        op_dtype, kind = out_dtype, ("fp32" if out_dtype == torch.float32 else "half")
+    bm, bn, bk, warps, stages = _config or _config_for(kind, b_t.shape[0])  # _config: tuning scripts only
     m, k = a.shape
     n = b_t.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
@@ -98,7 +114,7 @@ def triton_row_stable_mm(
         _row_stable_mm_kernel[grid](
             a, b_t, out, m, n, k,
             a.stride(0), a.stride(1), b_t.stride(0), b_t.stride(1), out.stride(0), out.stride(1),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, OP_TY=_TL_DTYPES[op_dtype],
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, OP_TY=_TL_DTYPES[op_dtype], SPLIT_B=split_b,
             num_warps=warps, num_stages=stages,
         )
     return out

@@ -130,6 +130,14 @@ def test_reported_scenario_same_upstream_gradient(capsys):
 # ---------------------------------------------------------------------------------------------
 # The Triton kernels under the interpreter against the torch twin.
 # ---------------------------------------------------------------------------------------------
+def _probs_grad_close(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, g: torch.Tensor) -> None:
+    """The probability gradient's in-chunk sum order differs between kernel (tl.sum) and twin:
+    both are fp32 dots over H, so they agree within 2 * H * 2^-24 * max_row |y| * max_row |g|."""
+    H = y.shape[1]
+    scale = float(y.double().abs().max() * g.double().abs().max()) * H
+    assert float((a.double() - b.double()).abs().max()) <= 2 * H * U32 * scale + 1e-30
+
+
 def _both_backends(*args, **kw):
     with set_backend("torch"):
         a = _run(*args, **kw)
@@ -157,8 +165,9 @@ def test_triton_interpreter_matches_torch_twin(dtype, probs_dtype, pad_multiple)
     N = int(padded.sum())
     y, g_perm, g_perm_probs = y[:N], g_perm[:N], g_perm_probs[:N]
     a, b = _both_backends(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs, pad_multiple=pad_multiple)
-    for key in ["slots", "permuted", "permuted_probs", "grad_probs"]:
+    for key in ["slots", "permuted", "permuted_probs"]:
         assert torch.equal(a[key], b[key]), key
+    _probs_grad_close(a["grad_probs"], b["grad_probs"], y, g_out)
     for key in ["out", "grad_tokens", "grad_rows"]:
         if dtype == torch.float32:
             assert torch.equal(a[key], b[key]), key
@@ -399,13 +408,17 @@ def test_meta_device_mismatch_is_reported():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("probs_dtype,pad_multiple", [(torch.float32, 1), (torch.float64, 1), (torch.float32, 16)])
 def test_cuda_kernels_match_cpu_twin_bitwise(dtype, probs_dtype, pad_multiple):
-    """With FMA contraction off and round-to-nearest casts, CUDA equals the CPU twin bitwise."""
+    """With FMA contraction off and round-to-nearest casts, CUDA equals the CPU twin bitwise
+    (the probability gradient's in-chunk sum order differs: within rounding there)."""
     routing_map, tokens, *rest = _case(2048, 64, 6, 1000, dtype, probs_dtype, seed=21, pad_multiple=pad_multiple)
     args = (tokens, routing_map, *rest)
     cpu = _run(*args, pad_multiple=pad_multiple)
     gpu = _run(*[a.cuda() for a in args], pad_multiple=pad_multiple)
-    for key in ["slots", "permuted", "permuted_probs", "out", "grad_tokens", "grad_rows", "grad_probs"]:
+    for key in ["slots", "permuted", "permuted_probs", "out", "grad_tokens", "grad_rows"]:
         assert torch.equal(cpu[key], gpu[key].cpu()), key
+    _probs_grad_close(cpu["grad_probs"], gpu["grad_probs"].cpu(), rest[1], rest[2])
+    again = _run(*[a.cuda() for a in args], pad_multiple=pad_multiple)
+    assert torch.equal(gpu["grad_probs"], again["grad_probs"])  # deterministic on the GPU
 
 
 @pytest.mark.gpu
@@ -415,8 +428,9 @@ def test_cuda_reported_scenario_within_bound():
         args = (tokens, routing_map, *rest)
         gpu = _run(*[a.cuda() for a in args])
         cpu = _run(*args)
-        for key in ["out", "grad_tokens", "grad_rows", "grad_probs"]:
+        for key in ["out", "grad_tokens", "grad_rows"]:
             assert torch.equal(cpu[key], gpu[key].cpu()), key
+        _probs_grad_close(cpu["grad_probs"], gpu["grad_probs"].cpu(), rest[1], rest[2])
 
 
 @pytest.mark.gpu
@@ -446,5 +460,6 @@ def test_triton_interpreter_many_experts_per_token_and_several_h_chunks():
     """K = 10 and H = 2100 > MAX_BLOCK_H: partial probability gradients over three H-chunks."""
     routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(3, 12, 10, 2100, torch.float32, seed=9)
     a, b = _both_backends(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs)
-    for key in ["slots", "permuted", "permuted_probs", "out", "grad_tokens", "grad_rows", "grad_probs"]:
+    for key in ["slots", "permuted", "permuted_probs", "out", "grad_tokens", "grad_rows"]:
         assert torch.equal(a[key], b[key]), key
+    _probs_grad_close(a["grad_probs"], b["grad_probs"], y, g_out)

@@ -124,9 +124,12 @@ def test_triton_kernel_indexing_under_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w-fp32", "w-bf16"])
 @pytest.mark.parametrize("in_dtype,dtype", CASES, ids=IDS)
-def test_gpu_rows_bitwise_independent_of_batch(in_dtype, dtype):
+def test_gpu_rows_bitwise_independent_of_batch(in_dtype, dtype, w_dtype):
+    # Kernel paths: fp32 FMA, half x half MMA, half x (fp32 split in three) MMA, fp64.
     x, w = data(in_dtype, t=4096, device="cuda", h=1024, e=128)
+    w = w.to(w_dtype)
     full = gating_linear(x, w, dtype)
     for t in (1, 3, 8, 64, 65, 128, 1000, 4095):
         assert torch.equal(gating_linear(x[:t], w, dtype), full[:t]), t
