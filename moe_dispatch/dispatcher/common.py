@@ -29,15 +29,15 @@ from .comm import ProcessGroup, all_to_all_rows, all_to_all_rows_autograd
 from .layout import Layout
 
 
-def _host_tensor(values: list, device: torch.device) -> torch.Tensor:
+def _host_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     t = torch.tensor(values, dtype=torch.int64)
     if device.type == "cuda":  # pinned + non_blocking: no wait on the queued GPU work
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
 
-def blocked_row_id_map(routing_map: torch.Tensor, counts: list, blocks: list, tail: list,
-                       max_per_row: int) -> RowIdMap:
+def blocked_row_id_map(routing_map: torch.Tensor, counts: list[list[int]], blocks: list[list[int]],
+                       tail: list[int], max_per_row: int) -> RowIdMap:
     """RowIdMap for a layout of per-(column, segment) blocks.
 
     Args:
@@ -101,7 +101,7 @@ def pairs_to_dense(values: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:
     return out[:, :X]
 
 
-def _return_chunks(layout: Layout) -> tuple[list, list, int]:
+def _return_chunks(layout: Layout) -> tuple[list[int], list[int], int]:
     """Chunk sizes of the receiver layout and the order that makes it source-major (pads last)."""
     P, El = layout.ep_size, layout.num_local_experts
     blocks, tail = layout.local_blocks(), layout.local_tail_pad()
@@ -195,28 +195,30 @@ class _Expand(torch.autograd.Function):
     def forward(ctx, x, probs, recv_x, recv_map, recv_probs, handle):
         expert_map = expert_row_id_map(recv_map, handle.layout)
         rows, row_probs = permute_with_map(recv_x, expert_map, recv_probs)
-        ctx.handle = handle
-        ctx.x_shape = x.shape
+        # Keep only what the backward needs: holding the handle would make a reference cycle
+        # (handle.permuted_probs -> this node -> ctx -> handle).
+        ctx.layout, ctx.group, ctx.owner_map = handle.layout, handle.group, handle.owner_map
+        ctx.x_shape, ctx.probs_dtype = x.shape, recv_probs.dtype
+        # The probs gradient travels back only if some rank needs it (same collectives everywhere).
+        ctx.send_probs_grad = handle.probs_in_experts and handle.layout.probs_grad
         if not handle.probs_in_experts:
             ctx.mark_non_differentiable(row_probs)
         return rows, row_probs
 
     @staticmethod
     def backward(ctx, grad_rows, grad_row_probs):
-        handle = ctx.handle
-        layout = handle.layout
-        want_probs = handle.probs_in_experts and layout.probs_grad
-        if want_probs and grad_row_probs is None:
-            grad_row_probs = torch.zeros(grad_rows.shape[0], dtype=handle.probs.dtype, device=grad_rows.device)
-        rows, row_probs = to_source_major(grad_rows.contiguous(), layout, grad_row_probs if want_probs else None)
-        rows = send_to_owners(rows, layout, handle.group, autograd=False)
-        grad_x = unpermute(rows, handle.owner_map, None).view(ctx.x_shape)
+        layout = ctx.layout
+        if ctx.send_probs_grad and grad_row_probs is None:
+            grad_row_probs = torch.zeros(grad_rows.shape[0], dtype=ctx.probs_dtype, device=grad_rows.device)
+        rows, row_probs = to_source_major(grad_rows.contiguous(), layout,
+                                          grad_row_probs if ctx.send_probs_grad else None)
+        rows = send_to_owners(rows, layout, ctx.group, autograd=False)
+        grad_x = unpermute(rows, ctx.owner_map, None).view(ctx.x_shape)
         grad_probs = None
-        if want_probs:
-            owner_probs = send_to_owners(row_probs, layout, handle.group, autograd=False)
-            grad_probs = pairs_to_dense(owner_probs, handle.owner_map)
-            if not ctx.needs_input_grad[1]:
-                grad_probs = None
+        if ctx.send_probs_grad:
+            owner_probs = send_to_owners(row_probs, layout, ctx.group, autograd=False)
+            if ctx.needs_input_grad[1]:
+                grad_probs = pairs_to_dense(owner_probs, ctx.owner_map)
         return grad_x, grad_probs, None, None, None, None
 
 

@@ -11,6 +11,7 @@ Notation: P = EP size, E = num_experts, El = E / P local experts; rank r owns gl
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -28,7 +29,7 @@ _PROBS_DTYPES = (1, 2, 3, 4)
 # Descriptor fields; shapes -1 = not a tensor or wrong number of dimensions; dtype -1 = not a
 # tensor, 0 = a dtype without a code.
 _FIELDS = ("hidden_T", "hidden_H", "hidden_dtype", "map_T", "map_E", "map_dtype",
-           "probs_T", "probs_E", "probs_dtype", "probs_grad", "max_k")
+           "probs_T", "probs_E", "probs_dtype", "probs_grad", "one_device", "max_k")
 
 
 def check_ep_size(num_experts: int, ep_size: int) -> int:
@@ -75,51 +76,51 @@ class Layout:
     rank: int
     num_experts: int
     num_local_experts: int
-    num_tokens: list
-    counts: list
-    sent: list
-    capacity: Optional[list]
+    num_tokens: list[int]
+    counts: list[list[int]]
+    sent: list[list[int]]
+    capacity: Optional[list[int]]
     pad_multiple: int
     probs_grad: bool
-    max_experts_per_token: list
+    max_experts_per_token: list[int]
 
     def block(self, source: int, expert: int) -> int:
         """Rows of global `expert` coming from `source` rank (with capacity padding)."""
         return self.capacity[source] if self.capacity is not None else self.counts[source][expert]
 
-    def local_blocks(self) -> list:
+    def local_blocks(self) -> list[list[int]]:
         """[P][El]: rows each source rank contributes to each local expert of this rank."""
         base = self.rank * self.num_local_experts
         return [[self.block(s, base + e) for e in range(self.num_local_experts)] for s in range(self.ep_size)]
 
-    def local_tail_pad(self) -> list:
+    def local_tail_pad(self) -> list[int]:
         """[El]: pad rows at the end of each local expert's block (dropless pad_multiple)."""
         if self.capacity is not None:
             return [0] * self.num_local_experts  # capacities are already multiples of pad_multiple
         m = self.pad_multiple
-        totals = [sum(col) for col in zip(*self.local_blocks())] or [0] * self.num_local_experts
+        totals = [sum(col) for col in zip(*self.local_blocks())]
         return [(n + m - 1) // m * m - n for n in totals]
 
-    def tokens_per_local_expert(self) -> list:
+    def tokens_per_local_expert(self) -> list[int]:
         """[El]: rows of each local expert's block, padding included."""
         blocks, tail = self.local_blocks(), self.local_tail_pad()
         return [sum(blocks[s][e] for s in range(self.ep_size)) + tail[e] for e in range(self.num_local_experts)]
 
-    def return_send_splits(self) -> list:
+    def return_send_splits(self) -> list[int]:
         """[P]: rows this rank's experts send back to each source rank."""
         return [sum(row) for row in self.local_blocks()]
 
-    def return_recv_splits(self) -> list:
+    def return_recv_splits(self) -> list[int]:
         """[P]: rows this rank receives back from each expert rank for its own tokens."""
         El = self.num_local_experts
         return [sum(self.block(self.rank, d * El + e) for e in range(El)) for d in range(self.ep_size)]
 
-    def owner_blocks(self) -> list:
+    def owner_blocks(self) -> list[int]:
         """[E]: rows per global expert in this rank's returned buffer (global expert-major)."""
         return [self.block(self.rank, e) for e in range(self.num_experts)]
 
 
-def _describe(hidden: Any, routing_map: Any, probs: Any) -> list:
+def _describe(hidden: Any, routing_map: Any, probs: Any) -> list[int]:
     def shape2(x: Any, flatten: bool) -> tuple:
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or (not flatten and x.dim() != 2):
             return -1, -1
@@ -129,12 +130,13 @@ def _describe(hidden: Any, routing_map: Any, probs: Any) -> list:
         return _DTYPE_CODES.get(x.dtype, 0) if isinstance(x, torch.Tensor) else -1
 
     grad = int(isinstance(probs, torch.Tensor) and probs.requires_grad)
-    # max_k (filled in on the device after validation) is a placeholder here
+    devices = {x.device for x in (hidden, routing_map, probs) if isinstance(x, torch.Tensor)}
+    # max_k is filled in on the device once the input is known to be valid
     return [*shape2(hidden, True), code(hidden), *shape2(routing_map, False), code(routing_map),
-            *shape2(probs, False), code(probs), grad, 0]
+            *shape2(probs, False), code(probs), grad, int(len(devices) <= 1), 0]
 
 
-def _problems(desc: list, config: Any, ep_size: int) -> list:
+def _problems(desc: list[list[int]], config: Any) -> list[str]:
     """Human-readable problems with the gathered descriptors (same list on every rank)."""
     E = config.num_experts
     out = []
@@ -152,6 +154,8 @@ def _problems(desc: list, config: Any, ep_size: int) -> list:
         if f["probs_dtype"] not in _PROBS_DTYPES or (f["probs_T"], f["probs_E"]) != (T, E):
             out.append(f"probs must be a float tensor [T, num_experts] = [{T}, {E}] {where}, got "
                        f"{_CODE_NAMES[f['probs_dtype']]} [{f['probs_T']}, {f['probs_E']}]")
+        if not f["one_device"]:
+            out.append(f"hidden_states, routing_map and probs must be on one device {where}")
     if not out:
         for field, what in (("hidden_H", "hidden size H"), ("hidden_dtype", "hidden_states dtype"),
                             ("probs_dtype", "probs dtype")):
@@ -173,7 +177,7 @@ def exchange_layout(hidden: Any, routing_map: Any, probs: Any, config: Any, grou
     El = check_ep_size(config.num_experts, P)
     E = config.num_experts
     desc = _describe(hidden, routing_map, probs)
-    local_ok = not _problems([desc], config, 1)
+    local_ok = not _problems([desc], config)
     device = next((x.device for x in (hidden, routing_map, probs) if isinstance(x, torch.Tensor)),
                   torch.device("cpu"))
     desc_t = torch.tensor(desc, dtype=torch.int64, device=device)
@@ -190,7 +194,7 @@ def exchange_layout(hidden: Any, routing_map: Any, probs: Any, config: Any, grou
     rows = all_gather_rows(message[None], group).tolist()  # the one host synchronisation
     nd = len(_FIELDS)
     descs = [row[:nd] for row in rows]
-    problems = _problems(descs, config, P)
+    problems = _problems(descs, config)
     if problems:
         raise ValueError("invalid MoE dispatch input: " + "; ".join(problems))
     counts_all = [row[nd:nd + E] for row in rows]
@@ -209,5 +213,5 @@ def exchange_layout(hidden: Any, routing_map: Any, probs: Any, config: Any, grou
             raise ValueError(f"pad_to_capacity: EP rank {s} routes {c} tokens to expert {e}, more than its "
                              f"capacity {caps[s]} (capacity_factor={config.capacity_factor}); the router must "
                              f"drop tokens over capacity first ({len(over)} (rank, expert) blocks over)")
-        layout = Layout(**{**layout.__dict__, "capacity": caps})
+        layout = dataclasses.replace(layout, capacity=caps)
     return layout

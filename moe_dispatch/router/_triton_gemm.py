@@ -21,8 +21,10 @@ except ImportError:  # triton is optional; gating.py falls back to fixed-shape b
 # T=16384, H=4096/E=128 and H=7168/E=256. Wide N tiles pay off only when E fills them. fp32
 # operands use input_precision="ieee": TF32 would lower the router precision below fp32.
 def _config_for(kind: str, n: int) -> tuple:
-    if kind == "half":  # half x half, or half x (fp32 split into three halves)
+    if kind == "half":
         return (128, 256, 64, 8, 3) if n >= 256 else (64, 128, 64, 4, 4)
+    if kind == "split":  # half x (fp32 split in three): fp32 weight tiles need more shared memory
+        return (64, 128, 64, 4, 3)
     if kind == "fp32":
         return (128, 128, 32, 8, 3)
     return (32, 32, 16, 4, 2)  # fp64
@@ -97,6 +99,7 @@ def triton_row_stable_mm(
     elif a.dtype in _HALF and out_dtype in (a.dtype, torch.float32) and b_t.dtype in (a.dtype, torch.float32):
         op_dtype, kind = a.dtype, "half"
         split_b = b_t.dtype == torch.float32 and out_dtype == torch.float32
+        kind = "split" if split_b else kind
     else:
         op_dtype, kind = out_dtype, ("fp32" if out_dtype == torch.float32 else "half")
     bm, bn, bk, warps, stages = _config or _config_for(kind, b_t.shape[0])  # _config: tuning scripts only

@@ -29,12 +29,12 @@ def _run_with_row(experts, token, grad_row, prob, block, pos, before, after, see
     """Forward + backward with `token` at position `pos` of expert 1's block; returns the row's
     (output, input grad, prob grad)."""
     g = torch.Generator().manual_seed(seed)
-    h, dtype = token.shape[0], token.dtype
+    h, dtype, device = token.shape[0], token.dtype, token.device
     counts = [before, block, after]
     n = sum(counts)
-    x = torch.randn(n, h, generator=g).to(dtype)
-    dy = torch.randn(n, h, generator=g).to(dtype)
-    probs = torch.rand(n, generator=g)
+    x = torch.randn(n, h, generator=g).to(device, dtype)
+    dy = torch.randn(n, h, generator=g).to(device, dtype)
+    probs = torch.rand(n, generator=g).to(device)
     row = before + pos
     x[row], dy[row], probs[row] = token, grad_row, prob
     x.requires_grad_()
@@ -45,13 +45,14 @@ def _run_with_row(experts, token, grad_row, prob, block, pos, before, after, see
     return y[row].detach(), x.grad[row], pgrad
 
 
-def _assert_row_stable(experts, dtype):
+def _assert_row_stable(experts, dtype, blocks=BLOCK_SIZES, neighbours=NEIGHBOURS):
+    device = experts.weight1.device
     g = torch.Generator().manual_seed(123)
-    token = torch.randn(experts.hidden_size, generator=g).to(dtype)
-    grad_row = torch.randn(experts.hidden_size, generator=g).to(dtype)
-    prob = torch.tensor(0.37)
+    token = torch.randn(experts.hidden_size, generator=g).to(device, dtype)
+    grad_row = torch.randn(experts.hidden_size, generator=g).to(device, dtype)
+    prob = torch.tensor(0.37, device=device)
     ref = _run_with_row(experts, token, grad_row, prob, 1, 0, 0, 0, seed=0)
-    for i, (block, (before, after)) in enumerate(itertools.product(BLOCK_SIZES, NEIGHBOURS)):
+    for i, (block, (before, after)) in enumerate(itertools.product(blocks, neighbours)):
         for pos in sorted({0, (block // 2) * (before > 0), block - 1}):
             got = _run_with_row(experts, token, grad_row, prob, block, pos, before, after, seed=i + 1)
             where = f"block={block} pos={pos} neighbours={before},{after}"
@@ -105,14 +106,14 @@ def test_fast_paths_in_fp32_informational(strategy):
     assert strategy == "loop" or torch.equal(rows[-1], rows[-2])  # same kernel class at 64 vs 200
 
 
-def _activation_mismatches(fn, dtype) -> int:
+def _activation_mismatches(fn, dtype, device="cpu") -> int:
     """How many probes of `fn` differ between a big batch and the same rows or elements alone."""
     g = torch.Generator().manual_seed(1)
     bad = 0
     for n, width in [(1000, 100), (333, 256), (7, 1030), (5000, 7)]:
-        h = (torch.randn(n, width, generator=g) * 4).to(dtype).requires_grad_()
+        h = (torch.randn(n, width, generator=g) * 4).to(device, dtype).requires_grad_()
         out = fn(h)
-        dout = torch.randn(out.shape, generator=g).to(dtype)
+        dout = torch.randn(out.shape, generator=g).to(device, dtype)
         out.backward(dout)
         probes = [(i, slice(None)) for i in (0, 1, n // 2, n - 2, n - 1)]
         probes += [(i, slice(j, j + 1)) for i, j in zip(torch.randint(n, (40,), generator=g).tolist(),

@@ -124,11 +124,13 @@ def test_triton_kernel_indexing_under_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("e", [128, 256])
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w-fp32", "w-bf16"])
 @pytest.mark.parametrize("in_dtype,dtype", CASES, ids=IDS)
-def test_gpu_rows_bitwise_independent_of_batch(in_dtype, dtype, w_dtype):
-    # Kernel paths: fp32 FMA, half x half MMA, half x (fp32 split in three) MMA, fp64.
-    x, w = data(in_dtype, t=4096, device="cuda", h=1024, e=128)
+def test_gpu_rows_bitwise_independent_of_batch(in_dtype, dtype, w_dtype, e):
+    # Kernel paths: fp32 FMA, half x half MMA, half x (fp32 split in three) MMA, fp64; the tile
+    # width depends on E.
+    x, w = data(in_dtype, t=4096, device="cuda", h=1024, e=e)
     w = w.to(w_dtype)
     full = gating_linear(x, w, dtype)
     for t in (1, 3, 8, 64, 65, 128, 1000, 4095):
@@ -140,7 +142,7 @@ def test_gpu_rows_bitwise_independent_of_batch(in_dtype, dtype, w_dtype):
     torch.testing.assert_close(full.double(), ref, rtol=tol, atol=tol)
     xg = x[:1000].clone().requires_grad_(True)
     wg = w.clone().requires_grad_(True)
-    gout = torch.randn(1000, 128, device="cuda", dtype=dtype)
+    gout = torch.randn(1000, e, device="cuda", dtype=dtype)
     gating_linear(xg, wg, dtype).backward(gout)
     gx, gw = xg.grad.clone(), wg.grad.clone()
     xg.grad = None

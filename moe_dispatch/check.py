@@ -1,0 +1,280 @@
+"""`moe-dispatch check`: prove the contract on this machine.
+
+Builds a small MoE layer on N ranks and checks, bitwise, that a token's output and gradients are
+(a) identical on every rank holding it, (b) identical with the allgather and the alltoall
+dispatcher, (c) identical at every EP size, and (d) unchanged when the other tokens of the batch
+change (the report's truncation test: zero tokens 90 onwards). Prints a table and a throughput
+line; exits nonzero on any FAIL.
+
+Launch plainly (it spawns the ranks itself: 4 CPU ranks on gloo by default, one rank per GPU on
+NCCL where CUDA is present) or under torchrun, which sets the ranks:
+
+    moe-dispatch check
+    python -m moe_dispatch.check --ranks 2 --dtype fp32
+    torchrun --nproc-per-node 8 -m moe_dispatch.check --ep-sizes 1,2,4,8
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-dispatch check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="ranks to spawn when not under torchrun (default: GPUs if any, else 4)")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                        help="default: nccl with CUDA, else gloo")
+    parser.add_argument("--ep-sizes", default=None,
+                        help="comma-separated EP sizes to compare (default: powers of two up to --ranks)")
+    parser.add_argument("--dispatcher", choices=["both", "allgather", "alltoall"], default="both")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype")
+    parser.add_argument("--router-dtype", choices=["fp32", "fp64"], default="fp32")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per rank")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--ffn", type=int, default=128)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--truncate-at", type=int, default=90, help="tokens kept in the truncation test")
+    parser.add_argument("--megatron", action="store_true",
+                        help="also run the checks on megatron-core's own MoELayer, beside ours")
+    parser.add_argument("--seed", type=int, default=1234)
+    return parser
+
+
+@dataclass
+class Result:
+    check: str
+    max_diff: float
+    passed: bool
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def _progress(rank: int, text: str) -> None:
+    if rank == 0:
+        print(f"  ... {text}", flush=True)
+
+
+def _ep_groups(world: int, sizes: list[int]) -> dict[int, dist.ProcessGroup]:
+    """For each EP size, the subgroup of this rank (ranks split into consecutive blocks)."""
+    rank = dist.get_rank()
+    mine = {}
+    for size in sizes:
+        for start in range(0, world, size):
+            group = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                mine[size] = group
+    return mine
+
+
+def _run_layer(layer_fn: Callable[[], torch.nn.Module], x: torch.Tensor, upstream: torch.Tensor):
+    """Forward + backward; returns (output, input grad, router weight grad)."""
+    layer = layer_fn()
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    out.backward(upstream)
+    router_weight = next(p for n, p in layer.named_parameters() if "router" in n)
+    return out.detach(), x.grad.detach(), router_weight.grad.detach().clone()
+
+
+def _all_equal_across(group: Optional[dist.ProcessGroup], tensors: tuple[torch.Tensor, ...]) -> tuple[float, bool]:
+    """Compare this rank's tensors with every other rank's in the group (gathered)."""
+    worst, same = 0.0, True
+    for t in tensors:
+        flat = t.reshape(-1).contiguous()
+        gathered = torch.empty(dist.get_world_size(group) * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_into_tensor(gathered, flat, group=group)  # gloo wants a flat output
+        for row in gathered.view(-1, flat.numel()):
+            worst = max(worst, _max_diff(row, flat))
+            same &= _bitwise(row, flat)
+    return worst, same
+
+
+def run_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
+    from .config import MoEConfig
+    from .layer import MoELayer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[args.dtype]
+    sizes = [int(s) for s in args.ep_sizes.split(",")] if args.ep_sizes else \
+        [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= world and world % s == 0]
+    for s in sizes:
+        if world % s or args.experts % s:
+            raise SystemExit(f"--ep-sizes: {s} must divide the world size {world} and --experts {args.experts}")
+    dispatchers = ["allgather", "alltoall"] if args.dispatcher == "both" else [args.dispatcher]
+    groups = _ep_groups(world, sizes)
+    base = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
+                     router_dtype=args.router_dtype, init_seed=args.seed)
+
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    shared_x = torch.randn((args.tokens, args.hidden), generator=gen).to(dtype).to(device)
+    upstream = torch.randn((args.tokens, args.hidden), generator=gen).to(dtype).to(device)
+    own_gen = torch.Generator().manual_seed(args.seed + 100 + rank)
+    own_x = torch.randn((args.tokens, args.hidden), generator=own_gen).to(dtype).to(device)
+
+    def layer_fn(kind: str, ep: int) -> Callable[[], torch.nn.Module]:
+        return lambda: MoELayer(base.replace(dispatcher=kind), ep_group=groups[ep]).to(device)
+
+    results: list[Result] = []
+    outs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
+    for kind in dispatchers:
+        for ep in sizes:
+            _progress(rank, f"{kind} dispatcher, EP {ep}")
+            identical = _run_layer(layer_fn(kind, ep), shared_x, upstream)
+            diff, same = _all_equal_across(None, identical)
+            results.append(Result(f"(a) identical tokens, every rank: {kind}, EP {ep}", diff, same))
+            outs[(kind, ep)] = _run_layer(layer_fn(kind, ep), own_x, upstream)
+
+    first = outs[(dispatchers[0], sizes[0])]
+    for kind in dispatchers:
+        for ep in sizes:
+            if (kind, ep) == (dispatchers[0], sizes[0]):
+                continue
+            other = outs[(kind, ep)]
+            diff = max(_max_diff(a, b) for a, b in zip(first, other))
+            same = all(_bitwise(a, b) for a, b in zip(first, other))
+            label = "(b) allgather vs alltoall" if kind != dispatchers[0] and ep == sizes[0] else "(c) EP size"
+            results.append(Result(f"{label}: {dispatchers[0]} EP {sizes[0]} vs {kind} EP {ep}", diff, same))
+
+    keep = min(args.truncate_at, args.tokens)
+    for kind in dispatchers:
+        ep = sizes[-1]
+        _progress(rank, f"truncation test, {kind}, EP {ep}")
+        truncated = own_x.clone()
+        truncated[keep:] = 0
+        out_t, grad_t, _ = _run_layer(layer_fn(kind, ep), truncated, upstream)
+        full_out, full_grad, _ = outs[(kind, ep)]
+        diff = max(_max_diff(out_t[:keep], full_out[:keep]), _max_diff(grad_t[:keep], full_grad[:keep]))
+        same = _bitwise(out_t[:keep], full_out[:keep]) and _bitwise(grad_t[:keep], full_grad[:keep])
+        results.append(Result(f"(d) truncation (tokens {keep}+ zeroed): {kind}, EP {ep}", diff, same))
+        one_out, one_grad, _ = _run_layer(layer_fn(kind, ep), own_x[:1], upstream[:1])
+        diff = max(_max_diff(one_out, full_out[:1]), _max_diff(one_grad, full_grad[:1]))
+        results.append(Result(f"(d) one token alone vs in the batch: {kind}, EP {ep}", diff,
+                              _bitwise(one_out, full_out[:1]) and _bitwise(one_grad, full_grad[:1])))
+
+    # Results on other ranks count too: a FAIL anywhere fails everywhere.
+    flags = torch.tensor([0.0 if r.passed else 1.0 for r in results] + [r.max_diff for r in results],
+                         dtype=torch.float64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    n = len(results)
+    return [Result(r.check, float(flags[n + i]), flags[i].item() == 0.0) for i, r in enumerate(results)]
+
+
+def throughput(args: argparse.Namespace, device: torch.device) -> str:
+    from .config import MoEConfig
+    from .layer import MoELayer
+
+    world = dist.get_world_size()
+    config = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
+                       router_dtype=args.router_dtype, init_seed=args.seed,
+                       dispatcher="alltoall" if args.dispatcher == "both" else args.dispatcher)
+    layer = MoELayer(config).to(device)
+    x = torch.randn((args.tokens, args.hidden), device=device).to(DTYPES[args.dtype]).requires_grad_()
+    steps = 5
+    for i in range(steps + 1):
+        if i == 1:  # the first step warms up
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+        layer(x).float().sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / steps
+    return (f"throughput: {args.tokens * world / seconds:,.0f} tokens/s forward+backward "
+            f"({world} ranks, EP {world}, {config.dispatcher}, {args.tokens} tokens per rank, {args.dtype})")
+
+
+def _print_table(results: list[Result]) -> None:
+    width = max(len(r.check) for r in results)
+    print(f"{'check':<{width}} | {'max |diff|':>10} | result")
+    print("-" * (width + 22))
+    for r in results:
+        print(f"{r.check:<{width}} | {r.max_diff:>10.3e} | {'PASS' if r.passed else 'FAIL'}")
+
+
+def _worker(local_rank: int, world: int, port: int, backend: str, args: argparse.Namespace) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ.setdefault("RANK", str(local_rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    main_worker(args, backend)
+
+
+def main_worker(args: argparse.Namespace, backend: str) -> int:
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")  # torch 2.13 renamed it
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)  # ranks share the cores; one thread each avoids oversubscription
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    rank = dist.get_rank()
+    try:
+        if rank == 0:
+            print(f"moe-dispatch check: {dist.get_world_size()} ranks on {backend} ({device.type}), "
+                  f"{args.tokens} tokens per rank, H={args.hidden}, E={args.experts}, K={args.topk}, "
+                  f"{args.dtype}, router {args.router_dtype}", flush=True)
+        results = run_checks(args, device)
+        if args.megatron:
+            from .integrations.megatron_check import run_megatron_checks
+            results += run_megatron_checks(args, device)
+        line = throughput(args, device)
+        if rank == 0:
+            _print_table(results)
+            print(line)
+            failed = [r for r in results if not r.passed]
+            print("ALL PASS" if not failed else f"{len(failed)} FAIL", flush=True)
+        ok = all(r.passed for r in results)
+    finally:
+        dist.destroy_process_group()
+    if not ok:
+        raise SystemExit(1)
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        return main_worker(args, backend)
+    world = args.ranks or (torch.cuda.device_count() if backend == "nccl" else 4)
+    import torch.multiprocessing as mp
+    try:
+        mp.spawn(_worker, args=(world, _free_port(), backend, args), nprocs=world, join=True)
+    except mp.ProcessExitedException as exc:
+        print(f"moe-dispatch check: a rank failed ({exc})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

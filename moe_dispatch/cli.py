@@ -1,0 +1,29 @@
+"""The `moe-dispatch` console script.
+
+    moe-dispatch check [options]     the rank-consistency check (see `moe-dispatch check --help`)
+    moe-dispatch ops-demo [options]  permute/unpermute error vs float64 and repeatability
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "check":
+        from .check import main as check_main
+        return check_main(rest)
+    if command == "ops-demo":
+        from .ops.demo import main as demo_main
+        return demo_main(rest)
+    print(f"moe-dispatch: unknown command {command!r}; expected 'check' or 'ops-demo'", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""MoELayer: router -> dispatcher -> experts -> combine, plus an optional shared expert.
+
+Every stage keeps a token's result independent of the rest of the batch: the router's gating GEMM
+and the experts are row-stable, the dispatchers return expert rows unreduced to the token's owner,
+and the owner sums them in fixed (ascending expert) order in fp32. So for fixed weights a token's
+output and gradients are bitwise identical on every EP rank, with either dispatcher and at any EP
+size (dropless mode; capacity dropping depends on the batch by definition).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import MoEConfig
+from .dispatcher import build_dispatcher
+from .experts import GroupedMLP, SequentialMLP
+from .router import TopKRouter
+
+# Offsets the shared expert's seed from the routed experts' seeds.
+_SHARED_EXPERT_SEED_OFFSET = 104729
+
+
+class MoELayer(nn.Module):
+    """A mixture-of-experts layer with expert parallelism.
+
+    Args:
+        config: the MoEConfig shared by router, dispatcher and experts.
+        ep_group: the expert-parallel process group. None means the default group when
+            torch.distributed is initialised, else a single process holding every expert.
+
+    Parameters are built from ``config.init_seed`` alone (router, shared expert) or from
+    (init_seed, global expert id) (routed experts), so the same seed builds the same model at
+    every EP size and on every rank.
+    """
+
+    def __init__(self, config: MoEConfig, ep_group: Optional[dist.ProcessGroup] = None) -> None:
+        super().__init__()
+        self.config = config
+        self.router = TopKRouter(config)
+        self.dispatcher = build_dispatcher(config, ep_group)
+        experts_cls = GroupedMLP if config.expert_impl == "grouped" else SequentialMLP
+        num_local = self.dispatcher.num_local_experts
+        self.experts = experts_cls(config, num_local, self.dispatcher.ep_rank * num_local)
+        self.shared_expert: Optional[nn.Module] = None
+        if config.shared_expert_ffn_hidden_size:
+            shared_config = config.replace(num_experts=1, topk=1, pre_softmax=True, num_groups=None,
+                                           group_topk=None, capacity_factor=None, pad_to_capacity=False,
+                                           ffn_hidden_size=config.shared_expert_ffn_hidden_size,
+                                           probs_in_experts=False,
+                                           init_seed=config.init_seed + _SHARED_EXPERT_SEED_OFFSET)
+            self.shared_expert = experts_cls(shared_config, 1, 0)
+
+    @property
+    def aux_losses(self) -> dict[str, torch.Tensor]:
+        """Detached values of the losses the router attached in the last forward (for logging)."""
+        return dict(self.router.last_losses)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [S, B, H] or [T, H] -> the same shape and dtype."""
+        if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"hidden_states must be [T, {self.config.hidden_size}] or "
+                             f"[S, B, {self.config.hidden_size}], got {tuple(hidden_states.shape)}")
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        probs, routing_map = self.router(hidden_states)
+        expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(tokens, routing_map, probs)
+        expert_output = self.experts(expert_input, tokens_per_expert, handle.permuted_probs)
+        output = self.dispatcher.combine(expert_output, handle)
+        if self.shared_expert is not None:
+            counts = torch.tensor([tokens.shape[0]], dtype=torch.int64)
+            output = output + self.shared_expert(tokens, counts).reshape(output.shape)
+        return output.reshape(hidden_states.shape)

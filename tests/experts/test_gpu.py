@@ -1,0 +1,73 @@
+"""CUDA checks (skipped without a GPU): bitwise row stability of the default paths, and what
+plain cuBLAS mm does (informational). Run on an H200 with: pytest tests/experts/test_gpu.py -s"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_dispatch.experts import GroupedMLP, SequentialMLP, expert_gemm
+from moe_dispatch.experts.activations import _unary
+from tests.experts.reference import make_config
+from tests.experts.test_row_stability import _activation_mismatches, _assert_row_stable
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+GPU_BLOCKS = [1, 3, 7, 8, 64, 128, 200, 1000, 4096]
+GPU_NEIGHBOURS = [(0, 0), (5, 0), (300, 2000)]
+
+
+def _experts(cls, dtype, **kw):
+    cfg = make_config("swiglu", dtype, probs_in_experts=True, hidden=512, ffn=256, num_experts=3)
+    return cls(cfg, 3, device="cuda", **kw)
+
+
+def test_grouped_bf16_row_stable():
+    experts = _experts(GroupedMLP, torch.bfloat16)
+    assert experts.gemm_strategies(torch.zeros(1, 512, dtype=torch.bfloat16, device="cuda")) == ("grouped", "grouped")
+    _assert_row_stable(experts, torch.bfloat16, GPU_BLOCKS, GPU_NEIGHBOURS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_loop_row_stable(dtype):
+    """SequentialMLP's default: cuBLAS mm on blocks padded to a multiple of 128 rows."""
+    _assert_row_stable(_experts(SequentialMLP, dtype), dtype, GPU_BLOCKS, GPU_NEIGHBOURS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["gelu", "silu"])
+def test_cuda_activations_batch_independent(dtype, name):
+    assert _activation_mismatches(lambda h: _unary(h, name), dtype, "cuda") == 0
+
+
+def test_tokens_per_expert_on_device_and_empty_experts():
+    experts = _experts(GroupedMLP, torch.bfloat16)
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tpe = torch.tensor([0, 300, 0], device="cuda")
+    y = experts(x, tpe, torch.rand(300, device="cuda"))
+    y.float().square().sum().backward()
+    assert torch.isfinite(y).all()
+    for e in (0, 2):  # empty groups: zero weight gradients, not garbage
+        assert torch.count_nonzero(experts.weight1.grad[e]) == 0
+        assert torch.count_nonzero(experts.weight2.grad[e]) == 0
+    probs = torch.rand(300, device="cuda")
+    assert torch.equal(experts(x, tpe, probs), experts(x, tpe.cpu(), probs))  # CPU or device counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strategy", ["loop", "grouped"])
+def test_plain_paths_informational(dtype, strategy):
+    """Prints which row counts give other bits than M=1 for one row: cuBLAS mm (``loop``) is
+    expected to change (FACTS.md: M<=64 vs M>=128); grouped_mm bf16 is expected stable."""
+    if strategy == "grouped" and dtype != torch.bfloat16:
+        pytest.skip("grouped_mm on CUDA is bf16 only")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1, 4096, 1024, generator=g).to("cuda", dtype)
+    token = torch.randn(4096, generator=g).to("cuda", dtype)
+    ref, classes = None, {}
+    for m in [1, 2, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384]:
+        x = torch.randn(m, 4096, generator=g).to("cuda", dtype)
+        x[m // 2] = token
+        row = expert_gemm(x, w, torch.tensor([m]), strategy)[m // 2]
+        ref = row if ref is None else ref
+        classes.setdefault(float((row.float() - ref.float()).abs().max()), []).append(m)
+    print(f"\n{strategy} {dtype}: max|row - row(M=1)| -> M values: {classes}")
