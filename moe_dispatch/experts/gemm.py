@@ -3,23 +3,26 @@
 ``x`` is [N, K] with rows expert-major (expert 0's rows, then expert 1's, ...), ``w`` is
 [E, K, M] and ``tokens_per_expert`` is [E] (int, CPU or device; it must sum to N). Result [N, M].
 
-Three strategies, picked by `select_gemm`:
+Strategies, picked by `select_gemm`:
 
-- ``"grouped"``: one ``torch._grouped_mm`` call. No host sync. Row-stable where
-  `grouped_mm_row_stable` says so (CPU bf16/fp16, CUDA bf16 on sm90+: one CUTLASS kernel whose
-  tile shape does not depend on the group sizes). On CPU fp32 it is a loop of plain mm inside and
-  NOT row-stable (rows of groups with fewer than 4 rows differ).
-- ``"padded"``: a per-expert loop of plain mm in which each expert's row block is zero-padded to a
-  multiple of `row_tile` rows. BLAS picks its kernel from M, and on CPU (MKL fp32) only M < 4 takes a
-  different path (also when several threads split M), so padding to a multiple of 8 puts every
-  row through the same kernel. The row-stable fallback; it syncs with the host.
-- ``"loop"``: plain per-expert mm, as Megatron's SequentialMLP does. Fastest loop, NOT row-stable
-  (CPU fp32 below M=4; cuBLAS changes rows between M<=64 and M>=128). Opt-in only.
+- ``"grouped"``: one ``torch._grouped_mm`` call, no host sync. Row-stable where
+  `grouped_mm_row_stable` says so: CUDA bf16 on sm90+ (one CUTLASS kernel whose tiles do not
+  depend on the group sizes; rows equal at M = 1..16384 on H200) and CPU bf16/fp16. On CPU fp32 it
+  loops plain MKL sgemm inside and is NOT row-stable.
+- ``"padded"`` (the CPU row-stable fallback): one plain mm per expert on its row block
+  zero-padded to a multiple of ``row_tile`` (8). MKL takes another kernel only for M < 4 (also
+  when threads split M), so every row goes through the same kernel.
+- ``"tiled"`` (the CUDA row-stable fallback): the expert's rows in calls of exactly ``row_tile``
+  (128) rows, the last tile zero-padded. cuBLAS picks its kernel from the shape, and its choice
+  changes rows at many M (fp32 and bf16 on H200: M=128 vs 256 vs 1024 all differ), so padding
+  alone is not enough there; a single fixed shape is.
+- ``"loop"``: one plain mm per expert on exactly its rows, as Megatron's SequentialMLP does.
+  NOT row-stable (CPU fp32 below 4 rows; cuBLAS at many M). Opt-in only (``row_stable=False``).
 
-Row stability covers autograd too: the input gradient of a row is ``dy_row @ w[e]^T`` computed by
-the same strategy (grouped_mm's backward is a grouped_mm; the padded loop's backward multiplies
-padded blocks). Weight gradients are ``x_e^T @ dy_e`` per expert: a sum over that expert's rows
-only, so they are deterministic and equal at any EP size for the same rows in the same order.
+Gradients: the input gradient ``dy_row @ w[e]^T`` runs through the same strategy (same padding
+and tiling), so it is row-stable whenever the forward is. The weight gradient of expert e is one
+GEMM ``x_e^T @ dy_e`` over that expert's rows only: deterministic, and equal at any EP size when
+the expert receives the same rows in the same order (empty experts get exact zeros).
 """
 
 from __future__ import annotations
@@ -28,16 +31,17 @@ from typing import List, Literal
 
 import torch
 
-GemmStrategy = Literal["grouped", "padded", "loop"]
+GemmStrategy = Literal["grouped", "padded", "tiled", "loop"]
 
-# CPU: MKL fp32 sgemm has one kernel class for M >= 4 (any thread count we tried); 8 leaves margin.
-# CUDA: cuBLAS keeps one kernel family only for large M (rows from M<=64 differ from M>=128).
-_ROW_TILE = {"cpu": 8, "cuda": 128}
+# "padded" on CPU: MKL fp32 sgemm has one kernel class for M >= 4 (1..16 threads tried); 8 leaves
+# margin. "tiled" elsewhere: rows per GEMM call.
+_ROW_TILE = {"cpu": 8}
+_DEFAULT_TILE = 128
 
 
 def default_row_tile(device: torch.device) -> int:
-    """Rows each expert block is padded to a multiple of on the ``"padded"`` path."""
-    return _ROW_TILE.get(device.type, 128)
+    """Padding unit (``"padded"``) or rows per GEMM call (``"tiled"``) for this device."""
+    return _ROW_TILE.get(device.type, _DEFAULT_TILE)
 
 
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -73,7 +77,7 @@ def select_gemm(x: torch.Tensor, w: torch.Tensor, prefer_grouped: bool, row_stab
     if row_stable:
         if grouped_ok and grouped_mm_row_stable(x.device, x.dtype):
             return "grouped"
-        return "padded"
+        return "padded" if x.device.type == "cpu" else "tiled"
     return "grouped" if grouped_ok else "loop"
 
 
@@ -113,16 +117,48 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor) 
     return _GroupedMM.apply(x, w, offs)
 
 
-def _loop(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor, row_tile: int) -> torch.Tensor:
-    counts = _counts(tokens_per_expert, x.shape[0])
-    outs = []
-    for e, block in enumerate(torch.split(x, counts)):
-        # Empty experts still multiply (a [0, K] block) so w gets a zero gradient, never None.
-        pad = -block.shape[0] % row_tile
-        if pad:
-            block = torch.cat([block, block.new_zeros(pad, block.shape[1])])
-        outs.append((block @ w[e])[: counts[e]])
-    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[2])
+def _blockwise(x: torch.Tensor, w: torch.Tensor, counts: List[int], row_tile: int, tiled: bool) -> torch.Tensor:
+    """x [N, K] @ w[e] [K, M] per expert block, each GEMM call on a padded or fixed-size block."""
+    out = x.new_empty(x.shape[0], w.shape[2])
+    start = 0
+    for e, m in enumerate(counts):
+        # Full tiles are read in place; only the ragged tail is copied and zero-padded.
+        full = m - m % row_tile if tiled else 0
+        for s in range(start, start + full, row_tile):
+            out[s : s + row_tile] = x[s : s + row_tile] @ w[e]
+        rest = m - full
+        if rest:
+            block = x[start + full : start + m]
+            pad = -rest % row_tile
+            if pad:
+                block = torch.cat([block, block.new_zeros(pad, block.shape[1])])
+            out[start + full : start + m] = (block @ w[e])[:rest]
+        start += m
+    return out
+
+
+class _LoopMM(torch.autograd.Function):
+    """Per-expert plain mm (``"padded"``, ``"tiled"`` or ``"loop"``) with an explicit backward:
+    dx through the same blocking as the forward, dw as one GEMM per expert, stacked once."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, counts: List[int], row_tile: int, tiled: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.args = (counts, row_tile, tiled)
+        return _blockwise(x, w, counts, row_tile, tiled)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        counts, row_tile, tiled = ctx.args
+        grad = grad.contiguous()
+        gx = _blockwise(grad, w.transpose(1, 2), counts, row_tile, tiled) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = torch.empty_like(w)
+            for e, (xe, ge) in enumerate(zip(torch.split(x, counts), torch.split(grad, counts))):
+                gw[e] = xe.t() @ ge  # K = that expert's row count; an empty expert gives zeros
+        return gx, gw, None, None, None
 
 
 def expert_gemm(
@@ -134,12 +170,12 @@ def expert_gemm(
 ) -> torch.Tensor:
     """``x`` [N, K] expert-major, ``w`` [E, K, M], ``tokens_per_expert`` [E] -> [N, M].
 
-    ``row_tile`` (``"padded"`` only): 0 means `default_row_tile` for the device.
+    ``row_tile`` (``"padded"``/``"tiled"``): 0 means `default_row_tile` for the device.
     """
     if strategy == "grouped":
         return _grouped(x, w, tokens_per_expert)
-    if strategy == "padded":
-        return _loop(x, w, tokens_per_expert, row_tile or default_row_tile(x.device))
-    if strategy == "loop":
-        return _loop(x, w, tokens_per_expert, 1)
-    raise ValueError(f"unknown GEMM strategy {strategy!r}")
+    if strategy not in ("padded", "tiled", "loop"):
+        raise ValueError(f"unknown GEMM strategy {strategy!r}")
+    counts = _counts(tokens_per_expert, x.shape[0])
+    tile = 1 if strategy == "loop" else row_tile or default_row_tile(x.device)
+    return _LoopMM.apply(x, w, counts, tile, strategy == "tiled")

@@ -157,7 +157,7 @@ class TopKRouter(nn.Module):
         # Reduced now, read (one device sync) only after the routing kernels are queued.
         finite = torch.isfinite(logits).all() if self.check_finite else None
         train = self.training and torch.is_grad_enabled()
-        if train and cfg.z_loss_coeff:
+        if train and cfg.z_loss_coeff and logits.shape[0] > 0:  # the mean of no tokens is NaN
             group_size = 1 if self.loss_group is None else torch.distributed.get_world_size(self.loss_group)
             loss = z_loss(logits, cfg.z_loss_coeff / group_size)
             logits = attach_loss(logits, loss)
@@ -189,17 +189,25 @@ class TopKRouter(nn.Module):
         cfg = self.config
         aux_map, scores = scores_for_aux_loss(logits, cfg.topk, cfg.score_function)
         num_tokens = logits.shape[0]
+        # Collectives run on every rank (same call sequence everywhere); a batch with no tokens then
+        # gets no loss instead of a division by zero.
         if cfg.load_balancing_type == "aux_loss":
             counts, size = all_reduce_counts(aux_map.sum(dim=0), self.loss_group)
+            if num_tokens * size == 0:
+                return probs
             loss = switch_aux_loss(scores, counts, num_tokens * size, cfg.topk, cfg.aux_loss_coeff)
             name = "load_balancing_loss"
         elif cfg.load_balancing_type == "seq_aux_loss":
             e = cfg.num_experts
             counts, size = all_reduce_counts(aux_map.view(seq_length, batch, e).sum(dim=0), self.loss_group)
+            if seq_length * size == 0:
+                return probs
             loss = seq_aux_loss(scores.view(seq_length, batch, e), counts, seq_length * size, cfg.topk, cfg.aux_loss_coeff)
             name = "seq_load_balancing_loss"
         else:  # global_aux_loss: counts averaged over the steps since reset_global_aux_loss_tracker()
             counts, size = all_reduce_counts(aux_map.sum(dim=0), self.global_loss_group)
+            if num_tokens * size == 0:
+                return probs
             with torch.no_grad():
                 self.global_tokens_per_expert += counts
                 self.ga_steps += 1

@@ -16,9 +16,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, backend: str,
+           args: tuple) -> None:
     torch.set_num_threads(1)  # 4 ranks share 2 cores; also keeps CPU reductions single-threaded
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -26,11 +29,12 @@ def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: st
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 150.0) -> list:
-    """fn(rank, world_size, *args) on `world_size` ranks; returns the list of per-rank results."""
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 150.0, backend: str = "gloo") -> list:
+    """fn(rank, world_size, *args) on `world_size` ranks; returns the list of per-rank results.
+    backend 'nccl' puts rank r on CUDA device r."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
-        ctx = mp.start_processes(_entry, args=(fn, world_size, init_file, tmp, args), nprocs=world_size,
+        ctx = mp.start_processes(_entry, args=(fn, world_size, init_file, tmp, backend, args), nprocs=world_size,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

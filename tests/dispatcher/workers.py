@@ -65,18 +65,20 @@ def make_groups(rank: int) -> dict:
     return {1: (ones[rank], rank), 2: (twos[rank // 2], rank // 2), 4: (dist.group.WORLD, 0)}
 
 
-def run_once(kind: str, dtype: torch.dtype, cfg, data: dict, ids: list, group, api: str, shape3d: bool = False):
-    """One forward + backward; returns the rank's results (detached)."""
+def run_once(kind: str, dtype: torch.dtype, cfg, data: dict, ids: list, group, api: str, shape3d: bool = False,
+             device: str = "cpu"):
+    """One forward + backward; returns the rank's results (detached, on the CPU)."""
+    data = {k: v.to(device) for k, v in data.items()}
     El = cfg.num_experts // dist.get_world_size(group)
     grank = dist.get_rank(group)
-    idx = torch.tensor(ids, dtype=torch.int64)
+    idx = torch.tensor(ids, dtype=torch.int64, device=device)
     x = data["x"][idx].clone()
     if shape3d:
         x = x.view(-1, 8, H)
     x.requires_grad_()
     pdtype = torch.float64 if cfg.router_dtype == "fp64" else torch.float32
     p = data["probs"][idx].to(pdtype).requires_grad_()
-    w_all, b_all = expert_weights(dtype)
+    w_all, b_all = (t.to(device) for t in expert_weights(dtype))
     w = w_all[grank * El:(grank + 1) * El].clone().requires_grad_()
     b = b_all[grank * El:(grank + 1) * El].clone().requires_grad_()
     d = DISPATCHERS[kind](cfg, group)
@@ -94,8 +96,9 @@ def run_once(kind: str, dtype: torch.dtype, cfg, data: dict, ids: list, group, a
         out = d.combine_postprocess(d.token_combine(d.combine_preprocess(y)))
     assert out.shape == x.shape, (out.shape, x.shape)
     out.backward(data["r"][idx].view(x.shape))
-    return dict(ids=idx, out=out.detach().reshape(-1, H), gx=x.grad.reshape(-1, H), gp=p.grad,
-                gw=w.grad, gb=b.grad, tpe=tpe)
+    result = dict(ids=idx, out=out.detach().reshape(-1, H), gx=x.grad.reshape(-1, H), gp=p.grad,
+                  gw=w.grad, gb=b.grad, tpe=tpe)
+    return {k: v.cpu() for k, v in result.items()}
 
 
 def naive_combine(data: dict, ids: list, group) -> torch.Tensor:
@@ -316,4 +319,26 @@ def megatron_worker(rank: int, world_size: int) -> list:
                     rec["mag_out"] = d2.combine(y.detach().abs(), h2)
                     rec["mag_gx"] = d2.combine(rows.grad.abs(), h2)
             records.append(rec)
+    return records
+
+
+def nccl_worker(rank: int, world_size: int) -> list:
+    """The contract on CUDA/NCCL (Triton kernels): EP 1 and 2 on 2 GPUs, both dispatchers."""
+    device = f"cuda:{rank}"
+    ones = [dist.new_group([r]) for r in range(world_size)]
+    groups = {1: (ones[rank], rank), world_size: (dist.group.WORLD, 0)}
+    records = []
+    for name, (kind, dtype, cfg) in contract_configs().items():
+        if "fp32" in name:
+            continue
+        for scen in ("full", "trunc", "identical"):
+            data = scenario_data(scen, dtype)
+            full = list(range(G))
+            layouts = ({1: [full], 2: _split(full, 2)} if scen != "identical" else {2: [full[:96]] * 2})
+            for ep, per_rank in layouts.items():
+                group, replica = groups[ep]
+                rec = run_once(kind, dtype, cfg, data, per_rank[dist.get_rank(group)], group,
+                               "megatron" if ep == 2 and scen == "trunc" else "functional", device=device)
+                rec.update(cfg=name, scen=scen, ep=ep, replica=replica, rank=rank)
+                records.append(rec)
     return records

@@ -41,6 +41,15 @@ def test_output_contract(router_dtype, in_dtype):
     assert torch.equal(p2, probs) and torch.equal(m2, rmap)
 
 
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss", "global_aux_loss"])
+def test_zero_tokens(kind):
+    router = TopKRouter(cfg(load_balancing_type=kind, aux_loss_coeff=0.1, z_loss_coeff=0.1, capacity_factor=1.0))
+    for x in (torch.zeros(0, H), torch.zeros(0, 3, H)):
+        probs, rmap = router(x.requires_grad_(True))
+        assert probs.shape == rmap.shape == (0, E) and router.last_losses == {}
+        probs.sum().backward()
+
+
 def test_bad_input_names_the_argument():
     router = TopKRouter(cfg())
     for bad in (torch.zeros(4, H + 1), torch.zeros(H), torch.zeros(2, 2, 2, H), torch.zeros(4, H, dtype=torch.int64)):

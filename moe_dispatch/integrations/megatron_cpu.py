@@ -1,0 +1,93 @@
+"""Run megatron-core 0.16.1's MoELayer on CPU / gloo (tests, ``moe-dispatch check --megatron``).
+
+Megatron's MoE code asks for CUDA devices, streams and events even when every tensor is on the
+CPU. :func:`apply_cpu_shims` patches exactly those calls, process-wide, and is meant for CPU
+processes only (tests, demos): never call it in a process that trains on GPUs.
+
+What it patches (all idempotent):
+
+- ``torch.cuda.current_device()`` returns ``"cpu"`` (the router and the experts place tensors on it);
+- ``torch.cuda.Stream`` / ``Event`` / ``current_stream`` / ``stream()`` become no-ops (Megatron's
+  alltoall dispatcher copies split sizes on a side stream);
+- ``moe_utils.maybe_move_tensor_to_cpu`` (also imported into ``token_dispatcher``) returns numpy
+  arrays for CPU split sizes too, as it already does for CUDA tensors;
+- Megatron's global memory buffer is allocated (its allgather dispatcher gathers into it).
+
+Not patched: the CUDA RNG tracker. Build the modules with ``use_cpu_initialization=True`` and do
+not call ``model_parallel_cuda_manual_seed`` or Megatron's activation checkpointing on the CPU.
+
+On a GPU machine without TransformerEngine, megatron-core 0.16.1 with ``moe_router_dtype='fp32'``
+raises ``NameError: te_general_gemm``; :func:`disable_te_router_gemm` sets it to None (safe on CPU
+and GPU).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_APPLIED = {"cpu": False}
+
+
+class _NoStream:
+    """Stands in for torch.cuda.Stream and torch.cuda.Event on the CPU."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_event(self, *args, **kwargs) -> None:
+        pass
+
+    def record_event(self, *args, **kwargs) -> "_NoStream":
+        return _NoStream()
+
+    def record(self, *args, **kwargs) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def apply_cpu_shims() -> None:
+    """Patch torch.cuda and megatron-core so that MoELayer runs on CPU tensors (see module doc).
+
+    Call it before building any Megatron module; it imports megatron.core."""
+    if torch.cuda.is_available():
+        raise RuntimeError("apply_cpu_shims() is for CPU-only processes; this one sees a CUDA device")
+    if not _APPLIED["cpu"]:
+        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.Stream = torch.cuda.Event = _NoStream
+        torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+        torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+        original = moe_utils.maybe_move_tensor_to_cpu
+
+        def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+            if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+                return tensor.numpy()
+            return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+        moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+        token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+        _APPLIED["cpu"] = True
+    from megatron.core import parallel_state
+
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
+
+
+def disable_te_router_gemm() -> None:
+    """Let megatron-core 0.16.1 run an fp32 router without TransformerEngine (FACTS: it raises
+    NameError on te_general_gemm otherwise); falls back to its plain torch GEMM."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm") or moe_utils.te_general_gemm is None:
+        moe_utils.te_general_gemm = None

@@ -1,0 +1,199 @@
+"""Expert-parallel benchmarks on several GPUs: dispatch + combine round trip and MoELayer
+forward + backward, ours beside megatron-core's in the same run.
+
+    torchrun --nproc-per-node 2 scripts/bench_ep.py [--what dispatch,layer] [--tokens 8192]
+
+Round trip: identity experts; ours (alltoall, allgather), Megatron's MoEAlltoAll/MoEAllGather
+token dispatchers, and a raw all_to_all_single of the K-copy rows there and back. The byte floor
+is the bytes this rank must send to other ranks (deduplicated tokens on dispatch, K-copy rows on
+combine) over the all-to-all bandwidth measured here (the raw exchange).
+Layer: hidden 4096, ffn 1024, 64 experts, top-6, bf16, fp32 router; Megatron's MoELayer with
+SequentialMLP and no TransformerEngine (what a user without TE gets).
+Times are triton.testing.do_bench medians on rank 0; every rank runs the same loop.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import triton
+
+from moe_dispatch import MoEConfig, MoELayer
+from moe_dispatch.dispatcher import build_dispatcher
+
+
+def bench(fn) -> float:
+    dist.barrier()
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def say(*args) -> None:
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def routing(T: int, E: int, K: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.rand((T, E), device="cuda", generator=gen)
+    idx = scores.topk(K, dim=1).indices
+    routing_map = torch.zeros((T, E), dtype=torch.bool, device="cuda").scatter_(1, idx, True)
+    probs = torch.softmax(scores, dim=1) * routing_map
+    return routing_map, probs
+
+
+def megatron_setup(world: int):
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe import moe_utils
+    moe_utils.te_general_gemm = None  # megatron-core 0.16.1 without TE references it (FACTS.md)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    model_parallel_cuda_manual_seed(1234)
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def megatron_config(H: int, E: int, K: int, ffn: int, world: int, kind: str):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    return TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=32, ffn_hidden_size=ffn,
+                             moe_ffn_hidden_size=ffn, num_moe_experts=E, moe_router_topk=K,
+                             moe_token_dispatcher_type=kind, expert_model_parallel_size=world,
+                             moe_router_dtype="fp32", moe_aux_loss_coeff=0.0, bf16=True,
+                             params_dtype=torch.bfloat16, add_bias_linear=False, gated_linear_unit=False,
+                             moe_router_load_balancing_type="none")
+
+
+def bench_dispatch(args, world: int, rank: int) -> None:
+    T, E, K, H = args.tokens, args.experts, args.topk, args.hidden
+    x = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
+    routing_map, probs = routing(T, E, K, seed=rank)
+    El = E // world
+    # Bytes this rank must send to other ranks: each token once per remote rank holding one of
+    # its experts (dispatch), each (token, remote expert) row back (combine).
+    owner = torch.arange(E, device="cuda") // El
+    remote = owner != rank
+    dedup_rows = int(torch.stack([routing_map[:, owner == r].any(1) for r in range(world) if r != rank]).sum())
+    combine_rows = int(routing_map[:, remote].sum())
+    floor_bytes = (dedup_rows + combine_rows) * H * 2 + dedup_rows * El * 4
+    # Raw exchange of the K-copy rows (equal splits), there and back.
+    kcopy = torch.randn((T * K, H), device="cuda", dtype=torch.bfloat16)
+    recv = torch.empty_like(kcopy)
+
+    def raw_round_trip():
+        dist.all_to_all_single(recv, kcopy)
+        dist.all_to_all_single(kcopy, recv)
+    raw_ms = bench(raw_round_trip)
+    raw_remote_bytes = 2 * T * K * H * 2 * (world - 1) / world
+    bw = raw_remote_bytes / (raw_ms * 1e-3)
+    floor_ms = floor_bytes / bw * 1e3
+    rows = [("raw all_to_all_single, K-copy rows, there and back", raw_ms)]
+
+    for kind in ["alltoall", "allgather"]:
+        config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=args.ffn, dispatcher=kind)
+        dispatcher = build_dispatcher(config, dist.group.WORLD)
+
+        def ours():
+            expert_input, _, handle = dispatcher.dispatch(x, routing_map, probs)
+            return dispatcher.combine(expert_input, handle)
+        rows.append((f"ours {kind} round trip", bench(ours)))
+    try:
+        pg = megatron_setup(world)
+        from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
+                                                                    MoEAlltoAllTokenDispatcher)
+        for kind, cls in [("alltoall", MoEAlltoAllTokenDispatcher), ("allgather", MoEAllGatherTokenDispatcher)]:
+            cfg = megatron_config(H, E, K, args.ffn, world, kind)
+            d = cls(El, list(range(rank * El, (rank + 1) * El)), cfg, pg_collection=pg)
+
+            def theirs():
+                h, p = d.dispatch_preprocess(x, routing_map, probs)
+                h, p = d.token_dispatch(h, p)
+                h, _, p = d.dispatch_postprocess(h, p)
+                h = d.combine_preprocess(h)
+                h = d.token_combine(h)
+                return d.combine_postprocess(h)
+            rows.append((f"Megatron {kind} round trip", bench(theirs)))
+    except Exception:
+        say("# Megatron dispatchers failed:\n" + traceback.format_exc())
+    say(f"\n## Dispatch + combine round trip, identity experts: {world} GPUs, {T} tokens/rank, H={H}, E={E}, "
+        f"K={K}, bf16, fp32 probs")
+    say(f"# all-to-all bus bandwidth measured by the raw exchange: {bw / 1e9:.0f} GB/s; byte floor of a "
+        f"deduplicated dispatch + K-copy combine on rank 0: {floor_ms:.3f} ms")
+    say("| what | time (ms) | / floor |\n|---|---|---|")
+    for name, ms in rows:
+        say(f"| {name} | {ms:.3f} | {ms / floor_ms:.2f}x |")
+
+
+def bench_layer(args, world: int, rank: int) -> None:
+    T, E, K, H, F = args.tokens, args.experts, args.topk, args.hidden, args.ffn
+    x = torch.randn((T, H), device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for kind in ["alltoall", "allgather"]:
+        for impl, stable in [("grouped", True), ("grouped", False), ("sequential", True)]:
+            config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=F, dispatcher=kind,
+                               expert_impl=impl, params_dtype=torch.bfloat16, load_balancing_type="none")
+            layer = MoELayer(config, dist.group.WORLD).cuda()
+            if not stable:
+                if not hasattr(layer.experts, "row_stable"):
+                    continue
+                layer.experts.row_stable = False
+            label = f"ours {kind}, {impl} experts{'' if stable else ' (not row-stable)'}"
+
+            def fwd_bwd():
+                layer(x).backward(g)
+            with torch.no_grad():
+                fwd = bench(lambda: layer(x))
+            rows.append((label, bench(fwd_bwd), fwd))
+    try:
+        pg = megatron_setup(world)
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        from megatron.core.transformer.moe.moe_layer import MoELayer as MegatronMoELayer
+        for kind in ["alltoall", "allgather"]:
+            cfg = megatron_config(H, E, K, F, world, kind)
+            spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
+            layer = MegatronMoELayer(cfg, spec.submodules, pg_collection=pg).cuda()
+            xm = x.detach().view(T, 1, H).clone().requires_grad_()
+            gm = g.view(T, 1, H)
+
+            def fwd_bwd():
+                out, _ = layer(xm)
+                out.backward(gm)
+            with torch.no_grad():
+                fwd = bench(lambda: layer(xm))
+            rows.append((f"Megatron {kind}, SequentialMLP, no TE", bench(fwd_bwd), fwd))
+    except Exception:
+        say("# Megatron MoELayer failed:\n" + traceback.format_exc())
+    flops = 2 * 3 * T * K * H * F * 2  # fc1 + fc2, forward + 2x backward
+    say(f"\n## MoELayer forward + backward: {world} GPUs, {T} tokens/rank, H={H}, ffn={F}, E={E}, K={K}, bf16")
+    say(f"# expert GEMM work: {flops / 1e12:.2f} TFLOP per rank per step")
+    say("| layer | fwd+bwd (ms) | fwd (ms) | tokens/s per rank (fwd+bwd) |\n|---|---|---|---|")
+    for name, ms, fwd in rows:
+        say(f"| {name} | {ms:.2f} | {fwd:.2f} | {T / (ms * 1e-3):,.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--what", default="dispatch,layer")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--ffn", type=int, default=1024)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--topk", type=int, default=6)
+    args = parser.parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    say(f"# {torch.cuda.get_device_name()} x{world}, torch {torch.__version__}, triton {triton.__version__}")
+    if "dispatch" in args.what:
+        bench_dispatch(args, world, rank)
+    if "layer" in args.what:
+        bench_layer(args, world, rank)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
