@@ -4,8 +4,8 @@ Default shape: hidden 4096, ffn 1024, swiglu, 64 experts of which 32 are local (
 8192 * 6 routed rows of one rank spread over the local experts. Rows:
 
 - GroupedMLP            default: torch._grouped_mm (row-stable on CUDA bf16)
-- SequentialMLP         default: cuBLAS mm in fixed calls of 128 rows ("tiled", row-stable);
-                        also with 256-row tiles
+- SequentialMLP         default: cuBLAS mm in fixed calls of 256 rows ("tiled", row-stable);
+                        also with 128-row tiles
 - SequentialMLP fast    row_stable=False: plain per-expert mm as Megatron does (NOT row-stable)
 
 Usage: python scripts/bench_experts.py [--rows 49152] [--hidden 4096] [--ffn 1024] ...
@@ -60,8 +60,8 @@ def main() -> None:
 
     variants = [
         ("GroupedMLP (default)", GroupedMLP(cfg, args.local, device="cuda")),
-        ("SequentialMLP (default, tiled 128)", SequentialMLP(cfg, args.local, device="cuda")),
-        ("SequentialMLP tiled 256", SequentialMLP(cfg, args.local, row_tile=256, device="cuda")),
+        ("SequentialMLP (default, tiled 256)", SequentialMLP(cfg, args.local, device="cuda")),
+        ("SequentialMLP tiled 128", SequentialMLP(cfg, args.local, row_tile=128, device="cuda")),
         ("SequentialMLP row_stable=False", SequentialMLP(cfg, args.local, row_stable=False, device="cuda")),
     ]
     print(f"rows={args.rows} hidden={args.hidden} ffn={args.ffn} {args.activation} local experts="

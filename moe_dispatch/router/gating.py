@@ -4,12 +4,17 @@
 Library GEMMs do not promise this: they pick kernels by M (CPU fp32 mm changes below M=8, CPU fp64
 mm treats odd M differently, cuBLAS on H200 changes between M<=64 and M>=128). So:
 
-* CUDA: one Triton kernel with a fixed tile configuration chosen by dtype only; every output
-  element accumulates over K in the same order whatever M is.
-* CPU and anything else: the rows are cut into blocks of exactly ``CPU_ROW_BLOCK`` rows (the last
-  one zero-padded) and each block is one ``torch.mm`` of that fixed shape, so the library sees the
+* CUDA: one Triton kernel (_triton_gemm.py) whose tile configuration depends on the dtypes and
+  E only, never on M, so every output element accumulates over K in the same order whatever M
+  is. With bf16/fp16 activations it multiplies on tensor cores with fp32 accumulation (every
+  product exact, as in Megatron's TE router GEMM; the accumulation is not IEEE-sequential, about
+  5x the error of cuBLAS SGEMM against an fp64 reference, measured on H200). fp32 activations use
+  an IEEE fp32 FMA kernel, fp64 an fp64 one. Without triton, CUDA falls back to the blocked path
+  below (fixed-shape cuBLAS calls; not measured for row stability).
+* CPU: the rows are cut into blocks of exactly ``CPU_ROW_BLOCK`` rows (the last one
+  zero-padded) and each block is one ``torch.mm`` of that fixed shape, so the library sees the
   same problem every time. A row's result was measured to be independent of its position inside
-  the block (tests/router/test_gating.py keeps checking it).
+  the block (tests/router/test_router_gating.py keeps checking it).
 
 Backward (deterministic run to run; batch invariance is a forward promise): ``grad_weight =
 grad_logits.T @ hidden`` is one library GEMM. ``grad_hidden = grad_logits @ weight`` is row-stable
@@ -48,8 +53,9 @@ def row_stable_mm(a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dtype) ->
     """Row-stable ``(a @ b_t.T)`` computed in ``out_dtype``.
 
     Args:
-        a: [M, K], any float dtype; cast to ``out_dtype`` (exactly, for the dtypes we allow).
-        b_t: [N, K], the right operand transposed (as nn.Linear stores weights).
+        a: [M, K], any float dtype (upcast to ``out_dtype`` exactly).
+        b_t: [N, K], the right operand transposed (as nn.Linear stores weights); cast to
+            ``out_dtype`` like ``weight.to(router_dtype)``.
         out_dtype: compute and result dtype (bf16/fp16 accumulate in fp32).
     Returns:
         [M, N] in ``out_dtype``.

@@ -8,7 +8,7 @@ import torch
 from moe_dispatch.experts import GroupedMLP, SequentialMLP, expert_gemm
 from moe_dispatch.experts.activations import _unary
 from tests.experts.reference import make_config
-from tests.experts.test_row_stability import _activation_mismatches, _assert_row_stable
+from tests.experts.test_row_stability import _activation_mismatches, _assert_row_stable, assert_ep_layouts_agree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -30,7 +30,7 @@ def test_grouped_bf16_row_stable():
 @pytest.mark.parametrize("cls", [GroupedMLP, SequentialMLP])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_row_stable(cls, dtype):
-    """The CUDA fallback: cuBLAS mm in fixed 128-row calls. H=520 makes rows 1040/2080 bytes,
+    """The CUDA fallback: cuBLAS mm in fixed 256-row calls. H=520 makes rows 1040/2080 bytes,
     so tiles start at addresses aligned to 16 or 32 bytes only, not 256."""
     experts = _experts(cls, dtype, hidden=520)
     expected = "grouped" if (cls is GroupedMLP and dtype == torch.bfloat16) else "tiled"
@@ -38,9 +38,17 @@ def test_tiled_row_stable(cls, dtype):
     _assert_row_stable(experts, dtype, GPU_BLOCKS, GPU_NEIGHBOURS)
 
 
+@pytest.mark.parametrize("cls,dtype", [(GroupedMLP, torch.bfloat16), (SequentialMLP, torch.bfloat16),
+                                       (SequentialMLP, torch.float32)])
+def test_ep_layouts_agree_including_weight_grads(cls, dtype):
+    """Expert 1 alone (EP=3) vs among 3 local experts with other rows: bitwise rows, input/prob
+    gradients and weight gradients (grouped_mm's dw groups split the reduction dim)."""
+    assert_ep_layouts_agree(cls, dtype, "swiglu", device="cuda", rows=1000, hidden=512)
+
+
 def test_grouped_and_tiled_agree_within_rounding():
-    """GroupedMLP (grouped_mm) and SequentialMLP (tiled cuBLAS) on the same weights: not bitwise
-    equal on CUDA (different kernels); prints the difference."""
+    """GroupedMLP (grouped_mm) and SequentialMLP (tiled cuBLAS) on the same weights: different
+    kernels, so bitwise equality is not promised; within rounding. Prints whether they matched."""
     grouped, tiled = _experts(GroupedMLP, torch.bfloat16), _experts(SequentialMLP, torch.bfloat16)
     x = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)
     tpe = torch.tensor([100, 0, 900])

@@ -21,6 +21,16 @@ DTYPES = [("fp32", torch.float32), ("fp32", torch.bfloat16), ("fp64", torch.floa
 DTYPE_IDS = ["fp32", "fp32-bf16in", "fp64", "fp64-bf16in", "bf16"]
 
 
+@pytest.fixture(autouse=True)
+def _one_cpu_thread():
+    # Many small ops: on a shared 2-core machine, 2 OpenMP threads can wait milliseconds per op
+    # for each other. (test_router_gating.py checks row stability with the default threads.)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_router(name, router_dtype, device="cpu"):
     cfg = MoEConfig(hidden_size=H, num_experts=E, ffn_hidden_size=8, router_dtype=router_dtype, **CONFIGS[name])
     router = TopKRouter(cfg, device=device)

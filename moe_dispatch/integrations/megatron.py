@@ -1,0 +1,286 @@
+"""Our dispatchers inside megatron-core's ``MoELayer`` (written against megatron-core 0.16.1).
+
+Upstream has no hook for the dispatcher: ``MoELayer.__init__`` builds its own from
+``config.moe_token_dispatcher_type``. This module swaps it afterwards::
+
+    from moe_dispatch.integrations.megatron import install
+    layer = install(MoELayer(config, submodules, pg_collection=pg_collection))
+
+or builds models with it::
+
+    from moe_dispatch.integrations.megatron import DeterministicMoELayer, get_moe_module_spec
+    spec = get_moe_module_spec(use_te=False, num_experts=64)      # Megatron's, MoELayer swapped
+    layer_spec = deterministic_moe_spec(get_gpt_layer_local_spec(num_experts=64))  # any spec tree
+
+With it installed, a token's MoE output and its gradients do not depend on the EP rank, the EP size,
+the dispatcher (allgather / alltoall) or the other tokens of the batch, *provided that Megatron's
+own parts are row-stable too*: the router's gating GEMM and the experts' GEMMs run in Megatron's
+code (``SequentialMLP`` does one ``mm`` per expert: on CPU, fp32 ``mm`` is not row-stable below 8
+rows; on H200, cuBLAS is not row-stable below 128 rows, see shared/FACTS.md). What the dispatcher
+guarantees is that every local expert receives its rows in the fixed order (source rank, token),
+and that each token's K expert outputs (and each token's gradient rows) are summed once, on the
+token's own rank, in ascending expert order in fp32 (fp64 with an fp64 router).
+
+Probabilities: Megatron's experts multiply ``permuted_probs`` into the activations before fc2, so
+the dispatcher runs in ``probs_in_experts`` mode: it hands the experts fp32 (fp64 with
+``moe_router_dtype='fp64'``) per-row probs and its combine sums unweighted; the probs are applied
+exactly once. Probs from a bf16 router (``moe_router_dtype=None``) are upcast (exactly) to fp32
+before they are sent: they never travel in 16 bits.
+
+Supported:
+- ``moe_token_dispatcher_type`` 'allgather' and 'alltoall' (ours of the same kind is installed);
+- the process groups of the layer's ``pg_collection`` (or Megatron's global parallel state):
+  ``ep`` is the EP group; ``expt_tp`` must have size 1, so ``tp_ep`` is the EP group;
+- attention TP / CP / DP / PP around the layer (the dispatcher only sees the EP group);
+- ``moe_router_dtype`` None / 'fp32' / 'fp64'; every router option (top-k, groups, score
+  functions, expert bias, aux / z losses, capacity dropping), since the router is Megatron's;
+- ``moe_expert_capacity_factor`` with or without ``moe_pad_expert_input_to_capacity`` (each
+  expert then gets exactly its capacity from every source rank, Megatron's capacity formula);
+- any experts module that multiplies ``permuted_probs`` in as Megatron's ``SequentialMLP``,
+  ``GroupedMLP`` and ``TEGroupedMLP`` do, shared experts (not overlapped), ``moe_latent_size``,
+  ``moe_apply_probs_on_input``, ``add_bias_linear``;
+- ``moe_permute_fusion`` is accepted and has no effect: the permutations are ours.
+
+Not supported (``install`` / ``DeterministicMoELayer`` raise ``ValueError`` naming the field):
+- ``moe_token_dispatcher_type='flex'`` (DeepEP / HybridEP kernels have their own reduction order);
+- expert tensor parallelism: ``expert_tensor_parallel_size`` must be 1 (it defaults to
+  ``tensor_model_parallel_size``); our dispatchers split experts across EP ranks only;
+- ``moe_shared_expert_overlap=True``: Megatron runs the shared experts inside its own dispatcher;
+- ``overlap_moe_expert_parallel_comm=True``: its schedule splits the dispatch's autograd graph;
+- ``moe_router_padding_for_quantization=True``: Megatron's dispatcher pads the routing map for
+  FP8/FP4; ours does not;
+- CUDA graphs that capture the dispatch (``cuda_graph_impl`` != 'none' with ``cuda_graph_scope``
+  empty or containing moe / moe_preprocess / full_iteration): the dispatch reads the split sizes
+  on the host once per step. Capturing only ``moe_router`` (or attn / mlp) is fine.
+Megatron's inference helper that toggles ``drop_and_pad`` on live dispatchers does not reach ours.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from types import SimpleNamespace
+from typing import Any, Optional
+
+from ..config import MoEConfig
+from ..dispatcher import dispatcher_from_megatron
+
+__all__ = ["DeterministicMoELayer", "check_supported", "deterministic_moe_spec", "dispatcher_config",
+           "get_moe_module_spec", "install", "is_installed"]
+
+SUPPORTED_DISPATCHERS = ("allgather", "alltoall")
+# Parts of the MoE layer whose CUDA-graph capture would include the dispatch.
+_GRAPHED_DISPATCH_SCOPES = ("moe", "moe_preprocess", "full_iteration")
+_MOE_LAYER_PATH = ("megatron.core.transformer.moe.moe_layer", "MoELayer")
+
+
+def _scope_names(scopes: Any) -> list:
+    if scopes is None:
+        return []
+    if isinstance(scopes, str):
+        scopes = [s for s in scopes.split(",") if s]
+    elif not isinstance(scopes, (list, tuple)):
+        scopes = [scopes]
+    return [getattr(s, "name", s) for s in scopes]
+
+
+def check_supported(config: Any) -> None:
+    """Raise ValueError, naming the field, for Megatron settings our dispatcher cannot honour.
+
+    config: megatron.core TransformerConfig of the MoE layer."""
+    get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+    if not get("num_moe_experts"):
+        raise ValueError("num_moe_experts is not set: this TransformerConfig has no MoE layer")
+    kind = get("moe_token_dispatcher_type", "allgather")
+    if kind == "flex":
+        raise ValueError("moe_token_dispatcher_type='flex' (DeepEP / HybridEP) is not supported by "
+                         "moe_dispatch: expected 'allgather' or 'alltoall'")
+    if kind not in SUPPORTED_DISPATCHERS:
+        raise ValueError(f"moe_token_dispatcher_type={kind!r} is not supported: expected one of "
+                         f"{SUPPORTED_DISPATCHERS}")
+    etp = get("expert_tensor_parallel_size")
+    if etp is None:  # Megatron's default: the attention TP size
+        etp = get("tensor_model_parallel_size", 1)
+    if etp != 1:
+        raise ValueError(f"expert tensor parallelism is not supported: expert_tensor_parallel_size="
+                         f"{etp}, expected 1 (it defaults to tensor_model_parallel_size; set it to 1)")
+    if get("moe_shared_expert_overlap", False):
+        raise ValueError("moe_shared_expert_overlap=True is not supported: Megatron computes the shared "
+                         "experts inside its own dispatcher; expected False")
+    if get("overlap_moe_expert_parallel_comm", False):
+        raise ValueError("overlap_moe_expert_parallel_comm=True is not supported: its schedule splits "
+                         "the dispatch's autograd graph; expected False")
+    if get("moe_router_padding_for_quantization", False):
+        raise ValueError("moe_router_padding_for_quantization=True is not supported: it pads inside "
+                         "Megatron's dispatcher; expected False")
+    graphs = get("cuda_graph_impl", "none") or "none"
+    if graphs != "none":
+        scopes = _scope_names(get("cuda_graph_scope"))
+        if not scopes or any(s in _GRAPHED_DISPATCH_SCOPES for s in scopes):
+            raise ValueError(f"cuda_graph_impl={graphs!r} with cuda_graph_scope={scopes or '[] (whole layer)'} "
+                             "would capture the dispatch, which reads split sizes on the host: expected "
+                             "cuda_graph_impl='none' or a scope without moe / moe_preprocess / full_iteration")
+    router_dtype = get("moe_router_dtype")
+    if router_dtype not in (None, "fp32", "fp64"):
+        raise ValueError(f"moe_router_dtype={router_dtype!r} is not supported: expected None, 'fp32' or 'fp64'")
+
+
+def dispatcher_config(config: Any) -> MoEConfig:
+    """The MoEConfig of the dispatcher for a Megatron TransformerConfig.
+
+    Only the dispatch fields are taken over (experts, top-k, router dtype, capacity padding, the
+    dispatcher kind); the router and the experts stay Megatron's, so their fields are not read and
+    our router fields keep neutral values. probs_in_experts=True: Megatron's experts apply probs."""
+    check_supported(config)
+    pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
+    capacity = getattr(config, "moe_expert_capacity_factor", None)
+    if pad and (capacity is None or capacity <= 0):
+        raise ValueError("moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor > 0")
+    return MoEConfig(
+        hidden_size=config.hidden_size,
+        num_experts=config.num_moe_experts,
+        topk=config.moe_router_topk,
+        ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None) or config.ffn_hidden_size,
+        router_dtype=getattr(config, "moe_router_dtype", None),
+        pre_softmax=True,  # neutral: our router is not used (True is valid for any top-k)
+        load_balancing_type="none",
+        capacity_factor=capacity if pad else None,
+        pad_to_capacity=pad,
+        dispatcher=config.moe_token_dispatcher_type,
+        params_dtype=getattr(config, "params_dtype", None) or MoEConfig.params_dtype,
+        probs_in_experts=True,
+        pad_multiple=1,
+    )
+
+
+def _groups_of(moe_layer: Any, pg_collection: Any) -> Any:
+    """(ep, expt_tp, tp_ep) groups: from pg_collection, else from the layer's current dispatcher."""
+    if pg_collection is not None:
+        return SimpleNamespace(ep=pg_collection.ep, expt_tp=getattr(pg_collection, "expt_tp", None),
+                               tp_ep=getattr(pg_collection, "tp_ep", None))
+    current = getattr(moe_layer, "token_dispatcher", None)
+    if is_installed(moe_layer):
+        return SimpleNamespace(ep=current.ep_group, expt_tp=None, tp_ep=None)
+    if current is not None and hasattr(current, "ep_group"):  # Megatron's MoETokenDispatcher
+        return SimpleNamespace(ep=current.ep_group, expt_tp=getattr(current, "tp_group", None),
+                               tp_ep=getattr(current, "tp_ep_group", None))
+    ep = getattr(moe_layer, "ep_group", None)
+    if ep is None:
+        raise ValueError("install: the layer has no ep_group or token_dispatcher; pass pg_collection")
+    return SimpleNamespace(ep=ep, expt_tp=None, tp_ep=None)
+
+
+def is_installed(moe_layer: Any) -> bool:
+    """True when moe_layer.token_dispatcher is one of ours (installed by this module)."""
+    return bool(getattr(getattr(moe_layer, "token_dispatcher", None), "_moe_dispatch_megatron", False))
+
+
+def install(moe_layer: Any, pg_collection: Optional[Any] = None) -> Any:
+    """Replace ``moe_layer.token_dispatcher`` by ours of the same kind; returns ``moe_layer``.
+
+    Args:
+        moe_layer: a megatron.core ``MoELayer`` (built with any ``moe_token_dispatcher_type``
+            except 'flex').
+        pg_collection: the layer's ProcessGroupCollection (``.ep``, ``.expt_tp``, ``.tp_ep``);
+            default: the groups of the layer's current dispatcher.
+
+    Raises:
+        ValueError: a setting we cannot honour (see the module docstring), or an EP group whose
+            split of the experts differs from the layer's.
+
+    Idempotent: installing twice keeps one of ours (rebuilt from the same groups). Call it before
+    the first forward; the dispatcher keeps one step's state between dispatch and combine.
+    """
+    config = moe_layer.config
+    moe_config = dispatcher_config(config)
+    groups = _groups_of(moe_layer, pg_collection)
+    dispatcher = dispatcher_from_megatron(groups, moe_config)
+    expected = list(getattr(moe_layer, "local_expert_indices", dispatcher.local_expert_indices))
+    if list(dispatcher.local_expert_indices) != expected:
+        raise ValueError(f"EP group mismatch: the dispatcher's local experts {dispatcher.local_expert_indices} "
+                         f"differ from the layer's local_expert_indices {expected}")
+    # What Megatron reads from any token dispatcher besides the six methods.
+    dispatcher._moe_dispatch_megatron = True
+    dispatcher.megatron_config = config
+    dispatcher.shared_experts = None
+    dispatcher.cudagraph_attrs = []
+    dispatcher.valid_cudagraph_attrs = None
+    moe_layer.token_dispatcher = dispatcher
+    return moe_layer
+
+
+def _megatron_moe_layer() -> type:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return MoELayer
+
+
+_CLASSES: dict = {}
+
+
+def _deterministic_moe_layer_class() -> type:
+    """Build DeterministicMoELayer on first use, so that importing this module (install,
+    check_supported) does not import megatron-core."""
+    if "DeterministicMoELayer" not in _CLASSES:
+        base = _megatron_moe_layer()
+
+        class DeterministicMoELayer(base):
+            """megatron.core MoELayer with our dispatcher of the same kind installed.
+
+            Same constructor as MoELayer; raises ValueError up front (before Megatron builds its
+            own dispatcher) for the settings listed in this module's docstring."""
+
+            def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None,
+                         pg_collection: Optional[Any] = None) -> None:
+                check_supported(config)
+                super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                                 pg_collection=pg_collection)
+                install(self, pg_collection)
+
+        DeterministicMoELayer.__module__ = __name__
+        DeterministicMoELayer.__qualname__ = "DeterministicMoELayer"
+        _CLASSES["DeterministicMoELayer"] = DeterministicMoELayer
+    return _CLASSES["DeterministicMoELayer"]
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: DeterministicMoELayer is built lazily
+    if name == "DeterministicMoELayer":
+        return _deterministic_moe_layer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def deterministic_moe_spec(spec: Any) -> Any:
+    """A copy of a Megatron ModuleSpec tree (a layer spec, a block spec, a list of them, or a
+    TransformerBlockSubmodules) where every MoELayer module is DeterministicMoELayer."""
+    moe_layer = _megatron_moe_layer()
+    spec = copy.deepcopy(spec)
+    seen: set = set()
+
+    def visit(node: Any) -> None:
+        if id(node) in seen or node is None or isinstance(node, (str, bytes, int, float, bool, type)):
+            return
+        seen.add(id(node))
+        if isinstance(node, (list, tuple)):
+            for item in node:
+                visit(item)
+            return
+        if isinstance(node, dict):
+            for item in node.values():
+                visit(item)
+            return
+        module = getattr(node, "module", None)
+        if module is moe_layer or (isinstance(module, tuple) and tuple(module) == _MOE_LAYER_PATH):
+            node.module = _deterministic_moe_layer_class()
+        if dataclasses.is_dataclass(node):
+            for f in dataclasses.fields(node):
+                visit(getattr(node, f.name))
+
+    visit(spec)
+    return spec
+
+
+def get_moe_module_spec(*args: Any, **kwargs: Any) -> Any:
+    """megatron.core.models.gpt.moe_module_specs.get_moe_module_spec (same arguments), with the
+    module DeterministicMoELayer."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as megatron_spec
+
+    return deterministic_moe_spec(megatron_spec(*args, **kwargs))

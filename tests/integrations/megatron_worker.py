@@ -1,0 +1,178 @@
+"""Code that runs on the spawned gloo ranks for the Megatron plug-in tests.
+
+megatron-core 0.16.1's MoELayer (SequentialMLP experts, no TE) on 2 CPU ranks, built with an
+explicit ProcessGroupCollection so that one spawn holds an EP-2 layer (both ranks) and an EP-1
+layer (each rank alone) side by side. Every global expert's weights depend only on its id and the
+router's on a fixed seed, so the layers of every EP size and dispatcher are the same model.
+
+Global batch: G = 256 tokens. EP 2: rank r holds tokens [128 r, 128 r + 128) as [64, 2, H];
+EP 1: each rank holds all 256 as [128, 2, H]. Token index = s * B + b (Megatron's flattening).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+H, FFN, E, K = 64, 32, 8, 2
+G, B = 256, 2
+TRUNC = 90  # truncation: tokens >= TRUNC (of each rank's batch) zeroed
+KINDS = ("allgather", "alltoall")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _setup() -> None:
+    from moe_dispatch.integrations.megatron_cpu import apply_cpu_shims
+
+    warnings.filterwarnings("ignore")
+    apply_cpu_shims()
+
+
+def _pg(ep_group, single):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection(tp=single, cp=single, tp_cp=single, tp_dp_cp=single, dp=single, dp_cp=single,
+                                  pp=single, ep=ep_group, expt_tp=single, tp_ep=ep_group, expt_dp=single)
+
+
+def _config(kind: str, dtype: torch.dtype, ep: int, **extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = dict(num_layers=1, hidden_size=H, num_attention_heads=4, num_moe_experts=E, moe_ffn_hidden_size=FFN,
+                  ffn_hidden_size=FFN, moe_router_topk=K, moe_token_dispatcher_type=kind,
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
+                  add_bias_linear=False, use_cpu_initialization=True, bias_activation_fusion=False,
+                  params_dtype=dtype, bf16=dtype == torch.bfloat16, expert_model_parallel_size=ep)
+    fields.update(extra)
+    return TransformerConfig(**fields)
+
+
+def _build(cfg, pg, ours_from_spec: bool):
+    """Megatron's MoELayer (ours_from_spec: DeterministicMoELayer built through our spec helper),
+    with the deterministic weights."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import build_module
+
+    from moe_dispatch.integrations.megatron import get_moe_module_spec
+
+    spec = get_moe_module_spec(use_te=False, num_experts=E)
+    if not ours_from_spec:
+        spec.module = MoELayer
+    layer = build_module(spec, config=cfg, pg_collection=pg)
+    dtype = cfg.params_dtype
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(7)
+        layer.router.weight.copy_(torch.randn(E, H, generator=gen) * H ** -0.5)
+        for i, expert in enumerate(layer.experts.local_experts):
+            gen = torch.Generator().manual_seed(1000 + layer.local_expert_indices[i])
+            expert.linear_fc1.weight.copy_((torch.randn(FFN, H, generator=gen) * H ** -0.5).to(dtype))
+            expert.linear_fc2.weight.copy_((torch.randn(H, FFN, generator=gen) * FFN ** -0.5).to(dtype))
+    seen = []
+    layer.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[2].dtype))
+    layer.train()
+    return layer, seen
+
+
+def _tokens(dtype: torch.dtype, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, dy) for all G tokens [G, H]; 'trunc' zeroes tokens >= TRUNC of each EP-2 rank's share."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(G, H, generator=gen).to(dtype)
+    dy = torch.randn(G, H, generator=gen).to(dtype)
+    if variant == "trunc":
+        for r in range(2):
+            x[r * 128 + TRUNC:(r + 1) * 128] = 0
+    return x, dy
+
+
+def _step(layer, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    """One forward + backward of Megatron's MoELayer on x [T, H] (fed as [T / B, B, H])."""
+    layer.zero_grad(set_to_none=True)
+    xi = x.reshape(-1, B, H).clone().requires_grad_()
+    out, bias = layer(xi)
+    assert bias is None and out.shape == xi.shape
+    out.backward(dy.reshape(out.shape))
+    experts = {}
+    for i, expert in enumerate(layer.experts.local_experts):
+        experts[layer.local_expert_indices[i]] = (expert.linear_fc1.weight.grad.clone(),
+                                                  expert.linear_fc2.weight.grad.clone())
+    # clone: Megatron's allgather dispatcher may leave x.grad a view of a reused global buffer
+    return dict(out=out.detach().reshape(-1, H).clone(), gx=xi.grad.reshape(-1, H).clone(),
+                router=layer.router.weight.grad.clone(), experts=experts)
+
+
+def plugin_worker(rank: int, world_size: int) -> dict:
+    assert world_size == 2
+    _setup()
+    from moe_dispatch.integrations.megatron import install, is_installed
+
+    singles = [dist.new_group([r]) for r in range(world_size)]
+    world = dist.group.WORLD
+    pg2, pg1 = _pg(world, singles[rank]), _pg(singles[rank], singles[rank])
+    mine = slice(rank * 128, (rank + 1) * 128)
+    records = {}
+    for dname, dtype in DTYPES.items():
+        full_x, full_dy = _tokens(dtype, "full")
+        trunc_x, _ = _tokens(dtype, "trunc")
+        for kind in KINDS:
+            rec = {}
+            layer, seen = _build(_config(kind, dtype, 2), pg2, ours_from_spec=False)
+            rec["stock"] = _step(layer, full_x[mine], full_dy[mine])
+            assert not is_installed(layer)
+            assert install(layer) is layer and is_installed(layer)
+            rec["ours"] = _step(layer, full_x[mine], full_dy[mine])
+            rec["trunc"] = _step(layer, trunc_x[mine], full_dy[mine])
+            rec["same"] = _step(layer, full_x[:128], full_dy[:128])  # identical tokens on both ranks
+            rec["probs_dtypes"] = [str(d) for d in seen]
+            layer1, _ = _build(_config(kind, dtype, 1), pg1, ours_from_spec=True)
+            assert is_installed(layer1) and type(layer1).__name__ == "DeterministicMoELayer"
+            rec["ep1"] = _step(layer1, full_x, full_dy)  # each rank alone, all G tokens
+            records[(dname, kind)] = rec
+    records["extra"] = _extra_cases(rank, pg2, world, singles)
+    return records
+
+
+def _extra_cases(rank: int, pg2, world, singles) -> dict:
+    """A bf16 router (moe_router_dtype=None) and pad-to-capacity, stock vs ours; install errors."""
+    from types import SimpleNamespace
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from moe_dispatch.integrations.megatron import install
+
+    mine = slice(rank * 128, (rank + 1) * 128)
+    x, dy = _tokens(torch.bfloat16, "full")
+    out = {}
+    cases = {"router-bf16": dict(moe_router_dtype=None),
+             "capacity-pad": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)}
+    for name, extra in cases.items():
+        layer, seen = _build(_config("alltoall", torch.bfloat16, 2, **extra), pg2, ours_from_spec=False)
+        rec = {"stock": _step(layer, x[mine], dy[mine])}
+        install(layer)
+        rec["ours"] = _step(layer, x[mine], dy[mine])
+        rec["same"] = _step(layer, x[:128], dy[:128])
+        rec["probs_dtypes"] = [str(d) for d in seen]
+        out[name] = rec
+
+    def outcome(fn) -> tuple:
+        try:
+            fn()
+            return ("ok", "")
+        except ValueError as exc:
+            return ("ValueError", str(exc))
+
+    base = _config("alltoall", torch.bfloat16, 2)
+    flex = SimpleNamespace(config=_config("alltoall", torch.bfloat16, 2, moe_token_dispatcher_type="flex"))
+    out["flex"] = outcome(lambda: install(flex))
+    etp = SimpleNamespace(config=_config("alltoall", torch.bfloat16, 1, tensor_model_parallel_size=2,
+                                         expert_tensor_parallel_size=2, sequence_parallel=True))
+    out["etp_config"] = outcome(lambda: install(etp))
+    # A config that claims ETP 1 on a pg_collection whose expt_tp group spans both ranks.
+    layer, _ = _build(base, pg2, ours_from_spec=False)
+    bad_pg = ProcessGroupCollection(ep=singles[rank], expt_tp=world, tp_ep=world)
+    out["etp_groups"] = outcome(lambda: install(layer, bad_pg))
+    out["ep_mismatch"] = outcome(lambda: install(layer, ProcessGroupCollection(ep=singles[rank])))
+    overlap = SimpleNamespace(config=_config("alltoall", torch.bfloat16, 2, moe_shared_expert_intermediate_size=32,
+                                             moe_shared_expert_overlap=True))
+    out["shared_overlap"] = outcome(lambda: install(overlap))
+    return out
