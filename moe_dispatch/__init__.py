@@ -5,12 +5,12 @@ from .dispatcher import AllGatherDispatcher, AllToAllDispatcher, DispatchHandle,
 from .experts import GroupedMLP, SequentialMLP
 from .layer import MoELayer
 from .ops import RowIdMap, expert_row_counts, permute, sort_chunks, unpermute
-from .router import TopKRouter
+from .router import AuxLossScaler, TopKRouter
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AllGatherDispatcher", "AllToAllDispatcher", "DispatchHandle", "GroupedMLP", "MoEConfig", "MoELayer",
+    "AllGatherDispatcher", "AllToAllDispatcher", "AuxLossScaler", "DispatchHandle", "GroupedMLP", "MoEConfig", "MoELayer",
     "RowIdMap", "SequentialMLP", "TopKRouter", "build_dispatcher", "combine", "dispatch", "expert_row_counts",
     "permute", "sort_chunks", "unpermute",
 ]

@@ -4,10 +4,11 @@ Why not plain ``F.gelu``/``F.silu`` on CPU: torch's CPU kernels run a SIMD body 
 tail (the last ``n % (2 * vector width)`` elements of each thread's chunk), and the two use
 different exp/erf code. Which elements land in a tail depends on the tensor's size and the thread
 split, so a row's activation changed with the number of rows (seen here for silu, sigmoid and
-gelu, fp32 and bf16). On CPU we therefore build exp and erfc from IEEE-exact operations only
-(+, -, *, /, round, integer bit tricks), each a separate torch op, so SIMD and scalar paths give
-the same bits. CUDA elementwise kernels apply one device function to every element whatever the
-vectorisation, so CUDA uses the native ops (tests/experts/test_gpu.py checks it).
+gelu, fp32 and bf16). On CPU we therefore build exp and erfc from correctly rounded operations
+only (+, -, *, /, round, integer bit tricks), each a separate torch op so no fused multiply-add
+creeps in: SIMD and scalar code then give the same bits. CUDA elementwise kernels apply one
+device function to every element whatever the vectorisation, so CUDA uses the native ops
+(tests/experts/test_gpu.py checks it).
 
 The CPU formulas run in float64 and are rounded once to float32 (then to the tensor's dtype):
 silu is accurate to the last float32 bit or two; gelu's erfc carries a relative error below 1.2e-7

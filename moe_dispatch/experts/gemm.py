@@ -6,9 +6,9 @@
 Strategies, picked by `select_gemm`:
 
 - ``"grouped"``: one ``torch._grouped_mm`` call, no host sync. Row-stable where
-  `grouped_mm_row_stable` says so: CUDA bf16 on sm90+ (one CUTLASS kernel whose tiles do not
-  depend on the group sizes; rows equal at M = 1..16384 on H200) and CPU bf16/fp16. On CPU fp32 it
-  loops plain MKL sgemm inside and is NOT row-stable.
+  `grouped_mm_row_stable` says so: CUDA bf16 on sm90+ (a CUTLASS kernel; a row's bits were the
+  same at M = 1..16384 on H200) and CPU bf16/fp16 (oneDNN). On CPU fp32 it runs MKL sgemm per
+  group and is NOT row-stable (rows of groups with fewer than 4 rows differ).
 - ``"padded"`` (the CPU row-stable fallback): one plain mm per expert on its row block
   zero-padded to a multiple of ``row_tile`` (8). MKL takes another kernel only for M < 4 (also
   when threads split M), so every row goes through the same kernel.
@@ -16,14 +16,16 @@ Strategies, picked by `select_gemm`:
   (256) rows, the last tile zero-padded. cuBLAS picks its kernel from the shape, and its choice
   changes rows at many M (fp32 and bf16 on H200: M=128 vs 256 vs 1024 all differ), so padding
   alone is not enough there; a single fixed shape is. Slow: one small GEMM at a time leaves most
-  of the GPU idle (about 100 TFLOP/s fwd+bwd at the bench shape against 540 for grouped_mm).
+  of the GPU idle (119 TFLOP/s fwd+bwd at the bench shape on H200, grouped_mm 535).
 - ``"loop"``: one plain mm per expert on exactly its rows, as Megatron's SequentialMLP does.
   NOT row-stable (CPU fp32 below 4 rows; cuBLAS at many M). Opt-in only (``row_stable=False``).
 
 Gradients: the input gradient ``dy_row @ w[e]^T`` runs through the same strategy (same padding
 and tiling), so it is row-stable whenever the forward is. The weight gradient of expert e is one
-GEMM ``x_e^T @ dy_e`` over that expert's rows only: deterministic, and equal at any EP size when
-the expert receives the same rows in the same order (empty experts get exact zeros).
+GEMM ``x_e^T @ dy_e`` over that expert's rows only (for "grouped", a grouped_mm whose groups split
+the reduction dim): deterministic, and bitwise equal at any EP size when the expert receives the
+same rows in the same order, which tests check on CPU and H200 by building one expert alone and
+among others. Empty experts get exact zeros.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 GemmStrategy = Literal["grouped", "padded", "tiled", "loop"]
 
 # "padded" on CPU: MKL fp32 sgemm has one kernel class for M >= 4 (1..16 threads tried); 8 leaves
-# margin. "tiled" elsewhere: rows per GEMM call (256 ran 1.7x faster than 128 on H200 fwd+bwd).
+# margin. "tiled" elsewhere: rows per GEMM call (256 ran 2.2x faster than 128 on H200 fwd+bwd).
 _ROW_TILE = {"cpu": 8}
 _DEFAULT_TILE = 256
 

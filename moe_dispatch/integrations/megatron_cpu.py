@@ -11,14 +11,16 @@ What it patches (all idempotent):
   alltoall dispatcher copies split sizes on a side stream);
 - ``moe_utils.maybe_move_tensor_to_cpu`` (also imported into ``token_dispatcher``) returns numpy
   arrays for CPU split sizes too, as it already does for CUDA tensors;
-- Megatron's global memory buffer is allocated (its allgather dispatcher gathers into it).
+- Megatron's global memory buffer is allocated (its allgather dispatcher gathers into it);
+- :func:`disable_te_router_gemm` (below).
 
 Not patched: the CUDA RNG tracker. Build the modules with ``use_cpu_initialization=True`` and do
 not call ``model_parallel_cuda_manual_seed`` or Megatron's activation checkpointing on the CPU.
 
-On a GPU machine without TransformerEngine, megatron-core 0.16.1 with ``moe_router_dtype='fp32'``
-raises ``NameError: te_general_gemm``; :func:`disable_te_router_gemm` sets it to None (safe on CPU
-and GPU).
+Without TransformerEngine, megatron-core 0.16.1 with ``moe_router_dtype='fp32'`` raises
+``NameError: te_general_gemm`` in the router (seen on CUDA and on CPU);
+:func:`disable_te_router_gemm` defines it as None, which selects Megatron's plain torch GEMM. It is
+safe on GPUs too, and a no-op when TransformerEngine provides the name.
 """
 from __future__ import annotations
 
@@ -82,11 +84,12 @@ def apply_cpu_shims() -> None:
 
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()
+    disable_te_router_gemm()
 
 
 def disable_te_router_gemm() -> None:
-    """Let megatron-core 0.16.1 run an fp32 router without TransformerEngine (FACTS: it raises
-    NameError on te_general_gemm otherwise); falls back to its plain torch GEMM."""
+    """Let megatron-core 0.16.1 run an fp32 router without TransformerEngine (it raises NameError
+    on te_general_gemm otherwise): its router then uses the plain torch GEMM."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm") or moe_utils.te_general_gemm is None:

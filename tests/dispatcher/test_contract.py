@@ -16,16 +16,15 @@ from collections import defaultdict
 import pytest
 import torch
 
-from .harness import run_ranks
-from .helpers import E, G
-from .workers import contract_configs, contract_worker
+from .helpers import E
+from .workers import contract_configs
 
 FIELDS = ("out", "gx", "gp")
 
 
 @pytest.fixture(scope="module")
-def results():
-    ranks = run_ranks(contract_worker, 4, timeout=240)
+def results(gloo_ranks):
+    ranks = [rank["contract"] for rank in gloo_ranks]
     replicas = defaultdict(list)  # (cfg, scen, ep, replica) -> records in group-rank order
     for rec in sorted((r for rank in ranks for r in rank["records"]), key=lambda r: r["rank"]):
         replicas[(rec["cfg"], rec["scen"], rec["ep"], rec["replica"])].append(rec)

@@ -1,6 +1,5 @@
 """Top-k routing: Megatron-core parity, float64 reference, tie-breaking, dtype contract."""
 
-import itertools
 import math
 import warnings
 
