@@ -64,7 +64,11 @@ class _Dispatcher:
         return recv_x, recv_probs
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Returns (permuted_tokens [N, H], tokens_per_expert CPU int64 [El], permuted_probs [N])."""
+        """Returns (permuted_tokens [N, H], tokens_per_expert CPU int64 [El], permuted_probs [N]).
+
+        With config.probs_in_experts=False (default) the combine applies the probs, so experts
+        must ignore permuted_probs (returned detached, for inspection). Megatron's own experts
+        always multiply by them: use probs_in_experts=True with those experts."""
         handle = self._require_handle()
         x, owner_probs = self._owner
         rows, handle.permuted_probs = expand(x, owner_probs, hidden_states, self._recv_map, probs, handle)

@@ -84,6 +84,15 @@ def select_gemm(x: torch.Tensor, w: torch.Tensor, prefer_grouped: bool, row_stab
     return "grouped" if grouped_ok else "loop"
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """x itself if contiguous and 16-byte aligned, else a fresh copy. Kernels may pick their code
+    path from strides and pointer alignment (grouped_mm rejects misaligned operands), so the same
+    rows must always arrive in the same layout, whatever view the caller passed."""
+    if x.is_contiguous() and x.data_ptr() % 16 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 def _counts(tokens_per_expert: torch.Tensor, n_rows: int) -> List[int]:
     counts = [int(c) for c in tokens_per_expert.tolist()]
     if sum(counts) != n_rows or min(counts, default=0) < 0:
@@ -105,7 +114,7 @@ class _GroupedMM(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         if grad.shape[0] == 0:  # no rows: an empty tensor may carry strides grouped_mm rejects
             return torch.zeros_like(x), torch.zeros_like(w), None
-        grad = grad.contiguous()
+        grad = _dense(grad)
         # dx rows: dy_row @ w[e]^T, one grouped GEMM again (row-stable like the forward).
         gx = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
         # dw[e] = x_e^T @ dy_e: groups now split the reduction dim; empty groups give zeros.
@@ -154,7 +163,7 @@ class _LoopMM(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         x, w = ctx.saved_tensors
         counts, row_tile, tiled = ctx.args
-        grad = grad.contiguous()
+        grad = _dense(grad)
         gx = _blockwise(grad, w.transpose(1, 2), counts, row_tile, tiled) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1]:
@@ -175,6 +184,7 @@ def expert_gemm(
 
     ``row_tile`` (``"padded"``/``"tiled"``): 0 means `default_row_tile` for the device.
     """
+    x = _dense(x)
     if strategy == "grouped":
         return _grouped(x, w, tokens_per_expert)
     if strategy not in ("padded", "tiled", "loop"):

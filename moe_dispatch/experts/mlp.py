@@ -101,7 +101,9 @@ class _LocalExperts(nn.Module):
 
     def gemm_strategies(self, x: torch.Tensor) -> Tuple[GemmStrategy, GemmStrategy]:
         """The (fc1, fc2) strategies a forward on ``x`` [N, H] would use."""
-        w1, w2 = self.weight1.to(x.dtype), self.weight2.to(x.dtype)
+        # Selection reads only dtype, device and shapes: empty stand-ins avoid casting the weights.
+        w1 = x.new_empty(0, 0, self.weight1.shape[2])
+        w2 = x.new_empty(0, 0, self.hidden_size)
         act = x.new_empty(0, self.ffn_hidden_size)
         return (
             select_gemm(x, w1, self.prefer_grouped, self.row_stable),

@@ -27,19 +27,21 @@ the dispatcher runs in ``probs_in_experts`` mode: it hands the experts fp32 (fp6
 exactly once. Probs from a bf16 router (``moe_router_dtype=None``) are upcast (exactly) to fp32
 before they are sent: they never travel in 16 bits.
 
-Supported:
+Supported (tested on CPU / gloo at EP 1 and 2: both dispatchers, fp32 and bf16 params, routers in
+fp32, fp64 and bf16, capacity padding; see tests/integrations):
 - ``moe_token_dispatcher_type`` 'allgather' and 'alltoall' (ours of the same kind is installed);
 - the process groups of the layer's ``pg_collection`` (or Megatron's global parallel state):
   ``ep`` is the EP group; ``expt_tp`` must have size 1, so ``tp_ep`` is the EP group;
-- attention TP / CP / DP / PP around the layer (the dispatcher only sees the EP group);
-- ``moe_router_dtype`` None / 'fp32' / 'fp64'; every router option (top-k, groups, score
-  functions, expert bias, aux / z losses, capacity dropping), since the router is Megatron's;
+- ``moe_router_dtype`` None / 'fp32' / 'fp64', and every router option (top-k, groups, score
+  functions, expert bias, aux / z losses, capacity dropping): the router is Megatron's;
 - ``moe_expert_capacity_factor`` with or without ``moe_pad_expert_input_to_capacity`` (each
   expert then gets exactly its capacity from every source rank, Megatron's capacity formula);
-- any experts module that multiplies ``permuted_probs`` in as Megatron's ``SequentialMLP``,
-  ``GroupedMLP`` and ``TEGroupedMLP`` do, shared experts (not overlapped), ``moe_latent_size``,
-  ``moe_apply_probs_on_input``, ``add_bias_linear``;
 - ``moe_permute_fusion`` is accepted and has no effect: the permutations are ours.
+Outside the dispatcher, so not affected by it (but not tested here): attention TP / CP / DP / PP
+around the layer (the dispatcher only uses the EP group), experts other than ``SequentialMLP``
+(any that multiply ``permuted_probs`` in, as ``GroupedMLP`` and ``TEGroupedMLP`` do), shared experts
+(not overlapped), ``moe_latent_size``, ``moe_apply_probs_on_input``, ``add_bias_linear``, FP8,
+and MoE recomputation (the recomputed forward repeats the dispatch's collectives on every rank).
 
 Not supported (``install`` / ``DeterministicMoELayer`` raise ``ValueError`` naming the field):
 - ``moe_token_dispatcher_type='flex'`` (DeepEP / HybridEP kernels have their own reduction order);
@@ -155,7 +157,7 @@ def dispatcher_config(config: Any) -> MoEConfig:
 def _groups_of(moe_layer: Any, pg_collection: Any) -> Any:
     """(ep, expt_tp, tp_ep) groups: from pg_collection, else from the layer's current dispatcher."""
     if pg_collection is not None:
-        return SimpleNamespace(ep=pg_collection.ep, expt_tp=getattr(pg_collection, "expt_tp", None),
+        return SimpleNamespace(ep=getattr(pg_collection, "ep", None), expt_tp=getattr(pg_collection, "expt_tp", None),
                                tp_ep=getattr(pg_collection, "tp_ep", None))
     current = getattr(moe_layer, "token_dispatcher", None)
     if is_installed(moe_layer):

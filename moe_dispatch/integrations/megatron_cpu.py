@@ -12,7 +12,10 @@ What it patches (all idempotent):
 - ``moe_utils.maybe_move_tensor_to_cpu`` (also imported into ``token_dispatcher``) returns numpy
   arrays for CPU split sizes too, as it already does for CUDA tensors;
 - Megatron's global memory buffer is allocated (its allgather dispatcher gathers into it);
-- :func:`disable_te_router_gemm` (below).
+- :func:`disable_te_router_gemm` (below);
+- if megatron.core is not imported yet, it is imported with ``torch.compile`` replaced by a no-op
+  decorator, so Megatron's ``jit_fuser`` functions run eagerly: this skips importing torch's
+  compiler stack (about 4 s of CPU per process) and compiling C++ kernels on the first call.
 
 Not patched: the CUDA RNG tracker. Build the modules with ``use_cpu_initialization=True`` and do
 not call ``model_parallel_cuda_manual_seed`` or Megatron's activation checkpointing on the CPU.
@@ -25,6 +28,7 @@ safe on GPUs too, and a no-op when TransformerEngine provides the name.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -56,6 +60,20 @@ class _NoStream:
         return True
 
 
+def _import_megatron_without_compile() -> None:
+    if "megatron.core" in sys.modules:
+        return
+
+    def no_compile(model=None, *args, **kwargs):
+        return model if model is not None else (lambda fn: fn)
+
+    original, torch.compile = torch.compile, no_compile
+    try:
+        import megatron.core  # noqa: F401  (megatron.core.jit binds jit_fuser = torch.compile here)
+    finally:
+        torch.compile = original
+
+
 def apply_cpu_shims() -> None:
     """Patch torch.cuda and megatron-core so that MoELayer runs on CPU tensors (see module doc).
 
@@ -63,6 +81,7 @@ def apply_cpu_shims() -> None:
     if torch.cuda.is_available():
         raise RuntimeError("apply_cpu_shims() is for CPU-only processes; this one sees a CUDA device")
     if not _APPLIED["cpu"]:
+        _import_megatron_without_compile()
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.Stream = torch.cuda.Event = _NoStream
         torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()

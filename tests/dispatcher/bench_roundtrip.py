@@ -72,7 +72,6 @@ def _worker(rank: int, P: int, init: str, args) -> None:
     grad = torch.randn(T, H, device="cuda", generator=g).bfloat16()
     cfg = SimpleNamespace(num_experts=E, topk=K, router_dtype="fp32", probs_in_experts=False,
                           pad_multiple=1, pad_to_capacity=False, capacity_factor=None)
-    rows_ours = []
 
     def ours(cls, backward):
         def step():

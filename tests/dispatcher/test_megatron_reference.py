@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 
 from .harness import run_ranks  # noqa: E402
 from .helpers import K  # noqa: E402
-from .workers import megatron_worker  # noqa: E402
+from .megatron_worker import megatron_worker  # noqa: E402
 
 HALF_ULP_BF16 = 2.0 ** -8
 

@@ -7,7 +7,6 @@ import torch.distributed as dist
 from moe_dispatch.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from moe_dispatch.ops import permute, unpermute
 
-from . import helpers
 from .helpers import E, G, H, batch, config, expert_weights, run_experts
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
@@ -226,111 +225,10 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
     return dict(outcomes=out, checks=checks)
 
 
-def _megatron_shims() -> None:
-    """Test-only patches that let megatron-core 0.16.1's dispatchers run on CPU/gloo (FACTS.md)."""
-    import contextlib
-
-    class _NoStream:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def wait_stream(self, *args):
-            pass
-
-        def record_event(self, *args):
-            return _NoStream()
-
-        def synchronize(self):
-            pass
-
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.Stream = torch.cuda.Event = _NoStream
-    torch.cuda.current_stream = lambda *args, **kwargs: None
-    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
-    original = moe_utils.maybe_move_tensor_to_cpu
-
-    def to_cpu(tensor, as_numpy=False, record_stream=False):
-        if torch.is_tensor(tensor) and as_numpy:  # CPU split sizes must become numpy arrays too
-            return tensor.cpu().numpy()
-        return original(tensor, as_numpy=as_numpy, record_stream=False)
-
-    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
-        parallel_state._set_global_memory_buffer()  # the allgather dispatcher gathers into it
-
-
-def _six_steps(d, x, rmap, probs, w, b, apply_probs: bool):
-    h, hp = d.dispatch_preprocess(x, rmap, probs)
-    h, hp = d.token_dispatch(h, hp)
-    rows, tpe, pp = d.dispatch_postprocess(h, hp)
-    rows.retain_grad()
-    y = run_experts(rows, torch.as_tensor(tpe), w, b, pp if apply_probs else None)
-    out = d.combine_postprocess(d.token_combine(d.combine_preprocess(y)))
-    return rows, tpe, y, out
-
-
-def megatron_worker(rank: int, world_size: int) -> list:
-    """Megatron-core's MoEAlltoAllTokenDispatcher / MoEAllGatherTokenDispatcher vs ours, same input."""
-    _megatron_shims()
-    import warnings
-
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
-                                                                 MoEAlltoAllTokenDispatcher)
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    warnings.filterwarnings("ignore")
-    megatron = {"alltoall": MoEAlltoAllTokenDispatcher, "allgather": MoEAllGatherTokenDispatcher}
-    groups = make_groups(rank)
-    data = batch(torch.bfloat16, seed=3)
-    w_all, b_all = expert_weights(torch.bfloat16)
-    records = []
-    for ep in (2, 4):
-        group, _ = groups[ep]
-        P, me = dist.get_world_size(group), dist.get_rank(group)
-        El = E // P
-        idx = torch.tensor(_split(list(range(G)), P)[me])
-        pg = ProcessGroupCollection(ep=group, tp_ep=group, expt_tp=groups[1][0])
-        for kind in DISPATCHERS:
-            tc = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=E,
-                                   moe_router_topk=helpers.K, moe_token_dispatcher_type=kind,
-                                   moe_permute_fusion=False, add_bias_linear=False, bf16=True,
-                                   params_dtype=torch.bfloat16, expert_model_parallel_size=P)
-            from moe_dispatch.dispatcher import dispatcher_from_megatron
-
-            built = dispatcher_from_megatron(pg, tc)  # TransformerConfig -> MoEConfig -> dispatcher
-            rec = dict(ep=ep, kind=kind, rank=rank,
-                       built=(type(built).__name__, built.ep_size, built.local_expert_indices))
-            for impl in ("megatron", "ours-experts", "ours-combine"):
-                x = data["x"][idx].clone().requires_grad_()
-                p = data["probs"][idx].clone().requires_grad_()
-                w = w_all[me * El:(me + 1) * El]
-                b = b_all[me * El:(me + 1) * El]
-                if impl == "megatron":
-                    d = megatron[kind](El, list(range(me * El, (me + 1) * El)), tc, pg_collection=pg)
-                else:
-                    d = DISPATCHERS[kind](config(probs_in_experts=impl == "ours-experts"), group)
-                rows, tpe, y, out = _six_steps(d, x, data["rmap"][idx], p, w, b, impl != "ours-combine")
-                out.backward(data["r"][idx])
-                # clone: Megatron's allgather gathers into (and reduce-scatters out of) a reused
-                # global buffer, so x.grad can be a view that the next step overwrites
-                rec[impl] = {k: torch.as_tensor(v).detach().clone() for k, v in dict(
-                    rows=rows, tpe=tpe, out=out, gx=x.grad, gp=p.grad, row_grads=rows.grad).items()}
-                if impl == "ours-experts":  # magnitudes for the bounds: sum_e |p_e y_e|, sum_e |g_e|
-                    d2 = DISPATCHERS[kind](config(probs_in_experts=True), group)
-                    _, _, h2 = d2.dispatch(x.detach(), data["rmap"][idx], p.detach())
-                    rec["mag_out"] = d2.combine(y.detach().abs(), h2)
-                    rec["mag_gx"] = d2.combine(rows.grad.abs(), h2)
-            records.append(rec)
-    return records
-
-
-def nccl_worker(rank: int, world_size: int) -> list:
-    """The contract on CUDA/NCCL (Triton kernels): EP 1 and 2 on 2 GPUs, both dispatchers."""
-    device = f"cuda:{rank}"
+def nccl_worker(rank: int, world_size: int, device_type: str = "cuda") -> list:
+    """The contract on CUDA/NCCL (Triton kernels): EP 1 and 2 on 2 GPUs, both dispatchers.
+    device_type 'cpu' runs the same checks on gloo (to test this test without a GPU)."""
+    device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
     ones = [dist.new_group([r]) for r in range(world_size)]
     groups = {1: (ones[rank], rank), world_size: (dist.group.WORLD, 0)}
     records = []

@@ -86,3 +86,18 @@ def test_bad_inputs():
     bf16 = GroupedMLP(make_config("gelu", torch.bfloat16), 4)  # the grouped path validates too
     with pytest.raises(ValueError, match="sum to"):
         bf16(x.bfloat16(), torch.tensor([1, 2, 3, 3]))
+
+
+@pytest.mark.parametrize("cls", [GroupedMLP, SequentialMLP])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layout_of_input_does_not_matter(cls, dtype):
+    """Transposed and misaligned views give the same bits as a fresh contiguous tensor
+    (kernels may choose their path from strides and pointer alignment, so views are copied)."""
+    experts = cls(make_config("gelu", dtype), 4)
+    x, tpe, _ = routed_batch([3, 9, 0, 20], 64, dtype)
+    ref = experts(x, tpe)
+    transposed = x.t().contiguous().t()
+    misaligned = torch.cat([x.new_zeros(1), x.flatten()])[1:].view_as(x)
+    assert misaligned.data_ptr() % 16 != 0 and not transposed.is_contiguous()
+    assert torch.equal(experts(transposed, tpe), ref)
+    assert torch.equal(experts(misaligned, tpe), ref)

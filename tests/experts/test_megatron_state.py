@@ -83,7 +83,9 @@ def test_against_megatron_sequential_mlp():
     within one bound of the exact result). On CPU bf16 outputs and input gradients have come out
     bitwise equal; the probs gradient differs (we sum with a fixed tree)."""
     pytest.importorskip("megatron.core")
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # One thread: the worker is small, and it then does not compete with a parallel test run.
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "tests.experts.megatron_worker", str(_free_port())],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -68,10 +68,15 @@ def _build(cfg, pg, ours_from_spec: bool):
             gen = torch.Generator().manual_seed(1000 + layer.local_expert_indices[i])
             expert.linear_fc1.weight.copy_((torch.randn(FFN, H, generator=gen) * H ** -0.5).to(dtype))
             expert.linear_fc2.weight.copy_((torch.randn(H, FFN, generator=gen) * FFN ** -0.5).to(dtype))
-    seen = []
-    layer.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[2].dtype))
+    layer.experts.register_forward_pre_hook(_note_expert_input)
     layer.train()
-    return layer, seen
+    return layer
+
+
+def _note_expert_input(experts, args) -> None:
+    """Forward pre-hook on the experts: (permuted_probs dtype, fewest rows of a local expert)."""
+    _, tokens_per_expert, permuted_probs = args
+    experts.seen = (str(permuted_probs.dtype), int(min(torch.as_tensor(tokens_per_expert).tolist())))
 
 
 def _tokens(dtype: torch.dtype, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,8 +102,10 @@ def _step(layer, x: torch.Tensor, dy: torch.Tensor) -> dict:
         experts[layer.local_expert_indices[i]] = (expert.linear_fc1.weight.grad.clone(),
                                                   expert.linear_fc2.weight.grad.clone())
     # clone: Megatron's allgather dispatcher may leave x.grad a view of a reused global buffer
+    probs_dtype, min_rows = layer.experts.seen
     return dict(out=out.detach().reshape(-1, H).clone(), gx=xi.grad.reshape(-1, H).clone(),
-                router=layer.router.weight.grad.clone(), experts=experts)
+                router=layer.router.weight.grad.clone(), experts=experts, probs_dtype=probs_dtype,
+                min_rows=min_rows)
 
 
 def plugin_worker(rank: int, world_size: int) -> dict:
@@ -116,15 +123,15 @@ def plugin_worker(rank: int, world_size: int) -> dict:
         trunc_x, _ = _tokens(dtype, "trunc")
         for kind in KINDS:
             rec = {}
-            layer, seen = _build(_config(kind, dtype, 2), pg2, ours_from_spec=False)
+            layer = _build(_config(kind, dtype, 2), pg2, ours_from_spec=False)
             rec["stock"] = _step(layer, full_x[mine], full_dy[mine])
             assert not is_installed(layer)
             assert install(layer) is layer and is_installed(layer)
             rec["ours"] = _step(layer, full_x[mine], full_dy[mine])
+            assert install(layer) is layer and is_installed(layer)  # installing twice is harmless
             rec["trunc"] = _step(layer, trunc_x[mine], full_dy[mine])
             rec["same"] = _step(layer, full_x[:128], full_dy[:128])  # identical tokens on both ranks
-            rec["probs_dtypes"] = [str(d) for d in seen]
-            layer1, _ = _build(_config(kind, dtype, 1), pg1, ours_from_spec=True)
+            layer1 = _build(_config(kind, dtype, 1), pg1, ours_from_spec=True)
             assert is_installed(layer1) and type(layer1).__name__ == "DeterministicMoELayer"
             rec["ep1"] = _step(layer1, full_x, full_dy)  # each rank alone, all G tokens
             records[(dname, kind)] = rec
@@ -133,7 +140,7 @@ def plugin_worker(rank: int, world_size: int) -> dict:
 
 
 def _extra_cases(rank: int, pg2, world, singles) -> dict:
-    """A bf16 router (moe_router_dtype=None) and pad-to-capacity, stock vs ours; install errors."""
+    """bf16 and fp64 routers and pad-to-capacity (alltoall, bf16), stock vs ours; install errors."""
     from types import SimpleNamespace
 
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -143,15 +150,14 @@ def _extra_cases(rank: int, pg2, world, singles) -> dict:
     mine = slice(rank * 128, (rank + 1) * 128)
     x, dy = _tokens(torch.bfloat16, "full")
     out = {}
-    cases = {"router-bf16": dict(moe_router_dtype=None),
+    cases = {"router-bf16": dict(moe_router_dtype=None), "router-fp64": dict(moe_router_dtype="fp64"),
              "capacity-pad": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)}
     for name, extra in cases.items():
-        layer, seen = _build(_config("alltoall", torch.bfloat16, 2, **extra), pg2, ours_from_spec=False)
+        layer = _build(_config("alltoall", torch.bfloat16, 2, **extra), pg2, ours_from_spec=False)
         rec = {"stock": _step(layer, x[mine], dy[mine])}
         install(layer)
         rec["ours"] = _step(layer, x[mine], dy[mine])
         rec["same"] = _step(layer, x[:128], dy[:128])
-        rec["probs_dtypes"] = [str(d) for d in seen]
         out[name] = rec
 
     def outcome(fn) -> tuple:
@@ -168,11 +174,17 @@ def _extra_cases(rank: int, pg2, world, singles) -> dict:
                                          expert_tensor_parallel_size=2, sequence_parallel=True))
     out["etp_config"] = outcome(lambda: install(etp))
     # A config that claims ETP 1 on a pg_collection whose expt_tp group spans both ranks.
-    layer, _ = _build(base, pg2, ours_from_spec=False)
+    layer = _build(base, pg2, ours_from_spec=False)
     bad_pg = ProcessGroupCollection(ep=singles[rank], expt_tp=world, tp_ep=world)
     out["etp_groups"] = outcome(lambda: install(layer, bad_pg))
     out["ep_mismatch"] = outcome(lambda: install(layer, ProcessGroupCollection(ep=singles[rank])))
     overlap = SimpleNamespace(config=_config("alltoall", torch.bfloat16, 2, moe_shared_expert_intermediate_size=32,
                                              moe_shared_expert_overlap=True))
     out["shared_overlap"] = outcome(lambda: install(overlap))
+    # The spec helper swaps MoELayer anywhere in a spec tree (here a GPT layer spec).
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from moe_dispatch.integrations.megatron import deterministic_moe_spec
+
+    out["gpt_spec_mlp"] = deterministic_moe_spec(get_gpt_layer_local_spec(num_experts=E)).submodules.mlp.module.__name__
     return out
