@@ -9,7 +9,9 @@ is the bytes this rank must send to other ranks (deduplicated tokens on dispatch
 combine) over the all-to-all bandwidth measured here (the raw exchange).
 Layer: hidden 4096, ffn 1024, 64 experts, top-6, bf16, fp32 router; Megatron's MoELayer with
 SequentialMLP and no TransformerEngine (what a user without TE gets).
-Times are triton.testing.do_bench medians on rank 0; every rank runs the same loop.
+Times are medians of CUDA-event timings on rank 0 over a fixed number of iterations that every
+rank runs: triton.testing.do_bench sizes its loop from a per-rank estimate, and ranks that loop a
+different number of times over collectives hang.
 """
 from __future__ import annotations
 
@@ -25,9 +27,21 @@ from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.dispatcher import build_dispatcher
 
 
-def bench(fn) -> float:
+def bench(fn, warmup: int = 5, iters: int = 30) -> float:
+    """Median ms of fn over `iters` CUDA-event-timed calls; the same count on every rank."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
     dist.barrier()
-    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def say(*args) -> None:
