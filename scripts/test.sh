@@ -1,13 +1,6 @@
 #!/usr/bin/env bash
 # Create or refresh .venv, install moe-dispatch with its test extras, run pytest.
-# torch is pinned: an unpinned `pip install torch` can pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PY" -m venv .venv
-fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q torch==2.13.0 triton==3.6.0
-.venv/bin/python -m pip install -q -e '.[test]'
+source scripts/setup_venv.sh
 exec .venv/bin/python -m pytest -q "$@"

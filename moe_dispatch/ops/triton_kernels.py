@@ -41,6 +41,13 @@ def _launch_opts() -> dict:
     return {"enable_fp_fusion": False}
 
 
+def _probs_args(probs: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
+    """(pointer, stride_t, stride_e) for a kernel's optional probs; a placeholder when absent."""
+    if probs is None:
+        return placeholder, 0, 0
+    return probs, probs.stride(0), probs.stride(1)
+
+
 # --------------------------------------------------------------------------------------------
 # Row-id map: per-chunk expert counts, then slot lists. Two launches, no torch ops between.
 # --------------------------------------------------------------------------------------------
@@ -186,8 +193,7 @@ def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
     if T == 0 or H == 0:
         return out, out_probs
     bh = block or block_h(H)  # a copy: the block size does not change any value
-    p = probs if probs is not None else out_probs
-    p_strides = (probs.stride(0), probs.stride(1)) if probs is not None else (0, 0)
+    p, *p_strides = _probs_args(probs, out_probs)
     _permute_kernel[(T, triton.cdiv(H, bh))](
         tokens, slots, p, out, out_probs, H, E, tokens.stride(0), tokens.stride(1), *p_strides,
         HAS_PROBS=probs is not None, BLOCK_H=bh, num_warps=num_warps or _num_warps(bh), **_launch_opts())
@@ -277,8 +283,7 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
     if T == 0 or H == 0:
         return out
     bh = block_h(H)
-    p = probs if probs is not None else out
-    p_strides = (probs.stride(0), probs.stride(1)) if probs is not None else (0, 0)
+    p, *p_strides = _probs_args(probs, out)
     _unpermute_kernel[(T, triton.cdiv(H, bh))](
         rows, slots, p, out, H, E, rows.stride(0), rows.stride(1), *p_strides,
         HAS_PROBS=probs is not None, ACC_FP64=probs is not None and probs.dtype == torch.float64,
@@ -360,8 +365,7 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
     acc_dtype = torch.float64 if probs is not None and probs.dtype == torch.float64 else torch.float32
     partial = torch.empty((T, max_slots, num_chunks) if probs is not None else (0,), dtype=acc_dtype,
                           device=rows.device)
-    p = probs if probs is not None else grad_probs
-    p_strides = (probs.stride(0), probs.stride(1)) if probs is not None else (0, 0)
+    p, *p_strides = _probs_args(probs, grad_probs)
     _unpermute_bwd_kernel[(T, num_chunks)](
         grad, rows, slots, p, grad_rows, partial, H, E, max_slots, num_chunks, grad.stride(0), grad.stride(1),
         rows.stride(0), rows.stride(1), *p_strides,
