@@ -4,7 +4,8 @@ Builds a small MoE layer on N ranks and checks, bitwise, that a token's output a
 (a) identical on every rank holding it, (b) identical with the allgather and the alltoall
 dispatcher, (c) identical at every EP size, and (d) unchanged when the other tokens of the batch
 change (the report's truncation test: zero tokens 90 onwards). Prints a table and a throughput
-line; exits nonzero on any FAIL.
+line; exits nonzero on any FAIL. With --megatron, megatron-core's MoELayer is checked too: with its
+stock dispatcher (reference rows, shown as PASS or DIFF) and with ours installed (rows that count).
 
 Launch plainly (it spawns the ranks itself: 4 CPU ranks on gloo by default, one rank per GPU on
 NCCL where CUDA is present) or under torchrun, which sets the ranks:
@@ -49,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--truncate-at", type=int, default=90, help="tokens kept in the truncation test")
     parser.add_argument("--megatron", action="store_true",
-                        help="also run the checks on megatron-core's own MoELayer, beside ours")
+                        help="also run the checks on megatron-core's own MoELayer (SequentialMLP, no TE), beside "
+                             "ours on the same tokens: with its stock dispatcher (reference rows: PASS or DIFF, "
+                             "never a FAIL) and with our dispatcher installed (counted like ours); needs "
+                             "megatron-core")
     parser.add_argument("--seed", type=int, default=1234)
     return parser
 
@@ -59,6 +63,17 @@ class Result:
     check: str
     max_diff: float
     passed: bool
+    # A reference row (stock megatron-core under --megatron): printed, PASS or DIFF, never a FAIL
+    # and never part of the exit code.
+    informational: bool = False
+
+    @property
+    def status(self) -> str:
+        return "PASS" if self.passed else ("DIFF" if self.informational else "FAIL")
+
+    @property
+    def failed(self) -> bool:
+        return not self.passed and not self.informational
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -109,40 +124,47 @@ def _all_equal_across(group: Optional[dist.ProcessGroup], tensors: tuple[torch.T
     return worst, same
 
 
-def run_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
-    from .config import MoEConfig
-    from .layer import MoELayer
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = DTYPES[args.dtype]
+def check_plan(args: argparse.Namespace, world: int) -> tuple[list[int], list[str]]:
+    """(EP sizes, dispatchers) to compare, from --ep-sizes and --dispatcher."""
     sizes = [int(s) for s in args.ep_sizes.split(",")] if args.ep_sizes else \
         [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= world and world % s == 0]
     for s in sizes:
-        if world % s or args.experts % s:
+        if s < 1 or world % s or args.experts % s:
             raise SystemExit(f"--ep-sizes: {s} must divide the world size {world} and --experts {args.experts}")
     dispatchers = ["allgather", "alltoall"] if args.dispatcher == "both" else [args.dispatcher]
-    groups = _ep_groups(world, sizes)
-    base = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
-                     router_dtype=args.router_dtype, init_seed=args.seed)
+    return sizes, dispatchers
 
+
+# run(kind, ep, x, upstream) -> (output, input grad, router weight grad) of one forward + backward
+# of a freshly zeroed layer with that dispatcher and EP size, on this rank's tokens x [T, H].
+RunFn = Callable[[str, int, torch.Tensor, torch.Tensor], tuple]
+
+
+def contract_checks(args: argparse.Namespace, device: torch.device, sizes: list[int], dispatchers: list[str],
+                    run: RunFn, label: str = "", informational: bool = False) -> list[Result]:
+    """Checks (a)-(d) of one kind of layer (``run``), on the check's tokens (the same for every
+    kind of layer); rows prefixed with ``label``. Collective: every rank calls it alike."""
+    rank = dist.get_rank()
+    dtype = DTYPES[args.dtype]
     gen = torch.Generator().manual_seed(args.seed + 1)
     shared_x = torch.randn((args.tokens, args.hidden), generator=gen).to(dtype).to(device)
     upstream = torch.randn((args.tokens, args.hidden), generator=gen).to(dtype).to(device)
     own_gen = torch.Generator().manual_seed(args.seed + 100 + rank)
     own_x = torch.randn((args.tokens, args.hidden), generator=own_gen).to(dtype).to(device)
 
-    def layer_fn(kind: str, ep: int) -> Callable[[], torch.nn.Module]:
-        return lambda: MoELayer(base.replace(dispatcher=kind), ep_group=groups[ep]).to(device)
-
     results: list[Result] = []
+
+    def add(check: str, diff: float, same: bool) -> None:
+        results.append(Result(label + check, diff, same, informational))
+
     outs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
     for kind in dispatchers:
         for ep in sizes:
-            _progress(rank, f"{kind} dispatcher, EP {ep}")
-            identical = _run_layer(layer_fn(kind, ep), shared_x, upstream)
+            _progress(rank, f"{label}{kind} dispatcher, EP {ep}")
+            identical = run(kind, ep, shared_x, upstream)
             diff, same = _all_equal_across(None, identical)
-            results.append(Result(f"(a) identical tokens, every rank: {kind}, EP {ep}", diff, same))
-            outs[(kind, ep)] = _run_layer(layer_fn(kind, ep), own_x, upstream)
+            add(f"(a) identical tokens, every rank: {kind}, EP {ep}", diff, same)
+            outs[(kind, ep)] = run(kind, ep, own_x, upstream)
 
     first = outs[(dispatchers[0], sizes[0])]
     for kind in dispatchers:
@@ -152,31 +174,51 @@ def run_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
             other = outs[(kind, ep)]
             diff = max(_max_diff(a, b) for a, b in zip(first, other))
             same = all(_bitwise(a, b) for a, b in zip(first, other))
-            label = "(b) allgather vs alltoall" if kind != dispatchers[0] and ep == sizes[0] else "(c) EP size"
-            results.append(Result(f"{label}: {dispatchers[0]} EP {sizes[0]} vs {kind} EP {ep}", diff, same))
+            check = "(b) allgather vs alltoall" if kind != dispatchers[0] and ep == sizes[0] else "(c) EP size"
+            add(f"{check}: {dispatchers[0]} EP {sizes[0]} vs {kind} EP {ep}", diff, same)
 
     keep = min(args.truncate_at, args.tokens)
     for kind in dispatchers:
         ep = sizes[-1]
-        _progress(rank, f"truncation test, {kind}, EP {ep}")
+        _progress(rank, f"{label}truncation test, {kind}, EP {ep}")
         truncated = own_x.clone()
         truncated[keep:] = 0
-        out_t, grad_t, _ = _run_layer(layer_fn(kind, ep), truncated, upstream)
+        out_t, grad_t, _ = run(kind, ep, truncated, upstream)
         full_out, full_grad, _ = outs[(kind, ep)]
         diff = max(_max_diff(out_t[:keep], full_out[:keep]), _max_diff(grad_t[:keep], full_grad[:keep]))
         same = _bitwise(out_t[:keep], full_out[:keep]) and _bitwise(grad_t[:keep], full_grad[:keep])
-        results.append(Result(f"(d) truncation (tokens {keep}+ zeroed): {kind}, EP {ep}", diff, same))
-        one_out, one_grad, _ = _run_layer(layer_fn(kind, ep), own_x[:1], upstream[:1])
+        add(f"(d) truncation (tokens {keep}+ zeroed): {kind}, EP {ep}", diff, same)
+        one_out, one_grad, _ = run(kind, ep, own_x[:1], upstream[:1])
         diff = max(_max_diff(one_out, full_out[:1]), _max_diff(one_grad, full_grad[:1]))
-        results.append(Result(f"(d) one token alone vs in the batch: {kind}, EP {ep}", diff,
-                              _bitwise(one_out, full_out[:1]) and _bitwise(one_grad, full_grad[:1])))
+        add(f"(d) one token alone vs in the batch: {kind}, EP {ep}", diff,
+            _bitwise(one_out, full_out[:1]) and _bitwise(one_grad, full_grad[:1]))
+    return _gather_results(results, device)
 
-    # Results on other ranks count too: a FAIL anywhere fails everywhere.
+
+def _gather_results(results: list[Result], device: torch.device) -> list[Result]:
+    """Results on other ranks count too: a FAIL anywhere fails everywhere."""
     flags = torch.tensor([0.0 if r.passed else 1.0 for r in results] + [r.max_diff for r in results],
                          dtype=torch.float64, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     n = len(results)
-    return [Result(r.check, float(flags[n + i]), flags[i].item() == 0.0) for i, r in enumerate(results)]
+    return [Result(r.check, float(flags[n + i]), flags[i].item() == 0.0, r.informational)
+            for i, r in enumerate(results)]
+
+
+def run_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
+    from .config import MoEConfig
+    from .layer import MoELayer
+
+    world = dist.get_world_size()
+    sizes, dispatchers = check_plan(args, world)
+    groups = _ep_groups(world, sizes)
+    base = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
+                     router_dtype=args.router_dtype, init_seed=args.seed)
+
+    def run(kind: str, ep: int, x: torch.Tensor, upstream: torch.Tensor) -> tuple:
+        return _run_layer(lambda: MoELayer(base.replace(dispatcher=kind), ep_group=groups[ep]).to(device), x, upstream)
+
+    return contract_checks(args, device, sizes, dispatchers, run)
 
 
 def throughput(args: argparse.Namespace, device: torch.device) -> str:
@@ -209,7 +251,9 @@ def _print_table(results: list[Result]) -> None:
     print(f"{'check':<{width}} | {'max |diff|':>10} | result")
     print("-" * (width + 22))
     for r in results:
-        print(f"{r.check:<{width}} | {r.max_diff:>10.3e} | {'PASS' if r.passed else 'FAIL'}")
+        print(f"{r.check:<{width}} | {r.max_diff:>10.3e} | {r.status}")
+    if any(r.informational for r in results):
+        print("(reference rows: stock megatron-core, shown beside ours; DIFF there does not fail the check)")
 
 
 def _worker(local_rank: int, world: int, port: int, backend: str, args: argparse.Namespace) -> None:
@@ -244,10 +288,16 @@ def main_worker(args: argparse.Namespace, backend: str) -> int:
         line = throughput(args, device)
         if rank == 0:
             _print_table(results)
+            if args.megatron:
+                from .integrations.megatron_check import explain
+                for note in explain(results):
+                    print(note)
             print(line)
-            failed = [r for r in results if not r.passed]
-            print("ALL PASS" if not failed else f"{len(failed)} FAIL", flush=True)
-        ok = all(r.passed for r in results)
+            failed = [r for r in results if r.failed]
+            differ = sum(1 for r in results if r.informational and not r.passed)
+            note = f" ({differ} reference row{'s' * (differ > 1)} DIFF)" if differ else ""
+            print(("ALL PASS" if not failed else f"{len(failed)} FAIL") + note, flush=True)
+        ok = not any(r.failed for r in results)
     finally:
         dist.destroy_process_group()
     if not ok:
@@ -261,8 +311,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _megatron_missing() -> Optional[str]:
+    """Why --megatron cannot run here, or None."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return ("--megatron needs megatron-core, which is not installed in this environment "
+                f"({sys.executable}): pip install megatron-core==0.16.1 (TransformerEngine not needed)")
+    return None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.megatron and (why := _megatron_missing()):
+        parser.error(why)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         return main_worker(args, backend)

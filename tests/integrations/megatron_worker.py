@@ -30,36 +30,23 @@ def _setup() -> None:
 
 
 def _pg(ep_group, single):
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    from moe_dispatch.integrations.megatron_build import process_groups
 
-    return ProcessGroupCollection(tp=single, cp=single, tp_cp=single, tp_dp_cp=single, dp=single, dp_cp=single,
-                                  pp=single, ep=ep_group, expt_tp=single, tp_ep=ep_group, expt_dp=single)
+    return process_groups(ep_group, single)
 
 
 def _config(kind: str, dtype: torch.dtype, ep: int, **extra):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from moe_dispatch.integrations.megatron_build import moe_transformer_config
 
-    fields = dict(num_layers=1, hidden_size=H, num_attention_heads=4, num_moe_experts=E, moe_ffn_hidden_size=FFN,
-                  ffn_hidden_size=FFN, moe_router_topk=K, moe_token_dispatcher_type=kind,
-                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
-                  add_bias_linear=False, use_cpu_initialization=True, bias_activation_fusion=False,
-                  params_dtype=dtype, bf16=dtype == torch.bfloat16, expert_model_parallel_size=ep)
-    fields.update(extra)
-    return TransformerConfig(**fields)
+    return moe_transformer_config(H, FFN, E, K, kind, dtype, ep, **extra)
 
 
 def _build(cfg, pg, ours_from_spec: bool):
     """Megatron's MoELayer (ours_from_spec: DeterministicMoELayer built through our spec helper),
     with the deterministic weights."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.spec_utils import build_module
+    from moe_dispatch.integrations.megatron_build import build_moe_layer
 
-    from moe_dispatch.integrations.megatron import get_moe_module_spec
-
-    spec = get_moe_module_spec(use_te=False, num_experts=E)
-    if not ours_from_spec:
-        spec.module = MoELayer
-    layer = build_module(spec, config=cfg, pg_collection=pg)
+    layer = build_moe_layer(cfg, pg, ours=ours_from_spec)
     dtype = cfg.params_dtype
     with torch.no_grad():
         gen = torch.Generator().manual_seed(7)
@@ -69,7 +56,6 @@ def _build(cfg, pg, ours_from_spec: bool):
             expert.linear_fc1.weight.copy_((torch.randn(FFN, H, generator=gen) * H ** -0.5).to(dtype))
             expert.linear_fc2.weight.copy_((torch.randn(H, FFN, generator=gen) * FFN ** -0.5).to(dtype))
     layer.experts.register_forward_pre_hook(_note_expert_input)
-    layer.train()
     return layer
 
 

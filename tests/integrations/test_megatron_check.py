@@ -1,0 +1,67 @@
+"""`moe-dispatch check --megatron` end to end on 2 gloo ranks, and its error without megatron-core.
+
+On CPU, bf16 (the check's default dtype) keeps Megatron's router and SequentialMLP GEMMs
+row-stable, so Megatron's layer with our dispatcher installed must pass every check bitwise. The
+stock-Megatron rows are reference rows: PASS or DIFF, never part of the exit code.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from moe_dispatch import check
+
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+
+
+def _status(line: str) -> str:
+    return line.rsplit("|", 1)[-1].strip()
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core")
+def test_check_megatron_end_to_end():
+    cmd = [sys.executable, "-m", "moe_dispatch.check", "--megatron", "--ranks", "2", "--ep-sizes", "1,2",
+           "--tokens", "96"]
+    start = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    elapsed = time.time() - start
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    rows = [line for line in out.splitlines() if line.count("|") == 2 and not line.startswith("check ")]
+    ours = [r for r in rows if r.startswith("megatron + moe-dispatch: ")]
+    stock = [r for r in rows if r.startswith("megatron stock: ")]
+    plain = [r for r in rows if not r.startswith("megatron")]
+    # (a) 2 dispatchers x 2 EP sizes, (b) + (c) 3 comparisons, (d) 2 x 2: 11 rows per kind of layer
+    assert len(plain) == len(ours) == len(stock) == 11, out
+    assert all(_status(r) == "PASS" for r in plain + ours), out
+    assert all(_status(r) in ("PASS", "DIFF") for r in stock), out
+    for check_name in ("(a) identical tokens", "(b) allgather vs alltoall", "(c) EP size", "(d) truncation",
+                       "(d) one token alone"):
+        assert any(check_name in r for r in ours) and any(check_name in r for r in stock), check_name
+    assert "ALL PASS" in out and "throughput:" in out
+    assert elapsed < 60, f"check --megatron took {elapsed:.0f} s"
+
+
+def test_result_informational_rows_never_fail():
+    ref = check.Result("megatron stock: x", 1e-3, passed=False, informational=True)
+    ours = check.Result("megatron + moe-dispatch: x", 1e-3, passed=False)
+    assert (ref.status, ref.failed) == ("DIFF", False)
+    assert (ours.status, ours.failed) == ("FAIL", True)
+    assert check.Result("y", 0.0, passed=True, informational=True).status == "PASS"
+
+
+def test_check_megatron_without_megatron_core(monkeypatch, capsys):
+    """--megatron stops before spawning any rank, with a message naming the missing package."""
+    monkeypatch.setitem(sys.modules, "megatron", None)  # import megatron -> ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "megatron.core", None)
+    with pytest.raises(SystemExit) as exc:
+        check.main(["--megatron", "--ranks", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--megatron needs megatron-core" in err and "pip install megatron-core" in err
