@@ -1,0 +1,59 @@
+"""The check's comparisons catch violations: a layer that breaks (b), (c) or (d) fails those rows."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_dispatch.check import build_parser, contract_checks
+
+
+@pytest.fixture()
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _rows(run, args: argparse.Namespace) -> dict[str, bool]:
+    results = contract_checks(args, torch.device("cpu"), [1, 2], ["allgather", "alltoall"], run)
+    return {r.check: r.passed for r in results}
+
+
+def _stand_in(x: torch.Tensor, upstream: torch.Tensor, extra) -> tuple:
+    """A row-wise 'layer' y = x * 3 + extra(x); returns (output, input grad, a weight grad)."""
+    w = torch.full((x.shape[1],), 3.0, dtype=x.dtype, requires_grad=True)
+    xx = x.clone().requires_grad_()
+    y = xx * w + extra(xx)
+    y.backward(upstream)
+    return y.detach(), xx.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_check_rows_pass_for_an_invariant_layer_and_fail_for_broken_ones(one_rank, dtype):
+    args = build_parser().parse_args(["--tokens", "100", "--hidden", "16", "--dtype", dtype])
+
+    def invariant(kind, ep, x, g):
+        return _stand_in(x, g, lambda t: 0 * t)
+
+    def batch_dependent(kind, ep, x, g):  # like a non-row-stable GEMM: depends on the batch
+        return _stand_in(x, g, lambda t: t.mean(0, keepdim=True) * 1e-3)
+
+    def dispatcher_dependent(kind, ep, x, g):  # like a bf16 combine on one path only
+        return _stand_in(x, g, lambda t: t * (1e-2 if kind == "alltoall" else 0))
+
+    def ep_dependent(kind, ep, x, g):  # like partial sums reduced across EP ranks
+        return _stand_in(x, g, lambda t: t * (1e-2 if ep == 2 else 0))
+
+    assert all(_rows(invariant, args).values())
+    rows = _rows(batch_dependent, args)
+    assert not any(ok for name, ok in rows.items() if name.startswith("(d)"))
+    assert all(ok for name, ok in rows.items() if name.startswith(("(a)", "(b)", "(c)")))
+    rows = _rows(dispatcher_dependent, args)
+    assert not rows["(b) allgather vs alltoall: allgather EP 1 vs alltoall EP 1"]
+    assert rows["(c) EP size: allgather EP 1 vs allgather EP 2"]
+    rows = _rows(ep_dependent, args)
+    assert not rows["(c) EP size: allgather EP 1 vs allgather EP 2"]
+    assert rows["(b) allgather vs alltoall: allgather EP 1 vs alltoall EP 1"]
