@@ -370,14 +370,18 @@ def sort_chunks(
         raise ValueError(f"sorted_idxs must be a permutation of range({len(order)}), got {order.tolist()}")
     if probs is not None and (probs.dim() != 1 or probs.shape[0] != tokens.shape[0]):
         raise ValueError(f"probs must be [N] with N = {tokens.shape[0]}, got {list(probs.shape)}")
+    # Per-chunk tables (C entries) go to the device; the N-row index is built there, so no
+    # N-sized host-to-device copy and no synchronisation (output_size is known).
+    device, N = tokens.device, tokens.shape[0]
     src_start = sizes.cumsum(0) - sizes
     dst_sizes = sizes[order]
     dst_start = dst_sizes.cumsum(0) - dst_sizes
-    chunk = torch.repeat_interleave(torch.arange(len(order)), dst_sizes)
-    index = src_start[order][chunk] + torch.arange(len(chunk)) - dst_start[chunk]
+    chunk_tables = torch.stack([src_start[order] - dst_start, dst_sizes]).to(device, non_blocking=True)
+    chunk = torch.repeat_interleave(torch.arange(len(order), device=device), chunk_tables[1], output_size=N)
+    rows = torch.arange(N, device=device)
+    index = chunk_tables[0][chunk] + rows
     inverse = torch.empty_like(index)
-    inverse[index] = torch.arange(len(index))
-    index, inverse = index.to(tokens.device), inverse.to(tokens.device)
+    inverse[index] = rows  # a permutation: every position written once
     out = _gather_rows_op(tokens, index, inverse)
     out_probs = None
     if probs is not None:
