@@ -39,7 +39,10 @@ class MoELayer(nn.Module):
     def __init__(self, config: MoEConfig, ep_group: Optional[dist.ProcessGroup] = None) -> None:
         super().__init__()
         self.config = config
-        self.router = TopKRouter(config)
+        # The dispatcher's one size exchange already rejects NaN/inf probabilities, on every rank
+        # and with no extra synchronisation; the router's own check would add a host sync and
+        # raise on one rank only, leaving the others waiting in the exchange.
+        self.router = TopKRouter(config, check_finite=False)
         self.dispatcher = build_dispatcher(config, ep_group)
         experts_cls = GroupedMLP if config.expert_impl == "grouped" else SequentialMLP
         num_local = self.dispatcher.num_local_experts

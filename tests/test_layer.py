@@ -83,6 +83,14 @@ def test_layer_shapes_shared_expert_and_batch_invariance():
         layer(torch.randn(4, 31))
 
 
+def test_nan_input_is_a_clear_error():
+    layer = MoELayer(MoEConfig(hidden_size=16, num_experts=4, topk=2, ffn_hidden_size=8))
+    x = torch.randn(6, 16)
+    x[2, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        layer(x)
+
+
 def test_same_seed_same_layer():
     config = MoEConfig(hidden_size=16, num_experts=4, topk=2, ffn_hidden_size=8, init_seed=7)
     a, b = MoELayer(config), MoELayer(config)

@@ -29,7 +29,7 @@ _PROBS_DTYPES = (1, 2, 3, 4)
 # Descriptor fields; shapes -1 = not a tensor or wrong number of dimensions; dtype -1 = not a
 # tensor, 0 = a dtype without a code.
 _FIELDS = ("hidden_T", "hidden_H", "hidden_dtype", "map_T", "map_E", "map_dtype",
-           "probs_T", "probs_E", "probs_dtype", "probs_grad", "one_device", "max_k")
+           "probs_T", "probs_E", "probs_dtype", "probs_grad", "one_device", "max_k", "probs_nonfinite")
 
 
 def check_ep_size(num_experts: int, ep_size: int) -> int:
@@ -131,9 +131,9 @@ def _describe(hidden: Any, routing_map: Any, probs: Any) -> list[int]:
 
     grad = int(isinstance(probs, torch.Tensor) and probs.requires_grad)
     devices = {x.device for x in (hidden, routing_map, probs) if isinstance(x, torch.Tensor)}
-    # max_k is filled in on the device once the input is known to be valid
+    # max_k and probs_nonfinite are filled in on the device once the input is known to be valid
     return [*shape2(hidden, True), code(hidden), *shape2(routing_map, False), code(routing_map),
-            *shape2(probs, False), code(probs), grad, int(len(devices) <= 1), 0]
+            *shape2(probs, False), code(probs), grad, int(len(devices) <= 1), 0, 0]
 
 
 def _problems(desc: list[list[int]], config: Any) -> list[str]:
@@ -156,6 +156,8 @@ def _problems(desc: list[list[int]], config: Any) -> list[str]:
                        f"{_CODE_NAMES[f['probs_dtype']]} [{f['probs_T']}, {f['probs_E']}]")
         if not f["one_device"]:
             out.append(f"hidden_states, routing_map and probs must be on one device {where}")
+        if f["probs_nonfinite"]:
+            out.append(f"probs contain NaN or inf {where} (are the router's logits finite?)")
     if not out:
         for field, what in (("hidden_H", "hidden size H"), ("hidden_dtype", "hidden_states dtype"),
                             ("probs_dtype", "probs dtype")):
@@ -186,7 +188,9 @@ def exchange_layout(hidden: Any, routing_map: Any, probs: Any, config: Any, grou
         counts = routing_map.sum(0, dtype=torch.int64)
         sent = routing_map.reshape(T, P, El).any(-1).sum(0, dtype=torch.int64)
         if T:  # computed on the device: read back with everything else, no extra sync
-            desc_t[-1] = routing_map.sum(1, dtype=torch.int64).max()
+            desc_t[_FIELDS.index("max_k")] = routing_map.sum(1, dtype=torch.int64).max()
+            # NaN/inf probs become a clear error on every rank at no extra synchronisation.
+            desc_t[_FIELDS.index("probs_nonfinite")] = (~torch.isfinite(probs)).any()
     else:  # still take part in the exchange with zeros, so the other ranks do not hang
         counts = torch.zeros(E, dtype=torch.int64, device=device)
         sent = torch.zeros(P, dtype=torch.int64, device=device)

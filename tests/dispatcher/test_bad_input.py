@@ -21,6 +21,7 @@ for _kind in ("alltoall", "allgather"):
         f"{_kind}_map_dtype_ep2": (range(2), ["routing_map", "bool", "EP rank 0", "int64"]),
         f"{_kind}_hidden_dtype": (range(4), ["hidden_states dtype differs", "float32"]),
         f"{_kind}_capacity_overflow": (range(4), ["capacity", "the router must drop"]),
+        f"{_kind}_probs_nan": (range(4), ["probs contain NaN or inf", "EP rank 1"]),
     })
 
 

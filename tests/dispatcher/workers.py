@@ -207,6 +207,10 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
         out[f"{kind}_map_dtype_ep2"] = _outcome(lambda: DISPATCHERS[kind](cfg, pair).dispatch(x, int_map, probs))
         mixed = x.float() if rank == 3 else x
         out[f"{kind}_hidden_dtype"] = _outcome(lambda: DISPATCHERS[kind](cfg, world).dispatch(mixed, rmap, probs))
+        nan_p = probs.clone()
+        if rank == 1:
+            nan_p[3, 0] = float("nan")  # what NaN router logits produce
+        out[f"{kind}_probs_nan"] = _outcome(lambda: DISPATCHERS[kind](cfg, world).dispatch(x, rmap, nan_p))
         tight = config(capacity_factor=0.25, pad_to_capacity=True)  # capacity 1 < routed tokens
         out[f"{kind}_capacity_overflow"] = _outcome(lambda: DISPATCHERS[kind](tight, world).dispatch(x, rmap, probs))
     expt_tp = SimpleNamespace(ep=world, tp_ep=world, expt_tp=pair)
