@@ -2,6 +2,7 @@
 forward + backward, ours beside megatron-core's in the same run.
 
     torchrun --nproc-per-node 2 scripts/bench_ep.py [--what dispatch,layer] [--tokens 8192]
+    torchrun --nproc-per-node 2 scripts/bench_ep.py --cpu-smoke   # gloo, tiny: checks the script runs
 
 Round trip: identity experts; ours (alltoall, allgather), Megatron's MoEAlltoAll/MoEAllGather
 token dispatchers, and a raw all_to_all_single of the K-copy rows there and back. The byte floor
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 import traceback
 
 import torch
@@ -27,20 +29,31 @@ from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.dispatcher import build_dispatcher
 
 
+DEVICE = torch.device("cuda")
+
+
 def bench(fn, warmup: int = 5, iters: int = 30) -> float:
-    """Median ms of fn over `iters` CUDA-event-timed calls; the same count on every rank."""
+    """Median ms of fn over `iters` timed calls (CUDA events; host clock on CPU); the same count
+    on every rank."""
+    cuda = DEVICE.type == "cuda"
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     dist.barrier()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
@@ -50,50 +63,48 @@ def say(*args) -> None:
 
 
 def routing(T: int, E: int, K: int, seed: int):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    scores = torch.rand((T, E), device="cuda", generator=gen)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    scores = torch.rand((T, E), device=DEVICE, generator=gen)
     idx = scores.topk(K, dim=1).indices
-    routing_map = torch.zeros((T, E), dtype=torch.bool, device="cuda").scatter_(1, idx, True)
+    routing_map = torch.zeros((T, E), dtype=torch.bool, device=DEVICE).scatter_(1, idx, True)
     probs = torch.softmax(scores, dim=1) * routing_map
     return routing_map, probs
 
 
-def megatron_setup(world: int):
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.moe import moe_utils
-    moe_utils.te_general_gemm = None  # megatron-core 0.16.1 without TE references it (FACTS.md)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    model_parallel_cuda_manual_seed(1234)
-    return ProcessGroupCollection.use_mpu_process_groups()
+_PG = None
+
+
+def megatron_groups(world: int, rank: int):
+    """Megatron's process groups for one MoE layer: EP over every rank, everything else alone."""
+    global _PG
+    if _PG is None:
+        from moe_dispatch.integrations.megatron_build import prepare_megatron, process_groups
+        prepare_megatron(DEVICE)
+        single = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
+        _PG = process_groups(dist.group.WORLD, single)
+    return _PG
 
 
 def megatron_config(H: int, E: int, K: int, ffn: int, world: int, kind: str):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    return TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=32, ffn_hidden_size=ffn,
-                             moe_ffn_hidden_size=ffn, num_moe_experts=E, moe_router_topk=K,
-                             moe_token_dispatcher_type=kind, expert_model_parallel_size=world,
-                             moe_router_dtype="fp32", moe_aux_loss_coeff=0.0, bf16=True,
-                             params_dtype=torch.bfloat16, add_bias_linear=False, gated_linear_unit=False,
-                             moe_router_load_balancing_type="none")
+    from moe_dispatch.integrations.megatron_build import moe_transformer_config
+    return moe_transformer_config(H, ffn, E, K, kind, torch.bfloat16, ep_size=world, router_dtype="fp32",
+                                  use_cpu_initialization=DEVICE.type == "cpu")
 
 
 def bench_dispatch(args, world: int, rank: int) -> None:
     T, E, K, H = args.tokens, args.experts, args.topk, args.hidden
-    x = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
+    x = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16)
     routing_map, probs = routing(T, E, K, seed=rank)
     El = E // world
     # Bytes this rank must send to other ranks: each token once per remote rank holding one of
     # its experts (dispatch), each (token, remote expert) row back (combine).
-    owner = torch.arange(E, device="cuda") // El
+    owner = torch.arange(E, device=DEVICE) // El
     remote = owner != rank
     dedup_rows = int(torch.stack([routing_map[:, owner == r].any(1) for r in range(world) if r != rank]).sum())
     combine_rows = int(routing_map[:, remote].sum())
     floor_bytes = (dedup_rows + combine_rows) * H * 2 + dedup_rows * El * 4
     # Raw exchange of the K-copy rows (equal splits), there and back.
-    kcopy = torch.randn((T * K, H), device="cuda", dtype=torch.bfloat16)
+    kcopy = torch.randn((T * K, H), device=DEVICE, dtype=torch.bfloat16)
     recv = torch.empty_like(kcopy)
 
     def raw_round_trip():
@@ -114,7 +125,7 @@ def bench_dispatch(args, world: int, rank: int) -> None:
             return dispatcher.combine(expert_input, handle)
         rows.append((f"ours {kind} round trip", bench(ours)))
     try:
-        pg = megatron_setup(world)
+        pg = megatron_groups(world, rank)
         from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
                                                                     MoEAlltoAllTokenDispatcher)
         for kind, cls in [("alltoall", MoEAlltoAllTokenDispatcher), ("allgather", MoEAllGatherTokenDispatcher)]:
@@ -131,7 +142,7 @@ def bench_dispatch(args, world: int, rank: int) -> None:
             rows.append((f"Megatron {kind} round trip", bench(theirs)))
     except Exception:
         say("# Megatron dispatchers failed:\n" + traceback.format_exc())
-    say(f"\n## Dispatch + combine round trip, identity experts: {world} GPUs, {T} tokens/rank, H={H}, E={E}, "
+    say(f"\n## Dispatch + combine round trip, identity experts: {world} ranks, {T} tokens/rank, H={H}, E={E}, "
         f"K={K}, bf16, fp32 probs")
     say(f"# all-to-all bus bandwidth measured by the raw exchange: {bw / 1e9:.0f} GB/s; byte floor of a "
         f"deduplicated dispatch + K-copy combine on rank 0: {floor_ms:.3f} ms")
@@ -142,14 +153,14 @@ def bench_dispatch(args, world: int, rank: int) -> None:
 
 def bench_layer(args, world: int, rank: int) -> None:
     T, E, K, H, F = args.tokens, args.experts, args.topk, args.hidden, args.ffn
-    x = torch.randn((T, H), device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
+    x = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16)
     rows = []
     for kind in ["alltoall", "allgather"]:
         for impl, stable in [("grouped", True), ("grouped", False), ("sequential", True)]:
             config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=F, dispatcher=kind,
                                expert_impl=impl, params_dtype=torch.bfloat16, load_balancing_type="none")
-            layer = MoELayer(config, dist.group.WORLD).cuda()
+            layer = MoELayer(config, dist.group.WORLD).to(DEVICE)
             if not stable:
                 if not hasattr(layer.experts, "row_stable"):
                     continue
@@ -162,26 +173,26 @@ def bench_layer(args, world: int, rank: int) -> None:
                 fwd = bench(lambda: layer(x))
             rows.append((label, bench(fwd_bwd), fwd))
     try:
-        pg = megatron_setup(world)
-        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-        from megatron.core.transformer.moe.moe_layer import MoELayer as MegatronMoELayer
+        pg = megatron_groups(world, rank)
+        from moe_dispatch.integrations.megatron_build import build_moe_layer
         for kind in ["alltoall", "allgather"]:
-            cfg = megatron_config(H, E, K, F, world, kind)
-            spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
-            layer = MegatronMoELayer(cfg, spec.submodules, pg_collection=pg).cuda()
-            xm = x.detach().view(T, 1, H).clone().requires_grad_()
-            gm = g.view(T, 1, H)
+            for ours in (False, True):
+                cfg = megatron_config(H, E, K, F, world, kind)
+                layer = build_moe_layer(cfg, pg, ours=ours, device=DEVICE)
+                xm = x.detach().view(T, 1, H).clone().requires_grad_()
+                gm = g.view(T, 1, H)
 
-            def fwd_bwd():
-                out, _ = layer(xm)
-                out.backward(gm)
-            with torch.no_grad():
-                fwd = bench(lambda: layer(xm))
-            rows.append((f"Megatron {kind}, SequentialMLP, no TE", bench(fwd_bwd), fwd))
+                def fwd_bwd():
+                    out, _ = layer(xm)
+                    out.backward(gm)
+                with torch.no_grad():
+                    fwd = bench(lambda: layer(xm))
+                label = f"Megatron {kind}, SequentialMLP, no TE" + (", our dispatcher installed" if ours else "")
+                rows.append((label, bench(fwd_bwd), fwd))
     except Exception:
         say("# Megatron MoELayer failed:\n" + traceback.format_exc())
     flops = 2 * 3 * T * K * H * F * 2  # fc1 + fc2, forward + 2x backward
-    say(f"\n## MoELayer forward + backward: {world} GPUs, {T} tokens/rank, H={H}, ffn={F}, E={E}, K={K}, bf16")
+    say(f"\n## MoELayer forward + backward: {world} ranks, {T} tokens/rank, H={H}, ffn={F}, E={E}, K={K}, bf16")
     say(f"# expert GEMM work: {flops / 1e12:.2f} TFLOP per rank per step")
     say("| layer | fwd+bwd (ms) | fwd (ms) | tokens/s per rank (fwd+bwd) |\n|---|---|---|---|")
     for name, ms, fwd in rows:
@@ -196,12 +207,22 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--topk", type=int, default=6)
+    parser.add_argument("--cpu-smoke", action="store_true", help="gloo on CPU at a tiny size: does the script run?")
     args = parser.parse_args()
+    global DEVICE
     local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    if args.cpu_smoke:
+        DEVICE = torch.device("cpu")
+        args.tokens, args.hidden, args.ffn, args.experts, args.topk = 64, 64, 32, 8, 2
+        dist.init_process_group("gloo")
+        name = "CPU (smoke run; times mean nothing)"
+    else:
+        torch.cuda.set_device(local_rank)
+        DEVICE = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=DEVICE)
+        name = torch.cuda.get_device_name()
     world, rank = dist.get_world_size(), dist.get_rank()
-    say(f"# {torch.cuda.get_device_name()} x{world}, torch {torch.__version__}, triton {triton.__version__}")
+    say(f"# {name} x{world}, torch {torch.__version__}, triton {triton.__version__}")
     if "dispatch" in args.what:
         bench_dispatch(args, world, rank)
     if "layer" in args.what:
