@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..ops.torch_twin import round_up
 from .comm import ProcessGroup, all_gather_rows, group_size_rank
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.bool: 5,
@@ -52,7 +53,7 @@ def capacity_of(num_tokens: int, config: Any) -> int:
     """Megatron's expert capacity ceil(T * topk / E * capacity_factor), rounded up to pad_multiple."""
     cap = math.ceil(num_tokens * config.topk / config.num_experts * config.capacity_factor)
     m = getattr(config, "pad_multiple", 1)
-    return (cap + m - 1) // m * m
+    return round_up(cap, m)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class Layout:
             return [0] * self.num_local_experts  # capacities are already multiples of pad_multiple
         m = self.pad_multiple
         totals = [sum(col) for col in zip(*self.local_blocks())]
-        return [(n + m - 1) // m * m - n for n in totals]
+        return [round_up(n, m) - n for n in totals]
 
     def tokens_per_local_expert(self) -> list[int]:
         """[El]: rows of each local expert's block, padding included."""

@@ -16,6 +16,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from . import torch_twin
+from .torch_twin import round_up
 
 _BACKENDS = ("auto", "torch", "triton")
 _backend = os.environ.get("MOE_DISPATCH_BACKEND", "auto")
@@ -227,7 +228,7 @@ def _check_probs(probs: torch.Tensor, num_tokens: int, num_experts: int, device:
 def expert_row_counts(routing_map: torch.Tensor, pad_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows per expert without and with padding: ([E] int64, [E] int64), on the map's device."""
     counts = routing_map.sum(0, dtype=torch.int64)
-    return counts, (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+    return counts, round_up(counts, pad_multiple)
 
 
 def permute(
@@ -276,7 +277,7 @@ def permute(
 
     slots, stats = _make_slots_op(routing_map.contiguous(), pad_multiple)
     counts = stats[:E]
-    padded = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+    padded = round_up(counts, pad_multiple)
     if tokens_per_expert is not None:
         host_counts = (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
                        else [int(c) for c in tokens_per_expert])
@@ -287,7 +288,7 @@ def permute(
         host_stats = stats.tolist()  # the one host synchronisation: sizes decide allocation
         host_counts, most = host_stats[:E], host_stats[E]
     routed = sum(host_counts)
-    needed = sum((c + pad_multiple - 1) // pad_multiple * pad_multiple for c in host_counts)
+    needed = sum(round_up(c, pad_multiple) for c in host_counts)
     if num_out_tokens is None:
         num_out_tokens = needed
     elif num_out_tokens < needed:

@@ -7,7 +7,19 @@ from __future__ import annotations
 
 import torch
 
-from .triton_kernels import block_h
+# One H-block size per H, so the order of the H reduction is a function of H alone; the kernels
+# (triton_kernels.py) use the same constant. Defined here so the CPU path needs no Triton.
+MAX_BLOCK_H = 1024
+
+
+def block_h(hidden: int) -> int:
+    """The H-chunk width used by every kernel (and by the twin's H reduction) for this H."""
+    return max(16, min(MAX_BLOCK_H, 1 << (max(hidden, 1) - 1).bit_length()))
+
+
+def round_up(count, multiple: int):
+    """count rounded up to a multiple of `multiple` (an int or an integer tensor)."""
+    return (count + multiple - 1) // multiple * multiple
 
 
 def _num_experts(slots: torch.Tensor) -> int:
@@ -24,7 +36,7 @@ def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tens
     T, E = routing_map.shape
     routed = routing_map.to(torch.int64)
     tokens_per_expert = routed.sum(0)
-    padded = (tokens_per_expert + pad_multiple - 1) // pad_multiple * pad_multiple
+    padded = round_up(tokens_per_expert, pad_multiple)
     expert_start = padded.cumsum(0) - padded
     rows = expert_start[None, :] + routed.cumsum(0) - routed  # row of (t, e) if routed
     slot = routed.cumsum(1) - 1

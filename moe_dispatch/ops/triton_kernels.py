@@ -23,15 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-# One H-block size per H, so the order of the probability-gradient reduction over H is a
-# function of H alone (the torch twin reproduces it from the same constant).
-MAX_BLOCK_H = 1024
-
-
-def block_h(hidden: int) -> int:
-    """The H-chunk width used by every kernel (and by the twin's H reduction) for this H."""
-    return max(16, min(MAX_BLOCK_H, triton.next_power_of_2(max(hidden, 1))))
-
+from .torch_twin import block_h
 
 def _num_warps(block: int) -> int:
     return 4 if block <= 1024 else 8

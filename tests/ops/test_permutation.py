@@ -9,7 +9,7 @@ import torch
 
 from moe_dispatch.ops import expert_row_counts, permute, set_backend, sort_chunks, unpermute
 from moe_dispatch.ops import permutation as permutation_module
-from tests.ops.oracle import U32, assert_within, expected_rows, random_routing, reference_unpermute
+from tests.ops.oracle import U32, assert_within, expected_rows, half_ulp, random_routing, reference_unpermute
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -97,7 +97,6 @@ def _check_against_oracle(T, E, K, H, dtype, probs_dtype=torch.float32, pad_mult
 
 
 def half_ulp_probs(a, b, dtype):
-    from tests.ops.oracle import half_ulp
     return half_ulp(a.abs() + b.abs(), dtype)
 
 
@@ -148,7 +147,6 @@ def _both_backends(*args, **kw):
 
 def _ulp_close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     """Within one ulp of dtype (the interpreter truncates fp32 -> bf16/fp16)."""
-    from tests.ops.oracle import half_ulp
     diff = (a.double() - b.double()).abs()
     return bool((diff <= 2 * half_ulp(torch.maximum(a.double().abs(), b.double().abs()), dtype)).all())
 
