@@ -87,8 +87,8 @@ def megatron_groups(world: int, rank: int):
 
 def megatron_config(H: int, E: int, K: int, ffn: int, world: int, kind: str):
     from moe_dispatch.integrations.megatron_build import moe_transformer_config
-    return moe_transformer_config(H, ffn, E, K, kind, torch.bfloat16, ep_size=world, router_dtype="fp32",
-                                  use_cpu_initialization=DEVICE.type == "cpu")
+    # CPU initialisation: GPU initialisation needs Megatron's model-parallel RNG tracker.
+    return moe_transformer_config(H, ffn, E, K, kind, torch.bfloat16, ep_size=world, router_dtype="fp32")
 
 
 def bench_dispatch(args, world: int, rank: int) -> None:
@@ -175,10 +175,12 @@ def bench_layer(args, world: int, rank: int) -> None:
     try:
         pg = megatron_groups(world, rank)
         from moe_dispatch.integrations.megatron_build import build_moe_layer
+        variants = [("", False, False), (", our dispatcher installed", True, False),
+                    (", our dispatcher + row-stable GEMMs (install default)", True, True)]
         for kind in ["alltoall", "allgather"]:
-            for ours in (False, True):
+            for suffix, ours, row_stable in variants:
                 cfg = megatron_config(H, E, K, F, world, kind)
-                layer = build_moe_layer(cfg, pg, ours=ours, device=DEVICE)
+                layer = build_moe_layer(cfg, pg, ours=ours, device=DEVICE, row_stable_gemms=row_stable)
                 xm = x.detach().view(T, 1, H).clone().requires_grad_()
                 gm = g.view(T, 1, H)
 
@@ -187,7 +189,7 @@ def bench_layer(args, world: int, rank: int) -> None:
                     out.backward(gm)
                 with torch.no_grad():
                     fwd = bench(lambda: layer(xm))
-                label = f"Megatron {kind}, SequentialMLP, no TE" + (", our dispatcher installed" if ours else "")
+                label = f"Megatron {kind}, SequentialMLP, no TE{suffix}"
                 rows.append((label, bench(fwd_bwd), fwd))
     except Exception:
         say("# Megatron MoELayer failed:\n" + traceback.format_exc())
@@ -197,6 +199,72 @@ def bench_layer(args, world: int, rank: int) -> None:
     say("| layer | fwd+bwd (ms) | fwd (ms) | tokens/s per rank (fwd+bwd) |\n|---|---|---|---|")
     for name, ms, fwd in rows:
         say(f"| {name} | {ms:.2f} | {fwd:.2f} | {T / (ms * 1e-3):,.0f} |")
+
+
+def profile_dispatch(args, world: int, rank: int) -> None:
+    """Where a round trip's time goes: torch.profiler tables (rank 0) with one range per stage, and
+    the host cost of each op at a tiny size (launch-bound), for tuning; not a benchmark."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from moe_dispatch.dispatcher import functional
+    from moe_dispatch.ops import permutation
+
+    for name in ["prepare", "exchange", "expand", "to_source_major", "send_to_owners", "unpermute"]:
+        fn = getattr(functional, name)
+
+        def wrapped(*a, _fn=fn, _name=name, **k):
+            with record_function(f"stage::{_name}"):
+                return _fn(*a, **k)
+        setattr(functional, name, wrapped)
+    T, E, K, H = args.tokens, args.experts, args.topk, args.hidden
+    x = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16)
+    routing_map, probs = routing(T, E, K, seed=rank)
+    for kind in ["alltoall", "allgather"]:
+        config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=args.ffn, dispatcher=kind)
+        dispatcher = build_dispatcher(config, dist.group.WORLD)
+
+        def ours():
+            expert_input, _, handle = dispatcher.dispatch(x, routing_map, probs)
+            return dispatcher.combine(expert_input, handle)
+        for _ in range(5):
+            ours()
+        torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                ours()
+            torch.cuda.synchronize()
+        say(f"\n## profile: {kind} round trip x5, rank 0")
+        say(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+        say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    # Host cost per call at a tiny size (the GPU work is negligible: the loop is launch-bound).
+    t, e, h = 64, 8, 128
+    xs = torch.randn((t, h), device=DEVICE, dtype=torch.bfloat16)
+    rm, pr = routing(t, e, 2, seed=0)
+    _, _, rid = permutation.permute(xs, rm, pr)
+    rows = torch.randn((rid.num_out_tokens, h), device=DEVICE, dtype=torch.bfloat16)
+    slots = rid.slots
+    cases = {
+        "torch add_ (baseline)": lambda: xs.add_(0),
+        "make_slots op": lambda: permutation._make_slots_op(rm, 1),
+        "permute_rows op": lambda: permutation._permute_op(xs, slots, pr, rid.num_out_tokens, False),
+        "triton permute_rows direct": lambda: permutation._impl(xs).permute_rows(xs, slots, pr, rid.num_out_tokens, False),
+        "permute (public, syncs)": lambda: permutation.permute(xs, rm, pr),
+        "permute (public, host counts)": lambda: permutation.permute(xs, rm, pr, tokens_per_expert=rm.sum(0).tolist()),
+        "unpermute (public)": lambda: permutation.unpermute(rows, rid, pr),
+        "sort_chunks": lambda: permutation.sort_chunks(rows, [rows.shape[0] // 2, rows.shape[0] - rows.shape[0] // 2], [1, 0]),
+    }
+    say("\n## host cost per call, tiny size (us)\n| op | us/call |\n|---|---|")
+    for name, fn in cases.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        n = 200
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        say(f"| {name} | {(time.perf_counter() - t0) / n * 1e6:.1f} |")
 
 
 def main() -> None:
@@ -223,6 +291,8 @@ def main() -> None:
         name = torch.cuda.get_device_name()
     world, rank = dist.get_world_size(), dist.get_rank()
     say(f"# {name} x{world}, torch {torch.__version__}, triton {triton.__version__}")
+    if "profile" in args.what:
+        profile_dispatch(args, world, rank)
     if "dispatch" in args.what:
         bench_dispatch(args, world, rank)
     if "layer" in args.what:

@@ -66,8 +66,8 @@ from typing import Any, Optional
 from ..config import MoEConfig
 from ..dispatcher import dispatcher_from_megatron
 
-__all__ = ["DeterministicMoELayer", "check_supported", "deterministic_moe_spec", "dispatcher_config",
-           "get_moe_module_spec", "install", "is_installed"]
+__all__ = ["DeterministicMoELayer", "check_row_stable_supported", "check_supported", "deterministic_moe_spec",
+           "dispatcher_config", "get_moe_module_spec", "install", "is_installed", "make_row_stable"]
 
 SUPPORTED_DISPATCHERS = ("allgather", "alltoall")
 # Parts of the MoE layer whose CUDA-graph capture would include the dispatch.
@@ -176,7 +176,7 @@ def is_installed(moe_layer: Any) -> bool:
     return bool(getattr(getattr(moe_layer, "token_dispatcher", None), "_moe_dispatch_megatron", False))
 
 
-def install(moe_layer: Any, pg_collection: Optional[Any] = None) -> Any:
+def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_gemms: bool = True) -> Any:
     """Replace ``moe_layer.token_dispatcher`` by ours of the same kind; returns ``moe_layer``.
 
     Args:
@@ -184,6 +184,11 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None) -> Any:
             except 'flex').
         pg_collection: the layer's ProcessGroupCollection (``.ep``, ``.expt_tp``, ``.tp_ep``);
             default: the groups of the layer's current dispatcher.
+        row_stable_gemms: also run the router's gating GEMM and the SequentialMLP experts' GEMMs
+            through our row-stable GEMMs (``make_row_stable``), same parameters. Needed for the
+            contract on GPUs, where cuBLAS is not row-stable. False keeps Megatron's own GEMMs
+            (then results equal Megatron's stock numerics, and the contract holds only where
+            those GEMMs are row-stable, e.g. CPU bf16).
 
     Raises:
         ValueError: a setting we cannot honour (see the module docstring), or an EP group whose
@@ -194,6 +199,8 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None) -> Any:
     """
     config = moe_layer.config
     moe_config = dispatcher_config(config)
+    if row_stable_gemms:
+        check_row_stable_supported(moe_layer)
     groups = _groups_of(moe_layer, pg_collection)
     dispatcher = dispatcher_from_megatron(groups, moe_config)
     expected = list(getattr(moe_layer, "local_expert_indices", dispatcher.local_expert_indices))
@@ -207,6 +214,97 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None) -> Any:
     dispatcher.cudagraph_attrs = []
     dispatcher.valid_cudagraph_attrs = None
     moe_layer.token_dispatcher = dispatcher
+    if row_stable_gemms:
+        make_row_stable(moe_layer)
+    return moe_layer
+
+
+# --------------------------------------------------------------------------------------------
+# Row-stable GEMMs inside Megatron's router and SequentialMLP experts
+# --------------------------------------------------------------------------------------------
+def _activation_name(config: Any) -> str:
+    """Our activation of the same function as Megatron's MLP (``activation_func``, glu)."""
+    import torch.nn.functional as F
+
+    if getattr(config, "activation_func_clamp_value", None) is not None or getattr(config, "glu_linear_offset", 0.0):
+        raise ValueError("row_stable_gemms: activation_func_clamp_value / glu_linear_offset are not supported; "
+                         "expected None / 0.0 (or pass row_stable_gemms=False)")
+    act, gated = config.activation_func, bool(config.gated_linear_unit)
+    names = {(F.gelu, False): "gelu", (F.silu, True): "swiglu", (F.relu, False): "relu"}
+    for (fn, glu), name in names.items():
+        if act is fn and gated == glu:
+            return name
+    raise ValueError(f"row_stable_gemms: activation_func={getattr(act, '__name__', act)} with gated_linear_unit="
+                     f"{gated} is not supported; expected gelu, relu or silu+gated_linear_unit (swiglu), "
+                     "or pass row_stable_gemms=False")
+
+
+def check_row_stable_supported(moe_layer: Any) -> None:
+    """Raise ValueError, naming the field, if ``make_row_stable`` cannot swap this layer's GEMMs."""
+    config = moe_layer.config
+    experts = getattr(moe_layer, "experts", None)
+    if type(experts).__name__ != "SequentialMLP" or not hasattr(experts, "local_experts"):
+        raise ValueError(f"row_stable_gemms needs SequentialMLP experts, got {type(experts).__name__} "
+                         "(use get_moe_module_spec(use_te=False), or pass row_stable_gemms=False)")
+    for field in ("add_bias_linear", "moe_apply_probs_on_input", "fp8", "fp4"):
+        if getattr(config, field, None):
+            raise ValueError(f"row_stable_gemms: {field}={getattr(config, field)!r} is not supported; expected "
+                             "False/None (or pass row_stable_gemms=False)")
+    _activation_name(config)
+    router = getattr(moe_layer, "router", None)
+    if router is None or getattr(router, "bias", None) is not None:
+        raise ValueError("row_stable_gemms: the router must have a weight and no bias (add_bias_linear=False)")
+
+
+def _router_dtype(config: Any, input_dtype: "torch.dtype") -> "torch.dtype":
+    import torch
+
+    return {"fp32": torch.float32, "fp64": torch.float64}.get(getattr(config, "moe_router_dtype", None), input_dtype)
+
+
+def make_row_stable(moe_layer: Any) -> Any:
+    """Run a Megatron MoELayer's router gating and SequentialMLP expert GEMMs row-stably.
+
+    The layer keeps its modules, parameters and state-dict names; two forwards are replaced:
+    - ``router.gating``: logits = hidden @ weight.T in the router dtype through
+      ``moe_dispatch.router.gating_linear`` (bitwise independent of the other rows);
+    - ``experts.forward``: the local experts' fc1 / fc2 weights stacked ([El, H, F1], [El, F, H])
+      into ``moe_dispatch.experts.expert_gemm`` (grouped_mm where row-stable, else the padded /
+      tiled fallbacks), Megatron's activation, and the probs multiplied into the activation in
+      fp32 and rounded once, exactly as Megatron's MLP does before fc2.
+    Results agree with Megatron's own GEMMs within rounding (not bitwise: other kernels).
+    Returns moe_layer. Raises ValueError (``check_row_stable_supported``) for unsupported layers.
+    """
+    import types
+
+    import torch
+
+    from ..experts.activations import activate, scale_rows
+    from ..experts.gemm import expert_gemm, select_gemm
+    from ..router.gating import gating_linear
+
+    check_row_stable_supported(moe_layer)
+    config, experts, router = moe_layer.config, moe_layer.experts, moe_layer.router
+    activation = _activation_name(config)
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        dtype = _router_dtype(self.config, input.dtype)
+        logits = gating_linear(input.reshape(-1, input.shape[-1]), self.weight, dtype)
+        return logits.reshape(input.shape[:-1] + (logits.shape[-1],))
+
+    def experts_forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                        permuted_probs: torch.Tensor):
+        x = permuted_local_hidden_states
+        tokens_per_expert = torch.as_tensor(tokens_per_expert)
+        w1 = torch.stack([e.linear_fc1.weight.t() for e in self.local_experts]).to(x.dtype)  # [El, H, F1]
+        w2 = torch.stack([e.linear_fc2.weight.t() for e in self.local_experts]).to(x.dtype)  # [El, F, H]
+        h = expert_gemm(x, w1, tokens_per_expert, select_gemm(x, w1, True, True))
+        act = scale_rows(activate(h, activation), permuted_probs)
+        return expert_gemm(act, w2, tokens_per_expert, select_gemm(act, w2, True, True)), None
+
+    router.gating = types.MethodType(gating, router)
+    experts.forward = types.MethodType(experts_forward, experts)
+    moe_layer._moe_dispatch_row_stable = True
     return moe_layer
 
 
@@ -228,15 +326,17 @@ def _deterministic_moe_layer_class() -> type:
         class DeterministicMoELayer(base):
             """megatron.core MoELayer with our dispatcher of the same kind installed.
 
-            Same constructor as MoELayer; raises ValueError up front (before Megatron builds its
-            own dispatcher) for the settings listed in this module's docstring."""
+            Same constructor as MoELayer, plus ``row_stable_gemms`` (default True; see ``install``,
+            set it through ``get_moe_module_spec`` / ``deterministic_moe_spec``); raises ValueError
+            up front (before Megatron builds its own dispatcher) for the settings listed in this
+            module's docstring."""
 
             def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None,
-                         pg_collection: Optional[Any] = None) -> None:
+                         pg_collection: Optional[Any] = None, row_stable_gemms: bool = True) -> None:
                 check_supported(config)
                 super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                                  pg_collection=pg_collection)
-                install(self, pg_collection)
+                install(self, pg_collection, row_stable_gemms=row_stable_gemms)
 
         DeterministicMoELayer.__module__ = __name__
         DeterministicMoELayer.__qualname__ = "DeterministicMoELayer"
@@ -250,9 +350,10 @@ def __getattr__(name: str) -> Any:  # PEP 562: DeterministicMoELayer is built la
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def deterministic_moe_spec(spec: Any) -> Any:
+def deterministic_moe_spec(spec: Any, row_stable_gemms: bool = True) -> Any:
     """A copy of a Megatron ModuleSpec tree (a layer spec, a block spec, a list of them, or a
-    TransformerBlockSubmodules) where every MoELayer module is DeterministicMoELayer."""
+    TransformerBlockSubmodules) where every MoELayer module is DeterministicMoELayer, built with
+    ``row_stable_gemms`` (see ``install``)."""
     moe_layer = _megatron_moe_layer()
     spec = copy.deepcopy(spec)
     seen: set = set()
@@ -272,6 +373,7 @@ def deterministic_moe_spec(spec: Any) -> Any:
         module = getattr(node, "module", None)
         if module is moe_layer or (isinstance(module, tuple) and tuple(module) == _MOE_LAYER_PATH):
             node.module = _deterministic_moe_layer_class()
+            node.params = dict(getattr(node, "params", None) or {}, row_stable_gemms=row_stable_gemms)
         if dataclasses.is_dataclass(node):
             for f in dataclasses.fields(node):
                 visit(getattr(node, f.name))
@@ -280,9 +382,9 @@ def deterministic_moe_spec(spec: Any) -> Any:
     return spec
 
 
-def get_moe_module_spec(*args: Any, **kwargs: Any) -> Any:
+def get_moe_module_spec(*args: Any, row_stable_gemms: bool = True, **kwargs: Any) -> Any:
     """megatron.core.models.gpt.moe_module_specs.get_moe_module_spec (same arguments), with the
-    module DeterministicMoELayer."""
+    module DeterministicMoELayer built with ``row_stable_gemms`` (see ``install``)."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as megatron_spec
 
-    return deterministic_moe_spec(megatron_spec(*args, **kwargs))
+    return deterministic_moe_spec(megatron_spec(*args, **kwargs), row_stable_gemms)

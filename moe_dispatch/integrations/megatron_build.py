@@ -71,18 +71,21 @@ def moe_transformer_config(hidden: int, ffn: int, experts: int, topk: int, dispa
     return TransformerConfig(**fields)
 
 
-def build_moe_layer(config: Any, pg_collection: Any, ours: bool, device: Optional[torch.device] = None) -> Any:
+def build_moe_layer(config: Any, pg_collection: Any, ours: bool, device: Optional[torch.device] = None,
+                    row_stable_gemms: bool = True) -> Any:
     """megatron-core's MoELayer from its own module spec (``get_moe_module_spec(use_te=False)``:
     SequentialMLP experts). ``ours``: built as DeterministicMoELayer (our dispatcher of the same kind
-    installed); else Megatron's stock MoELayer with its own dispatcher. In train mode, on ``device``."""
+    installed, and with ``row_stable_gemms`` our row-stable router / expert GEMMs); else Megatron's
+    stock MoELayer with its own dispatcher. In train mode, on ``device``."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import build_module
 
     from .megatron import get_moe_module_spec, is_installed
 
-    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts)
+    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, row_stable_gemms=row_stable_gemms)
     if not ours:
         spec.module = MoELayer
+        spec.params = {k: v for k, v in spec.params.items() if k != "row_stable_gemms"}
     layer = build_module(spec, config=config, pg_collection=pg_collection)
     assert is_installed(layer) == ours
     if device is not None:

@@ -41,12 +41,12 @@ def _config(kind: str, dtype: torch.dtype, ep: int, **extra):
     return moe_transformer_config(H, FFN, E, K, kind, dtype, ep, **extra)
 
 
-def _build(cfg, pg, ours_from_spec: bool):
-    """Megatron's MoELayer (ours_from_spec: DeterministicMoELayer built through our spec helper),
-    with the deterministic weights."""
+def _build(cfg, pg, ours_from_spec: bool, row_stable_gemms: bool = False):
+    """Megatron's MoELayer (ours_from_spec: DeterministicMoELayer built through our spec helper,
+    with or without our row-stable GEMMs), with the deterministic weights."""
     from moe_dispatch.integrations.megatron_build import build_moe_layer
 
-    layer = build_moe_layer(cfg, pg, ours=ours_from_spec)
+    layer = build_moe_layer(cfg, pg, ours=ours_from_spec, row_stable_gemms=row_stable_gemms)
     dtype = cfg.params_dtype
     with torch.no_grad():
         gen = torch.Generator().manual_seed(7)
@@ -112,9 +112,10 @@ def plugin_worker(rank: int, world_size: int) -> dict:
             layer = _build(_config(kind, dtype, 2), pg2, ours_from_spec=False)
             rec["stock"] = _step(layer, full_x[mine], full_dy[mine])
             assert not is_installed(layer)
-            assert install(layer) is layer and is_installed(layer)
+            # Dispatcher only: Megatron's own GEMMs, so results compare bitwise with its stock layer.
+            assert install(layer, row_stable_gemms=False) is layer and is_installed(layer)
             rec["ours"] = _step(layer, full_x[mine], full_dy[mine])
-            assert install(layer) is layer and is_installed(layer)  # installing twice is harmless
+            assert install(layer, row_stable_gemms=False) is layer and is_installed(layer)  # twice is harmless
             rec["trunc"] = _step(layer, trunc_x[mine], full_dy[mine])
             rec["same"] = _step(layer, full_x[:128], full_dy[:128])  # identical tokens on both ranks
             layer1 = _build(_config(kind, dtype, 1), pg1, ours_from_spec=True)
@@ -122,6 +123,38 @@ def plugin_worker(rank: int, world_size: int) -> dict:
             rec["ep1"] = _step(layer1, full_x, full_dy)  # each rank alone, all G tokens
             records[(dname, kind)] = rec
     records["extra"] = _extra_cases(rank, pg2, world, singles)
+    records["row_stable"] = _row_stable_cases(rank, pg2, pg1)
+    return records
+
+
+def _row_stable_cases(rank: int, pg2, pg1) -> dict:
+    """install(row_stable_gemms=True), the default: Megatron's router gating and SequentialMLP GEMMs
+    swapped for ours. Per (dtype, dispatcher): stock, ours at EP 2, truncated, each rank's first
+    tokens (B = 2) alone, EP 1 (DeterministicMoELayer from the spec, default row-stable); and a negative
+    control: the dispatcher alone (Megatron's GEMMs) with one token alone."""
+    from moe_dispatch.integrations.megatron import install
+
+    mine = slice(rank * 128, (rank + 1) * 128)
+    records = {}
+    for dname, dtype in DTYPES.items():
+        full_x, full_dy = _tokens(dtype, "full")
+        trunc_x, _ = _tokens(dtype, "trunc")
+        first = slice(rank * 128, rank * 128 + B)  # one sequence position: B tokens
+        for kind in KINDS:
+            rec = {}
+            layer = _build(_config(kind, dtype, 2), pg2, ours_from_spec=False)
+            rec["stock"] = _step(layer, full_x[mine], full_dy[mine])
+            install(layer, row_stable_gemms=False)
+            rec["dispatcher_only_alone"] = _step(layer, full_x[first], full_dy[first])
+            install(layer)
+            assert layer._moe_dispatch_row_stable
+            rec["ours"] = _step(layer, full_x[mine], full_dy[mine])
+            rec["trunc"] = _step(layer, trunc_x[mine], full_dy[mine])
+            rec["alone"] = _step(layer, full_x[first], full_dy[first])
+            layer1 = _build(_config(kind, dtype, 1), pg1, ours_from_spec=True, row_stable_gemms=True)
+            assert layer1._moe_dispatch_row_stable
+            rec["ep1"] = _step(layer1, full_x, full_dy)
+            records[(dname, kind)] = rec
     return records
 
 
@@ -141,7 +174,7 @@ def _extra_cases(rank: int, pg2, world, singles) -> dict:
     for name, extra in cases.items():
         layer = _build(_config("alltoall", torch.bfloat16, 2, **extra), pg2, ours_from_spec=False)
         rec = {"stock": _step(layer, x[mine], dy[mine])}
-        install(layer)
+        install(layer, row_stable_gemms=False)
         rec["ours"] = _step(layer, x[mine], dy[mine])
         rec["same"] = _step(layer, x[:128], dy[:128])
         out[name] = rec
@@ -167,6 +200,9 @@ def _extra_cases(rank: int, pg2, world, singles) -> dict:
     overlap = SimpleNamespace(config=_config("alltoall", torch.bfloat16, 2, moe_shared_expert_intermediate_size=32,
                                              moe_shared_expert_overlap=True))
     out["shared_overlap"] = outcome(lambda: install(overlap))
+    out["not_sequential"] = outcome(lambda: install(SimpleNamespace(config=base, experts=None)))
+    silu = _build(_config("alltoall", torch.bfloat16, 2, activation_func=torch.nn.functional.silu), pg2, False)
+    out["silu_not_gated"] = outcome(lambda: install(silu))
     # The spec helper swaps MoELayer anywhere in a spec tree (here a GPT layer spec).
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

@@ -1,8 +1,9 @@
 """`moe-dispatch check --megatron` end to end on 2 gloo ranks, and its error without megatron-core.
 
-On CPU, bf16 (the check's default dtype) keeps Megatron's router and SequentialMLP GEMMs
-row-stable, so Megatron's layer with our dispatcher installed must pass every check bitwise. The
-stock-Megatron rows are reference rows: PASS or DIFF, never part of the exit code.
+Megatron's layer with our dispatcher installed (and its router / expert GEMMs made row-stable, the
+install default) must pass every check bitwise, in bf16 and in fp32. The stock-Megatron rows are
+reference rows: PASS or DIFF, never part of the exit code; in fp32 its "one token alone" row is a
+DIFF on CPU (fp32 mm is not row-stable below 8 rows), the case the row-stable swap fixes.
 """
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ def _status(line: str) -> str:
 
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core")
-def test_check_megatron_end_to_end():
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_check_megatron_end_to_end(dtype):
     cmd = [sys.executable, "-m", "moe_dispatch.check", "--megatron", "--ranks", "2", "--ep-sizes", "1,2",
-           "--tokens", "96"]
+           "--tokens", "96", "--dtype", dtype]
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
@@ -44,6 +46,8 @@ def test_check_megatron_end_to_end():
     for check_name in ("(a) identical tokens", "(b) allgather vs alltoall", "(c) EP size", "(d) truncation",
                        "(d) one token alone"):
         assert any(check_name in r for r in ours) and any(check_name in r for r in stock), check_name
+    if dtype == "fp32":
+        assert all(_status(r) == "DIFF" for r in stock if "one token alone" in r), out
     assert "ALL PASS" in out and "throughput:" in out
     assert elapsed < 60, f"check --megatron took {elapsed:.0f} s"
 
