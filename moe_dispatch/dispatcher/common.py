@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ..ops import RowIdMap, unpermute
-from ..ops.permutation import _make_slots_op, _permute_op, sort_chunks
+from ..ops.permutation import gather_rows, make_slots, permute_rows
 from .comm import ProcessGroup, all_to_all_rows, all_to_all_rows_autograd
 from .layout import Layout
 
@@ -51,7 +51,7 @@ def blocked_row_id_map(routing_map: torch.Tensor, counts: list[list[int]], block
         A RowIdMap whose rows are column-major; within a column, segment-major blocks (ascending
         row inside a block, padding at the block's end), then the column's tail padding.
     """
-    slots, stats = _make_slots_op(routing_map.contiguous(), 1)  # stats: [X] counts, then max n_t
+    slots, stats = make_slots(routing_map.contiguous(), 1)  # stats: [X] counts, then max n_t
     col_counts = stats[:-1]
     S, X = len(counts), routing_map.shape[1]
     padded = [sum(blocks[s][x] for s in range(S)) + tail[x] for x in range(X)]
@@ -81,8 +81,8 @@ def blocked_row_id_map(routing_map: torch.Tensor, counts: list[list[int]], block
 def permute_with_map(tokens: torch.Tensor, row_id_map: RowIdMap,
                      probs: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """tokens [R, H], probs [R, X] -> rows [N, H], row probs [N] placed by row_id_map (pad rows 0)."""
-    rows, row_probs = _permute_op(tokens, row_id_map.slots, probs, row_id_map.num_out_tokens,
-                                  row_id_map.has_pad_rows)
+    rows, row_probs = permute_rows(tokens, row_id_map.slots, probs, row_id_map.num_out_tokens,
+                                     row_id_map.has_pad_rows)
     return rows, (row_probs if probs is not None else None)
 
 
@@ -103,6 +103,10 @@ def pairs_to_dense(values: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:
 
 def _return_chunks(layout: Layout) -> tuple[list[int], list[int], int]:
     """Chunk sizes of the receiver layout and the order that makes it source-major (pads last)."""
+    return layout.memo("return_chunks", lambda: _compute_return_chunks(layout))
+
+
+def _compute_return_chunks(layout: Layout) -> tuple[list[int], list[int], int]:
     P, El = layout.ep_size, layout.num_local_experts
     blocks, tail = layout.local_blocks(), layout.local_tail_pad()
     sizes = []
@@ -113,6 +117,27 @@ def _return_chunks(layout: Layout) -> tuple[list[int], list[int], int]:
     return sizes, order, real
 
 
+def _source_major_index(layout: Layout, device: torch.device) -> torch.Tensor:
+    """[N] int64: row i of the source-major order is row index[i] of the receiver layout (what
+    ``sort_chunks`` computes, without its argument checks: the chunk tables come from the layout).
+    Cached on the layout: the combine and the dispatch's backward reorder the same way."""
+    def build() -> torch.Tensor:
+        sizes, order, _ = _return_chunks(layout)
+        starts, at = [], 0
+        for size in sizes:
+            starts.append(at)
+            at += size
+        shifts, lengths, out_at = [], [], 0
+        for i in order:  # output chunk j is input chunk order[j]
+            shifts.append(starts[i] - out_at)
+            lengths.append(sizes[i])
+            out_at += sizes[i]
+        tables = _host_tensor(shifts + lengths, device).view(2, -1)
+        chunk = torch.repeat_interleave(torch.arange(len(order), device=device), tables[1], output_size=at)
+        return tables[0][chunk] + torch.arange(at, device=device)
+    return layout.memo(("source_major_index", str(device)), build)
+
+
 def to_source_major(rows: torch.Tensor, layout: Layout,
                     row_probs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Receiver layout [N, H] -> rows grouped by source rank (expert-major inside), pads dropped.
@@ -120,7 +145,15 @@ def to_source_major(rows: torch.Tensor, layout: Layout,
     sizes, order, real = _return_chunks(layout)
     kept = [i for i in order if sizes[i] > 0]
     if kept != sorted(kept):  # otherwise the rows are already in order
-        rows, row_probs = sort_chunks(rows, sizes, order, row_probs)
+        index = _source_major_index(layout, rows.device)
+        if rows.requires_grad and torch.is_grad_enabled():
+            inverse = torch.empty_like(index)
+            inverse[index] = torch.arange(index.shape[0], device=index.device)
+        else:
+            inverse = index  # only the backward reads it, and there is none
+        rows = gather_rows(rows, index, inverse)
+        if row_probs is not None:
+            row_probs = gather_rows(row_probs[:, None], index, index)[:, 0]
     if real != rows.shape[0]:
         rows = rows[:real]
         row_probs = row_probs[:real] if row_probs is not None else None

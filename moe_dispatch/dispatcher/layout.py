@@ -12,9 +12,10 @@ Notation: P = EP size, E = num_experts, El = E / P local experts; rank r owns gl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -56,6 +57,17 @@ def capacity_of(num_tokens: int, config: Any) -> int:
     return round_up(cap, m)
 
 
+def _memo(method: Callable) -> Callable:
+    """Cache a Layout method's result: a step asks for the same derived sizes many times."""
+    @functools.wraps(method)
+    def cached(self: "Layout"):
+        key = method.__name__
+        if key not in self._cache:
+            self._cache[key] = method(self)
+        return self._cache[key]
+    return cached
+
+
 @dataclass(frozen=True)
 class Layout:
     """Host-side sizes of one dispatch, identical on every rank of the EP group.
@@ -84,16 +96,25 @@ class Layout:
     pad_multiple: int
     probs_grad: bool
     max_experts_per_token: list[int]
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def memo(self, key: str, compute: Callable[[], Any]) -> Any:
+        """compute() once per layout under ``key`` (derived host-side tables)."""
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
 
     def block(self, source: int, expert: int) -> int:
         """Rows of global `expert` coming from `source` rank (with capacity padding)."""
         return self.capacity[source] if self.capacity is not None else self.counts[source][expert]
 
+    @_memo
     def local_blocks(self) -> list[list[int]]:
         """[P][El]: rows each source rank contributes to each local expert of this rank."""
         base = self.rank * self.num_local_experts
         return [[self.block(s, base + e) for e in range(self.num_local_experts)] for s in range(self.ep_size)]
 
+    @_memo
     def local_tail_pad(self) -> list[int]:
         """[El]: pad rows at the end of each local expert's block (dropless pad_multiple)."""
         if self.capacity is not None:
@@ -102,20 +123,24 @@ class Layout:
         totals = [sum(col) for col in zip(*self.local_blocks())]
         return [round_up(n, m) - n for n in totals]
 
+    @_memo
     def tokens_per_local_expert(self) -> list[int]:
         """[El]: rows of each local expert's block, padding included."""
         blocks, tail = self.local_blocks(), self.local_tail_pad()
         return [sum(blocks[s][e] for s in range(self.ep_size)) + tail[e] for e in range(self.num_local_experts)]
 
+    @_memo
     def return_send_splits(self) -> list[int]:
         """[P]: rows this rank's experts send back to each source rank."""
         return [sum(row) for row in self.local_blocks()]
 
+    @_memo
     def return_recv_splits(self) -> list[int]:
         """[P]: rows this rank receives back from each expert rank for its own tokens."""
         El = self.num_local_experts
         return [sum(self.block(self.rank, d * El + e) for e in range(El)) for d in range(self.ep_size)]
 
+    @_memo
     def owner_blocks(self) -> list[int]:
         """[E]: rows per global expert in this rank's returned buffer (global expert-major)."""
         return [self.block(self.rank, e) for e in range(self.num_experts)]
@@ -183,7 +208,11 @@ def exchange_layout(hidden: Any, routing_map: Any, probs: Any, config: Any, grou
     local_ok = not _problems([desc], config)
     device = next((x.device for x in (hidden, routing_map, probs) if isinstance(x, torch.Tensor)),
                   torch.device("cpu"))
-    desc_t = torch.tensor(desc, dtype=torch.int64, device=device)
+    desc_t = torch.tensor(desc, dtype=torch.int64)
+    if device.type == "cuda":  # pinned + non_blocking: no wait for the GPU's queued work here
+        desc_t = desc_t.pin_memory().to(device, non_blocking=True)
+    else:
+        desc_t = desc_t.to(device)
     if local_ok:
         T = desc[0]
         counts = routing_map.sum(0, dtype=torch.int64)

@@ -171,6 +171,40 @@ _gather_rows_op.register_autograd(_gather_backward, setup_context=_gather_setup)
 
 
 # --------------------------------------------------------------------------------------------
+# Callers go through these: the registered op under torch.compile or when autograd needs its
+# backward; otherwise the backend function directly (the op wrapper costs ~20 us of host time per
+# call on the GPU machine, and these run several times per dispatch). Same function, same bits.
+# --------------------------------------------------------------------------------------------
+def _direct(*tensors: Optional[torch.Tensor]) -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots int32 [T, 2E+1], stats int64 [E+1]: per-expert counts, then the most experts of a
+    token) for a contiguous bool routing_map [T, E]. Never differentiable."""
+    if _direct():
+        return _impl(routing_map).make_slots(routing_map, pad_multiple)
+    return _make_slots_op(routing_map, pad_multiple)
+
+
+def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: Optional[torch.Tensor], num_out: int,
+                 zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The permute_rows op: tokens [T, H] -> ([num_out, H], row probs [num_out] or a placeholder)."""
+    if _direct(tokens, probs):
+        return _impl(tokens).permute_rows(tokens, slots, probs, num_out, zero_fill)
+    return _permute_op(tokens, slots, probs, num_out, zero_fill)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse_index: torch.Tensor) -> torch.Tensor:
+    """x[index] for a permutation ``index`` [M] (``inverse_index`` serves the backward)."""
+    if _direct(x):
+        return _impl(x).gather_rows(x, index)
+    return _gather_rows_op(x, index, inverse_index)
+
+
+# --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -275,7 +309,7 @@ def permute(
     if not isinstance(pad_multiple, int) or pad_multiple < 1:
         raise ValueError(f"pad_multiple must be an int >= 1, got {pad_multiple!r}")
 
-    slots, stats = _make_slots_op(routing_map.contiguous(), pad_multiple)
+    slots, stats = make_slots(routing_map.contiguous(), pad_multiple)
     counts = stats[:E]
     padded = round_up(counts, pad_multiple)
     if tokens_per_expert is not None:
@@ -295,7 +329,7 @@ def permute(
         raise ValueError(f"num_out_tokens={num_out_tokens} is smaller than the {needed} rows the routing map "
                          f"needs (routed pairs {routed}, pad_multiple {pad_multiple})")
     has_pad_rows = num_out_tokens > routed
-    permuted, permuted_probs = _permute_op(tokens, slots, probs, num_out_tokens, has_pad_rows)
+    permuted, permuted_probs = permute_rows(tokens, slots, probs, num_out_tokens, has_pad_rows)
     row_id_map = RowIdMap(slots, counts, padded, num_out_tokens, has_pad_rows, most)
     return permuted, (permuted_probs if probs is not None else None), row_id_map
 
@@ -332,8 +366,11 @@ def unpermute(
     if probs is not None:
         _check_probs(probs, row_id_map.num_tokens, row_id_map.num_experts, permuted_tokens.device)
     most = row_id_map.max_experts_per_token
-    out = _unpermute_op(permuted_tokens, row_id_map.slots, probs, row_id_map.has_pad_rows,
-                        row_id_map.num_experts if most is None else most)
+    if _direct(permuted_tokens, probs):
+        out = _impl(permuted_tokens).unpermute_rows(permuted_tokens, row_id_map.slots, probs)
+    else:
+        out = _unpermute_op(permuted_tokens, row_id_map.slots, probs, row_id_map.has_pad_rows,
+                            row_id_map.num_experts if most is None else most)
     if restore_shape is not None:
         out = out.reshape(restore_shape)
     return out
@@ -383,8 +420,8 @@ def sort_chunks(
     index = chunk_tables[0][chunk] + rows
     inverse = torch.empty_like(index)
     inverse[index] = rows  # a permutation: every position written once
-    out = _gather_rows_op(tokens, index, inverse)
+    out = gather_rows(tokens, index, inverse)
     out_probs = None
     if probs is not None:
-        out_probs = _gather_rows_op(probs[:, None], index, inverse)[:, 0]
+        out_probs = gather_rows(probs[:, None], index, inverse)[:, 0]
     return out, out_probs
