@@ -208,11 +208,8 @@ def exchange_layout(hidden: Any, routing_map: Any, probs: Any, config: Any, grou
     local_ok = not _problems([desc], config)
     device = next((x.device for x in (hidden, routing_map, probs) if isinstance(x, torch.Tensor)),
                   torch.device("cpu"))
-    desc_t = torch.tensor(desc, dtype=torch.int64)
-    if device.type == "cuda":  # pinned + non_blocking: no wait for the GPU's queued work here
-        desc_t = desc_t.pin_memory().to(device, non_blocking=True)
-    else:
-        desc_t = desc_t.to(device)
+    # non_blocking: no wait for the GPU's queued work (a plain copy to CUDA synchronises)
+    desc_t = torch.tensor(desc, dtype=torch.int64).to(device, non_blocking=True)
     if local_ok:
         T = desc[0]
         counts = routing_map.sum(0, dtype=torch.int64)
