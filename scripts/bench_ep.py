@@ -115,6 +115,23 @@ def bench_dispatch(args, world: int, rank: int) -> None:
     bw = raw_remote_bytes / (raw_ms * 1e-3)
     floor_ms = floor_bytes / bw * 1e3
     rows = [("raw all_to_all_single, K-copy rows, there and back", raw_ms)]
+    # The floor's own traffic through NCCL, nothing sent to self: deduplicated tokens there, K-copy
+    # rows back (equal splits of this rank's counts; what a transport without local copies moves).
+    counts = torch.tensor([dedup_rows, combine_rows], device=DEVICE)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # one size on every rank: splits must match pairwise
+    peers = max(world - 1, 1)
+    per_peer = [int(counts[0]) // peers if r != rank else 0 for r in range(world)]
+    per_peer_back = [int(counts[1]) // peers if r != rank else 0 for r in range(world)]
+    send_x = torch.randn((sum(per_peer), H), device=DEVICE, dtype=torch.bfloat16)
+    recv_x = torch.empty_like(send_x)
+    send_back = torch.randn((sum(per_peer_back), H), device=DEVICE, dtype=torch.bfloat16)
+    recv_back = torch.empty_like(send_back)
+
+    def remote_only_round_trip():
+        dist.all_to_all_single(recv_x, send_x, per_peer, per_peer)
+        dist.all_to_all_single(recv_back, send_back, per_peer_back, per_peer_back)
+    rows.append(("raw all_to_all_single, floor traffic only (dedup there, K-copy back, no self chunk)",
+                 bench(remote_only_round_trip)))
 
     for kind in ["alltoall", "allgather"]:
         config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=args.ffn, dispatcher=kind)
