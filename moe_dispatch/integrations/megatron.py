@@ -13,13 +13,15 @@ or builds models with it::
     layer_spec = deterministic_moe_spec(get_gpt_layer_local_spec(num_experts=64))  # any spec tree
 
 With it installed, a token's MoE output and its gradients do not depend on the EP rank, the EP size,
-the dispatcher (allgather / alltoall) or the other tokens of the batch, *provided that Megatron's
-own parts are row-stable too*: the router's gating GEMM and the experts' GEMMs run in Megatron's
-code (``SequentialMLP`` does one ``mm`` per expert: on CPU, fp32 ``mm`` is not row-stable below 8
-rows; on H200, cuBLAS is not row-stable below 128 rows, see shared/FACTS.md). What the dispatcher
-guarantees is that every local expert receives its rows in the fixed order (source rank, token),
-and that each token's K expert outputs (and each token's gradient rows) are summed once, on the
-token's own rank, in ascending expert order in fp32 (fp64 with an fp64 router).
+the dispatcher (allgather / alltoall) or the other tokens of the batch. The dispatcher guarantees
+that every local expert receives its rows in the fixed order (source rank, token), and that each
+token's K expert outputs (and each token's gradient rows) are summed once, on the token's own rank,
+in ascending expert order in fp32 (fp64 with an fp64 router). The rest needs Megatron's own GEMMs
+to be row-stable (a row's result independent of the rows sharing the call): its router's gating
+GEMM and ``SequentialMLP``'s one ``mm`` per expert are not (CPU fp32 ``mm`` below 8 rows; cuBLAS
+on H200 at many row counts, shared/FACTS.md). So ``install`` by default (``row_stable_gemms=True``)
+also replaces those two forwards with our row-stable GEMMs on the same parameters
+(``make_row_stable``); ``row_stable_gemms=False`` keeps Megatron's, matching its stock numerics.
 
 Probabilities: Megatron's experts multiply ``permuted_probs`` into the activations before fc2, so
 the dispatcher runs in ``probs_in_experts`` mode: it hands the experts fp32 (fp64 with
