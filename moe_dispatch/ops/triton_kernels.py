@@ -25,8 +25,36 @@ import triton.language as tl
 
 from .torch_twin import block_h
 
+# Launch tuning. None of these changes a result: each program owns whole (token, H-chunk)
+# elements. LAUNCH["token_major"]: consecutive programs take consecutive tokens of one H-chunk
+# (True) or the H-chunks of one token (False, whole rows stream together). "warps" overrides the
+# warp count. scripts/tune_ops.py sweeps them.
+LAUNCH: dict = {"token_major": False, "warps": None}
+
+
 def _num_warps(block: int) -> int:
+    if LAUNCH["warps"]:
+        return LAUNCH["warps"]
     return 4 if block <= 1024 else 8
+
+
+def _row_grid(T: int, H: int, block: int) -> tuple:
+    """1-D grid over (token, H-chunk) programs (no 65535 limit on T)."""
+    return (T * triton.cdiv(H, block),)
+
+
+@triton.jit
+def _token_and_chunk(T, H, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
+    """(t int64, H-chunk c) of this program on the 1-D grid of `_row_grid`."""
+    pid = tl.program_id(0).to(tl.int64)
+    if TOKEN_MAJOR:
+        t = pid % T
+        c = (pid // T).to(tl.int32)
+    else:
+        n_chunks = tl.cdiv(H, BLOCK_H)
+        t = pid // n_chunks
+        c = (pid % n_chunks).to(tl.int32)
+    return t, c
 
 
 def _launch_opts() -> dict:
@@ -151,11 +179,10 @@ def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tens
 @triton.jit
 def _permute_kernel(
     tokens_ptr, slots_ptr, probs_ptr, out_ptr, out_probs_ptr,
-    H, E, stride_tt, stride_th, stride_pt, stride_pe,
-    HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr,
+    T, H, E, stride_tt, stride_th, stride_pt, stride_pe,
+    HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    pid_h = tl.program_id(1)
+    t, pid_h = _token_and_chunk(T, H, BLOCK_H, TOKEN_MAJOR)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     slot_row = slots_ptr + t * (2 * E + 1)
@@ -186,20 +213,20 @@ def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
         return out, out_probs
     bh = block or block_h(H)  # a copy: the block size does not change any value
     p, *p_strides = _probs_args(probs, out_probs)
-    _permute_kernel[(T, triton.cdiv(H, bh))](
-        tokens, slots, p, out, out_probs, H, E, tokens.stride(0), tokens.stride(1), *p_strides,
-        HAS_PROBS=probs is not None, BLOCK_H=bh, num_warps=num_warps or _num_warps(bh), **_launch_opts())
+    _permute_kernel[_row_grid(T, H, bh)](
+        tokens, slots, p, out, out_probs, T, H, E, tokens.stride(0), tokens.stride(1), *p_strides,
+        HAS_PROBS=probs is not None, BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"],
+        num_warps=num_warps or _num_warps(bh), **_launch_opts())
     return out, out_probs
 
 
 @triton.jit
 def _permute_bwd_kernel(
     grad_ptr, slots_ptr, grad_probs_ptr, grad_tokens_ptr, grad_token_probs_ptr,
-    H, E, stride_gn, stride_gh,
-    HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr,
+    T, H, E, stride_gn, stride_gh,
+    HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    pid_h = tl.program_id(1)
+    t, pid_h = _token_and_chunk(T, H, BLOCK_H, TOKEN_MAJOR)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     slot_row = slots_ptr + t * (2 * E + 1)
@@ -216,7 +243,7 @@ def _permute_bwd_kernel(
 
 
 def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: torch.Tensor | None,
-                          probs_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                          probs_dtype: torch.dtype, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher. grad [N, H], grad_probs [N] -> (grad_tokens [T, H], grad_token_probs [T, E] or [0])."""
     T = slots.shape[0]
     E = (slots.shape[1] - 1) // 2
@@ -228,11 +255,12 @@ def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: t
         grad_token_probs = torch.zeros((T, E), dtype=probs_dtype, device=grad.device)
     if T == 0 or H == 0:
         return grad_tokens.zero_(), grad_token_probs
-    bh = block_h(H)
+    bh = block or block_h(H)  # sums over a token's rows per element: the block size changes no value
     gp = grad_probs.to(probs_dtype).contiguous() if grad_probs is not None else grad_token_probs
-    _permute_bwd_kernel[(T, triton.cdiv(H, bh))](
-        grad, slots, gp, grad_tokens, grad_token_probs, H, E, grad.stride(0), grad.stride(1),
-        HAS_PROBS=grad_probs is not None, BLOCK_H=bh, num_warps=_num_warps(bh), **_launch_opts())
+    _permute_bwd_kernel[_row_grid(T, H, bh)](
+        grad, slots, gp, grad_tokens, grad_token_probs, T, H, E, grad.stride(0), grad.stride(1),
+        HAS_PROBS=grad_probs is not None, BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"],
+        num_warps=_num_warps(bh), **_launch_opts())
     return grad_tokens, grad_token_probs
 
 
@@ -242,11 +270,10 @@ def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: t
 @triton.jit
 def _unpermute_kernel(
     rows_ptr, slots_ptr, probs_ptr, out_ptr,
-    H, E, stride_rn, stride_rh, stride_pt, stride_pe,
-    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr,
+    T, H, E, stride_rn, stride_rh, stride_pt, stride_pe,
+    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    pid_h = tl.program_id(1)
+    t, pid_h = _token_and_chunk(T, H, BLOCK_H, TOKEN_MAJOR)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     slot_row = slots_ptr + t * (2 * E + 1)
@@ -266,7 +293,8 @@ def _unpermute_kernel(
     tl.store(out_ptr + t * H + offs_h, acc.to(tl.float32).to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
-def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None,
+                   block: int | None = None) -> torch.Tensor:
     """Launcher. rows [N, H], probs [T, E] -> out [T, H] in rows.dtype."""
     T = slots.shape[0]
     E = (slots.shape[1] - 1) // 2
@@ -274,20 +302,20 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
     out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
     if T == 0 or H == 0:
         return out
-    bh = block_h(H)
+    bh = block or block_h(H)  # per-element sums over a token's rows: the block size changes no value
     p, *p_strides = _probs_args(probs, out)
-    _unpermute_kernel[(T, triton.cdiv(H, bh))](
-        rows, slots, p, out, H, E, rows.stride(0), rows.stride(1), *p_strides,
+    _unpermute_kernel[_row_grid(T, H, bh)](
+        rows, slots, p, out, T, H, E, rows.stride(0), rows.stride(1), *p_strides,
         HAS_PROBS=probs is not None, ACC_FP64=probs is not None and probs.dtype == torch.float64,
-        BLOCK_H=bh, num_warps=_num_warps(bh), **_launch_opts())
+        BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], num_warps=_num_warps(bh), **_launch_opts())
     return out
 
 
 @triton.jit
 def _unpermute_bwd_kernel(
     grad_ptr, rows_ptr, slots_ptr, probs_ptr, grad_rows_ptr, partial_ptr,
-    H, E, max_slots, num_chunks, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
-    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr,
+    T, H, E, max_slots, num_chunks, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
+    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
 ):
     """Program (t, c): rows' gradient g * p over H-chunk c, and the chunk's partial dot
     <y_row, g> per slot into partial[t, j, c] (summed in chunk order by _probs_grad_kernel).
@@ -296,8 +324,7 @@ def _unpermute_bwd_kernel(
     deterministic and independent of T and of other tokens) but it is not the twin's order, so
     the probability gradient matches the twin within rounding, not bitwise. A halving tree that
     the twin could reproduce cost 8x the memory floor here."""
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
+    t, c = _token_and_chunk(T, H, BLOCK_H, TOKEN_MAJOR)
     offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     slot_row = slots_ptr + t * (2 * E + 1)
@@ -358,11 +385,11 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
     partial = torch.empty((T, max_slots, num_chunks) if probs is not None else (0,), dtype=acc_dtype,
                           device=rows.device)
     p, *p_strides = _probs_args(probs, grad_probs)
-    _unpermute_bwd_kernel[(T, num_chunks)](
-        grad, rows, slots, p, grad_rows, partial, H, E, max_slots, num_chunks, grad.stride(0), grad.stride(1),
+    _unpermute_bwd_kernel[_row_grid(T, H, bh)](
+        grad, rows, slots, p, grad_rows, partial, T, H, E, max_slots, num_chunks, grad.stride(0), grad.stride(1),
         rows.stride(0), rows.stride(1), *p_strides,
         HAS_PROBS=probs is not None, ACC_FP64=acc_dtype == torch.float64,
-        BLOCK_H=bh, num_warps=_num_warps(bh), **_launch_opts())
+        BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], num_warps=_num_warps(bh), **_launch_opts())
     if probs is not None:
         _probs_grad_kernel[(T,)](partial, slots, grad_probs, E, max_slots, num_chunks,
                                  BLOCK_J=triton.next_power_of_2(max_slots), **_launch_opts())
@@ -373,22 +400,23 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
 # Row gather, for sort_chunks: out[r] = x[index[r]].
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, H, stride_xn, stride_xh, BLOCK_H: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, M, H, stride_xn, stride_xh, BLOCK_H: tl.constexpr,
+                        TOKEN_MAJOR: tl.constexpr):
+    r, c = _token_and_chunk(M, H, BLOCK_H, TOKEN_MAJOR)
+    offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     src = tl.load(index_ptr + r).to(tl.int64)
     tl.store(out_ptr + r * H + offs_h, tl.load(x_ptr + src * stride_xn + offs_h * stride_xh, mask=mask_h), mask=mask_h)
 
 
-def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, index: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """Launcher. x [N, H], index [M] int64 -> x[index] [M, H]."""
     M = index.shape[0]
     H = x.shape[1]
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     if M == 0 or H == 0:
         return out
-    bh = block_h(H)
-    _gather_rows_kernel[(M, triton.cdiv(H, bh))](x, index, out, H, x.stride(0), x.stride(1),
-                                                 BLOCK_H=bh, num_warps=_num_warps(bh))
+    bh = block or block_h(H)  # a copy: the block size does not change any value
+    _gather_rows_kernel[_row_grid(M, H, bh)](x, index, out, M, H, x.stride(0), x.stride(1), BLOCK_H=bh,
+                                             TOKEN_MAJOR=LAUNCH["token_major"], num_warps=_num_warps(bh))
     return out

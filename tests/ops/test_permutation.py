@@ -151,6 +151,33 @@ def _ulp_close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool((diff <= 2 * half_ulp(torch.maximum(a.double().abs(), b.double().abs()), dtype)).all())
 
 
+@pytest.mark.parametrize("token_major,warps", [(True, 2), (False, 1)])
+def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps):
+    """The launch knobs (program order, warps, and the block size of the kernels whose sums run
+    per element) are free to tune: the interpreted kernels give the same bits with any of them."""
+    from moe_dispatch.ops import triton_kernels as K
+
+    routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(23, 8, 3, 40, torch.float32,
+                                                                       torch.float32, seed=6)
+    probs = probs * routing_map
+    with set_backend("triton"):
+        reference = _run(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs)
+        monkeypatch.setitem(K.LAUNCH, "token_major", token_major)
+        monkeypatch.setitem(K.LAUNCH, "warps", warps)
+        tuned = _run(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs)
+        slots, N = reference["row_id_map"].slots, reference["permuted"].shape[0]
+        for block in (16, 32):
+            rows, _ = K.permute_rows(tokens, slots, probs, N, False, block, warps)
+            assert torch.equal(rows, reference["permuted"])
+            assert torch.equal(K.unpermute_rows(y[:N], slots, probs, block), K.unpermute_rows(y[:N], slots, probs))
+            assert torch.equal(K.permute_rows_backward(g_perm[:N], slots, None, torch.float32, block)[0],
+                               K.permute_rows_backward(g_perm[:N], slots, None, torch.float32)[0])
+            index = torch.randperm(N)
+            assert torch.equal(K.gather_rows(y[:N], index, block), y[:N][index])
+    for key in ["slots", "permuted", "permuted_probs", "out", "grad_tokens", "grad_rows", "grad_probs"]:
+        assert torch.equal(reference[key], tuned[key]), key
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("probs_dtype,pad_multiple", [(torch.float32, 1), (torch.float64, 1), (torch.float32, 4)])
 def test_triton_interpreter_matches_torch_twin(dtype, probs_dtype, pad_multiple):

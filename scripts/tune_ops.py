@@ -1,0 +1,90 @@
+"""Sweep the launch knobs of the permute / unpermute kernels on a CUDA machine (bf16).
+
+    python scripts/tune_ops.py [--shapes T,E,H,K ...]
+
+Knobs (none changes a value: tests/ops/test_permutation.py::test_launch_tuning_changes_no_value):
+program order (token-major or chunk-major), warps, and the H-block of the kernels whose sums run
+per element (the unpermute backward's block is fixed: it sets the probs-gradient chunking). Prints
+CUDA-graph replay medians (do_bench_cudagraph, GPU time only) over each pass's byte floor, and the
+best setting per pass and shape. The defaults in moe_dispatch/ops/triton_kernels.py come from here.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ops import copy_bandwidth, routing  # noqa: E402
+
+from moe_dispatch.ops import permute  # noqa: E402
+from moe_dispatch.ops import triton_kernels as KT  # noqa: E402
+
+SHAPES = [(4096, 256, 7168, 8), (16384, 128, 4096, 6), (32768, 64, 4096, 8)]
+
+
+def graph_ms(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def sweep_shape(T: int, E: int, H: int, K: int, bw: float) -> None:
+    dt, b = torch.bfloat16, 2
+    tokens = torch.randn((T, H), device="cuda", dtype=dt)
+    routing_map, probs = routing(T, E, K)
+    _, _, rmap = permute(tokens, routing_map, probs)
+    slots, N = rmap.slots, rmap.num_out_tokens
+    y = torch.randn((N, H), device="cuda", dtype=dt)
+    g_out = torch.randn((T, H), device="cuda", dtype=dt)
+    g_perm = torch.randn((N, H), device="cuda", dtype=dt)
+    passes = {
+        "permute rows": ((T * H + N * H) * b + T * E * 4 + N * 4,
+                         lambda blk: (lambda: KT.permute_rows(tokens, slots, probs, N, False, blk)), True),
+        "unpermute fwd, probs": ((N * H + T * H) * b + T * E * 4,
+                                 lambda blk: (lambda: KT.unpermute_rows(y, slots, probs, blk)), True),
+        "permute bwd": ((N * H + T * H) * b,
+                        lambda blk: (lambda: KT.permute_rows_backward(g_perm, slots, None, torch.float32, blk)), True),
+        "unpermute bwd, probs grad": ((T * H + 2 * N * H) * b + 2 * T * E * 4,
+                                      lambda blk: (lambda: KT.unpermute_rows_backward(g_out, y, slots, probs, False, K)),
+                                      False),
+    }
+    for name, (nbytes, make, block_free) in passes.items():
+        floor = nbytes / bw * 1e3
+        results = []
+        blocks = [1024, 2048, 4096] if block_free else [None]
+        for token_major, warps, blk in itertools.product([False, True], [4, 8, 16], blocks):
+            KT.LAUNCH.update(token_major=token_major, warps=warps)
+            try:
+                ms = graph_ms(make(blk))
+            except Exception as exc:  # e.g. too many registers for a block/warps pair
+                print(f"# {name} {token_major} {warps} {blk}: {type(exc).__name__}", file=sys.stderr)
+                continue
+            results.append((ms / floor, ms, token_major, warps, blk))
+        KT.LAUNCH.update(token_major=False, warps=None)
+        default = graph_ms(make(None))
+        results.sort()
+        best = results[0]
+        print(f"| {T},{E},{H},{K} | {name} | {default / floor:.3f}x | {best[0]:.3f}x | "
+              f"{'token' if best[2] else 'chunk'}-major, {best[3]} warps, block {best[4] or 'default'} | "
+              + ", ".join(f"{r[0]:.3f}" for r in results[:5]) + " |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="*", default=None, help="T,E,H,K tuples")
+    args = parser.parse_args()
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}, triton {triton.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    print("| T,E,H,K | pass | default / floor | best / floor | best setting | top 5 / floor |")
+    print("|---|---|---|---|---|---|")
+    for shape in shapes:
+        sweep_shape(*shape, bw)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
