@@ -302,12 +302,14 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
     out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
     if T == 0 or H == 0:
         return out
-    bh = block or block_h(H)  # per-element sums over a token's rows: the block size changes no value
+    # Per-element sums over a token's rows: the block size changes no value. 2048 with 4 warps ran
+    # 2-4% faster than 1024 on H200 (scripts/tune_ops.py; BENCHMARKS.md).
+    bh = block or max(16, min(2048, triton.next_power_of_2(H)))
     p, *p_strides = _probs_args(probs, out)
     _unpermute_kernel[_row_grid(T, H, bh)](
         rows, slots, p, out, T, H, E, rows.stride(0), rows.stride(1), *p_strides,
         HAS_PROBS=probs is not None, ACC_FP64=probs is not None and probs.dtype == torch.float64,
-        BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], num_warps=_num_warps(bh), **_launch_opts())
+        BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], num_warps=LAUNCH["warps"] or 4, **_launch_opts())
     return out
 
 
