@@ -71,6 +71,18 @@ def routing(T: int, E: int, K: int, seed: int):
     return routing_map, probs
 
 
+def our_round_trip(args, kind: str, x: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+    """dispatch + combine with identity experts through our `kind` dispatcher over every rank."""
+    config = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk,
+                       ffn_hidden_size=args.ffn, dispatcher=kind)
+    dispatcher = build_dispatcher(config, dist.group.WORLD)
+
+    def round_trip():
+        expert_input, _, handle = dispatcher.dispatch(x, routing_map, probs)
+        return dispatcher.combine(expert_input, handle)
+    return round_trip
+
+
 _PG = None
 
 
@@ -134,13 +146,7 @@ def bench_dispatch(args, world: int, rank: int) -> None:
                  bench(remote_only_round_trip)))
 
     for kind in ["alltoall", "allgather"]:
-        config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=args.ffn, dispatcher=kind)
-        dispatcher = build_dispatcher(config, dist.group.WORLD)
-
-        def ours():
-            expert_input, _, handle = dispatcher.dispatch(x, routing_map, probs)
-            return dispatcher.combine(expert_input, handle)
-        rows.append((f"ours {kind} round trip", bench(ours)))
+        rows.append((f"ours {kind} round trip", bench(our_round_trip(args, kind, x, routing_map, probs))))
     try:
         pg = megatron_groups(world, rank)
         from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
@@ -237,12 +243,7 @@ def profile_dispatch(args, world: int, rank: int) -> None:
     x = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16)
     routing_map, probs = routing(T, E, K, seed=rank)
     for kind in ["alltoall", "allgather"]:
-        config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=args.ffn, dispatcher=kind)
-        dispatcher = build_dispatcher(config, dist.group.WORLD)
-
-        def ours():
-            expert_input, _, handle = dispatcher.dispatch(x, routing_map, probs)
-            return dispatcher.combine(expert_input, handle)
+        ours = our_round_trip(args, kind, x, routing_map, probs)
         for _ in range(5):
             ours()
         torch.cuda.synchronize()

@@ -57,6 +57,16 @@ def _token_and_chunk(T, H, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
     return t, c
 
 
+@triton.jit
+def _token_slots(slots_ptr, T, H, E, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
+    """The prologue of the slot-driven kernels: (t, c, this chunk's columns offs_h and mask_h,
+    the token's slot row pointer, n_t)."""
+    t, c = _token_and_chunk(T, H, BLOCK_H, TOKEN_MAJOR)
+    offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
+    slot_row = slots_ptr + t * (2 * E + 1)
+    return t, c, offs_h, offs_h < H, slot_row, tl.load(slot_row)
+
+
 def _launch_opts() -> dict:
     return {"enable_fp_fusion": False}
 
@@ -182,11 +192,7 @@ def _permute_kernel(
     T, H, E, stride_tt, stride_th, stride_pt, stride_pe,
     HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
 ):
-    t, pid_h = _token_and_chunk(T, H, BLOCK_H, TOKEN_MAJOR)
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    slot_row = slots_ptr + t * (2 * E + 1)
-    n = tl.load(slot_row)
+    t, pid_h, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
     x = tl.load(tokens_ptr + t * stride_tt + offs_h * stride_th, mask=mask_h)
     for j in range(0, n):
         row = tl.load(slot_row + 1 + j).to(tl.int64)
@@ -226,11 +232,7 @@ def _permute_bwd_kernel(
     T, H, E, stride_gn, stride_gh,
     HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
 ):
-    t, pid_h = _token_and_chunk(T, H, BLOCK_H, TOKEN_MAJOR)
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    slot_row = slots_ptr + t * (2 * E + 1)
-    n = tl.load(slot_row)
+    t, pid_h, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in range(0, n):
         row = tl.load(slot_row + 1 + j).to(tl.int64)
@@ -273,11 +275,7 @@ def _unpermute_kernel(
     T, H, E, stride_rn, stride_rh, stride_pt, stride_pe,
     HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
 ):
-    t, pid_h = _token_and_chunk(T, H, BLOCK_H, TOKEN_MAJOR)
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    slot_row = slots_ptr + t * (2 * E + 1)
-    n = tl.load(slot_row)
+    t, pid_h, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
     acc_ty = tl.float64 if ACC_FP64 else tl.float32
     acc = tl.zeros([BLOCK_H], dtype=acc_ty)
     for j in range(0, n):
@@ -326,11 +324,7 @@ def _unpermute_bwd_kernel(
     deterministic and independent of T and of other tokens) but it is not the twin's order, so
     the probability gradient matches the twin within rounding, not bitwise. A halving tree that
     the twin could reproduce cost 8x the memory floor here."""
-    t, c = _token_and_chunk(T, H, BLOCK_H, TOKEN_MAJOR)
-    offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    slot_row = slots_ptr + t * (2 * E + 1)
-    n = tl.load(slot_row)
+    t, c, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
     acc_ty = tl.float64 if ACC_FP64 else tl.float32
     g = tl.load(grad_ptr + t * stride_gt + offs_h * stride_gh, mask=mask_h, other=0.0)
     for j in range(0, n):
