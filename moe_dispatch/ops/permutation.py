@@ -311,7 +311,7 @@ def permute(
 
     slots, stats = make_slots(routing_map.contiguous(), pad_multiple)
     counts = stats[:E]
-    padded = round_up(counts, pad_multiple)
+    padded = counts if pad_multiple == 1 else round_up(counts, pad_multiple)  # no kernels when unpadded
     if tokens_per_expert is not None:
         host_counts = (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
                        else [int(c) for c in tokens_per_expert])
