@@ -343,8 +343,9 @@ def _unpermute_bwd_kernel(
 
 @triton.jit
 def _probs_grad_kernel(partial_ptr, slots_ptr, grad_probs_ptr, E, max_slots, num_chunks,
-                       BLOCK_J: tl.constexpr):
-    """grad_probs[t, e_j] = sum over chunks c, in order, of partial[t, j, c]."""
+                       BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
+    """grad_probs[t, e_j] = sum over chunks c, in order, of partial[t, j, c]; 0 for the experts t
+    is not routed to. Writes the whole dense row (no separate zero-fill pass over [T, E])."""
     t = tl.program_id(0).to(tl.int64)
     slot_row = slots_ptr + t * (2 * E + 1)
     n = tl.load(slot_row)
@@ -353,8 +354,16 @@ def _probs_grad_kernel(partial_ptr, slots_ptr, grad_probs_ptr, E, max_slots, num
     acc = tl.zeros([BLOCK_J], dtype=partial_ptr.dtype.element_ty)
     for c in range(0, num_chunks):
         acc += tl.load(partial_ptr + (t * max_slots + offs_j) * num_chunks + c, mask=mask_j, other=0.0)
-    e = tl.load(slot_row + 1 + E + offs_j, mask=mask_j, other=0)
-    tl.store(grad_probs_ptr + t * E + e, acc.to(grad_probs_ptr.dtype.element_ty), mask=mask_j)
+    e = tl.load(slot_row + 1 + E + offs_j, mask=mask_j, other=-1)
+    for e0 in range(0, E, BLOCK_E):
+        offs_e = e0 + tl.arange(0, BLOCK_E)
+        # Each expert id appears at most once among a token's slots: a select (x + 0s; only the
+        # sign of a zero gradient may differ from the twin's, which compares equal).
+        hit = e[:, None] == offs_e[None, :]
+        picked = tl.max(tl.where(hit, 1, 0), axis=0) > 0
+        value = tl.sum(tl.where(hit, acc[:, None], 0.0), axis=0)
+        value = tl.where(picked, value, 0.0)
+        tl.store(grad_probs_ptr + t * E + offs_e, value.to(grad_probs_ptr.dtype.element_ty), mask=offs_e < E)
 
 
 def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
@@ -370,10 +379,10 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
     if probs is None:
         grad_probs = torch.empty(0, dtype=torch.float32, device=rows.device)
     else:
-        # Probabilities of slots nobody chose get a zero gradient.
-        grad_probs = torch.zeros((T, E), dtype=probs.dtype, device=rows.device)
+        # Probabilities of slots nobody chose get a zero gradient (written by _probs_grad_kernel).
+        grad_probs = torch.empty((T, E), dtype=probs.dtype, device=rows.device)
     if T == 0 or H == 0:
-        return grad_rows, grad_probs
+        return grad_rows, grad_probs.zero_()
     bh = block_h(H)
     num_chunks = triton.cdiv(H, bh)
     max_slots = max(1, min(max_slots, E))
@@ -388,7 +397,8 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
         BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], num_warps=_num_warps(bh), **_launch_opts())
     if probs is not None:
         _probs_grad_kernel[(T,)](partial, slots, grad_probs, E, max_slots, num_chunks,
-                                 BLOCK_J=triton.next_power_of_2(max_slots), **_launch_opts())
+                                 BLOCK_J=triton.next_power_of_2(max_slots),
+                                 BLOCK_E=min(256, triton.next_power_of_2(E)), **_launch_opts())
     return grad_rows, grad_probs
 
 
