@@ -3,8 +3,8 @@
     python scripts/tune_ops.py [--shapes T,E,H,K ...]
 
 Knobs (none changes a value: tests/ops/test_permutation.py::test_launch_tuning_changes_no_value):
-program order (token-major or chunk-major), warps, and the H-block of the kernels whose sums run
-per element (the unpermute backward's block is fixed: it sets the probs-gradient chunking). Prints
+program order (token-major or chunk-major), warps, rows per 2-D store in the permute kernel, and
+the H-block of the kernels whose sums run per element (the unpermute backward's block is fixed: it sets the probs-gradient chunking). Prints
 CUDA-graph replay medians (do_bench_cudagraph, GPU time only) over each pass's byte floor, and the
 best setting per pass and shape. The defaults in moe_dispatch/ops/triton_kernels.py come from here.
 """
@@ -31,7 +31,7 @@ def graph_ms(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
-def sweep_shape(T: int, E: int, H: int, K: int, bw: float) -> None:
+def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> None:
     dt, b = torch.bfloat16, 2
     tokens = torch.randn((T, H), device="cuda", dtype=dt)
     routing_map, probs = routing(T, E, K)
@@ -51,30 +51,38 @@ def sweep_shape(T: int, E: int, H: int, K: int, bw: float) -> None:
                                       lambda blk: (lambda: KT.unpermute_rows_backward(g_out, y, slots, probs, False, K)),
                                       False),
     }
+    defaults = dict(KT.LAUNCH)
     for name, (nbytes, make, block_free) in passes.items():
+        if only and name not in only:
+            continue
         floor = nbytes / bw * 1e3
         results = []
         blocks = [1024, 2048, 4096] if block_free else [None]
-        for token_major, warps, blk in itertools.product([False, True], [4, 8, 16], blocks):
-            KT.LAUNCH.update(token_major=token_major, warps=warps)
+        warp_counts = [4, 8, 16]
+        stores = [defaults["rows_per_store"]]
+        if name == "permute rows":  # one more knob: keep the grid small
+            blocks, warp_counts, stores = [1024, 2048], [4, 8], [1, 4, 8]
+        for token_major, warps, blk, per_store in itertools.product([False, True], warp_counts, blocks, stores):
+            KT.LAUNCH.update(token_major=token_major, warps=warps, rows_per_store=per_store)
             try:
                 ms = graph_ms(make(blk))
             except Exception as exc:  # e.g. too many registers for a block/warps pair
-                print(f"# {name} {token_major} {warps} {blk}: {type(exc).__name__}", file=sys.stderr)
+                print(f"# {name} {token_major} {warps} {blk} {per_store}: {type(exc).__name__}", file=sys.stderr)
                 continue
-            results.append((ms / floor, ms, token_major, warps, blk))
-        KT.LAUNCH.update(token_major=False, warps=None)
+            results.append((ms / floor, ms, token_major, warps, blk, per_store))
+        KT.LAUNCH.update(defaults)
         default = graph_ms(make(None))
         results.sort()
         best = results[0]
         print(f"| {T},{E},{H},{K} | {name} | {default / floor:.3f}x | {best[0]:.3f}x | "
-              f"{'token' if best[2] else 'chunk'}-major, {best[3]} warps, block {best[4] or 'default'} | "
-              + ", ".join(f"{r[0]:.3f}" for r in results[:5]) + " |", flush=True)
+              f"{'token' if best[2] else 'chunk'}-major, {best[3]} warps, block {best[4] or 'default'}, "
+              f"{best[5]} rows per store | " + ", ".join(f"{r[0]:.3f}" for r in results[:5]) + " |", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=None, help="T,E,H,K tuples")
+    parser.add_argument("--passes", nargs="*", default=[], help="only these passes (e.g. 'permute rows')")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     bw = copy_bandwidth()
@@ -82,7 +90,7 @@ def main() -> None:
     print("| T,E,H,K | pass | default / floor | best / floor | best setting | top 5 / floor |")
     print("|---|---|---|---|---|---|")
     for shape in shapes:
-        sweep_shape(*shape, bw)
+        sweep_shape(*shape, bw, args.passes)
         torch.cuda.empty_cache()
 
 

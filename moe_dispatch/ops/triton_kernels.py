@@ -28,8 +28,9 @@ from .torch_twin import block_h
 # Launch tuning. None of these changes a result: each program owns whole (token, H-chunk)
 # elements. LAUNCH["token_major"]: consecutive programs take consecutive tokens of one H-chunk
 # (True) or the H-chunks of one token (False, whole rows stream together). "warps" overrides the
-# warp count. scripts/tune_ops.py sweeps them.
-LAUNCH: dict = {"token_major": False, "warps": None}
+# warp count. "rows_per_store": rows the permute kernel writes per 2-D store (1 = one row at a
+# time). scripts/tune_ops.py sweeps them.
+LAUNCH: dict = {"token_major": False, "warps": None, "rows_per_store": 8}
 
 
 def _num_warps(block: int) -> int:
@@ -190,17 +191,23 @@ def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tens
 def _permute_kernel(
     tokens_ptr, slots_ptr, probs_ptr, out_ptr, out_probs_ptr,
     T, H, E, stride_tt, stride_th, stride_pt, stride_pe,
-    HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
+    HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """Program (t, c): copy token t's H-chunk c to its n_t rows, BLOCK_K rows per 2-D store (a
+    pure copy: no value depends on how the stores are grouped)."""
     t, pid_h, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
     x = tl.load(tokens_ptr + t * stride_tt + offs_h * stride_th, mask=mask_h)
-    for j in range(0, n):
-        row = tl.load(slot_row + 1 + j).to(tl.int64)
-        tl.store(out_ptr + row * H + offs_h, x, mask=mask_h)
+    offs_k = tl.arange(0, BLOCK_K)
+    for j0 in range(0, n, BLOCK_K):
+        mask_k = j0 + offs_k < n
+        rows = tl.load(slot_row + 1 + j0 + offs_k, mask=mask_k, other=0).to(tl.int64)
+        tl.store(out_ptr + rows[:, None] * H + offs_h[None, :], tl.broadcast_to(x[None, :], (BLOCK_K, BLOCK_H)),
+                 mask=mask_k[:, None] & mask_h[None, :])
         if HAS_PROBS:
             if pid_h == 0:
-                e = tl.load(slot_row + 1 + E + j)
-                tl.store(out_probs_ptr + row, tl.load(probs_ptr + t * stride_pt + e * stride_pe))
+                e = tl.load(slot_row + 1 + E + j0 + offs_k, mask=mask_k, other=0)
+                p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=mask_k)
+                tl.store(out_probs_ptr + rows, p, mask=mask_k)
 
 
 def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None,
@@ -222,7 +229,7 @@ def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
     _permute_kernel[_row_grid(T, H, bh)](
         tokens, slots, p, out, out_probs, T, H, E, tokens.stride(0), tokens.stride(1), *p_strides,
         HAS_PROBS=probs is not None, BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"],
-        num_warps=num_warps or _num_warps(bh), **_launch_opts())
+        BLOCK_K=LAUNCH["rows_per_store"], num_warps=num_warps or _num_warps(bh), **_launch_opts())
     return out, out_probs
 
 
