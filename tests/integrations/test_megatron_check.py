@@ -69,3 +69,19 @@ def test_check_megatron_without_megatron_core(monkeypatch, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--megatron needs megatron-core" in err and "pip install megatron-core" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core")
+def test_check_megatron_on_gpus():
+    """On CUDA (one rank per GPU, NCCL): ours and Megatron with install() pass every row bitwise,
+    while stock Megatron's cuBLAS router and experts show DIFF rows (informational)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cmd = [sys.executable, "-m", "moe_dispatch.check", "--megatron", "--tokens", "512", "--hidden", "1024",
+           "--ffn", "512", "--experts", "16", "--topk", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ALL PASS" in proc.stdout, proc.stdout
