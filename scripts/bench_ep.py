@@ -104,6 +104,9 @@ def megatron_config(H: int, E: int, K: int, ffn: int, world: int, kind: str):
 
 
 def bench_dispatch(args, world: int, rank: int) -> None:
+    if world < 2:
+        say("# the round trip needs at least 2 ranks (its floor is the bytes sent to other ranks); skipped")
+        return
     T, E, K, H = args.tokens, args.experts, args.topk, args.hidden
     x = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16)
     routing_map, probs = routing(T, E, K, seed=rank)
