@@ -30,8 +30,8 @@ from .layout import Layout
 
 
 def _host_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    """Small host ints to the device without waiting for the GPU's queued work (a pageable
-    non_blocking copy is staged at once; pinning each tiny table cost ~100 us of host time)."""
+    """Small host ints to the device, non_blocking: a blocking copy synchronises the stream, and
+    pinning each tiny table first cost ~100 us of host time on the GPU machine."""
     return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
