@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 
 from ..ops import RowIdMap, unpermute
-from ..ops.permutation import gather_rows, make_slots, permute_rows
+from ..ops.permutation import (chunk_gather_index, gather_rows, inverse_permutation, make_slots, permute_rows,
+                               shifted_runs)
 from .comm import ProcessGroup, all_to_all_rows, all_to_all_rows_autograd
 from .layout import Layout
 
@@ -67,9 +68,7 @@ def blocked_row_id_map(routing_map: torch.Tensor, counts: list[list[int]], block
                 dense += counts[s][x]
                 start += blocks[s][x]
             start += tail[x]
-        device = routing_map.device
-        lut = torch.arange(routed, device=device) + torch.repeat_interleave(
-            _host_tensor(shifts, device), _host_tensor(sizes, device), output_size=routed)
+        lut = shifted_runs(shifts, sizes, routing_map.device)
         rows = slots[:, 1:1 + X]
         moved = torch.where(rows >= 0, lut[rows.clamp(min=0).long()].to(torch.int32), rows)
         slots = torch.cat([slots[:, :1], moved, slots[:, 1 + X:]], dim=1)
@@ -117,23 +116,11 @@ def _compute_return_chunks(layout: Layout) -> tuple[list[int], list[int], int]:
 
 
 def _source_major_index(layout: Layout, device: torch.device) -> torch.Tensor:
-    """[N] int64: row i of the source-major order is row index[i] of the receiver layout (what
-    ``sort_chunks`` computes, without its argument checks: the chunk tables come from the layout).
-    Cached on the layout: the combine and the dispatch's backward reorder the same way."""
+    """[N] int64: row i of the source-major order is row index[i] of the receiver layout. Cached
+    on the layout: the combine and the dispatch's backward reorder the same way."""
     def build() -> torch.Tensor:
         sizes, order, _ = _return_chunks(layout)
-        starts, at = [], 0
-        for size in sizes:
-            starts.append(at)
-            at += size
-        shifts, lengths, out_at = [], [], 0
-        for i in order:  # output chunk j is input chunk order[j]
-            shifts.append(starts[i] - out_at)
-            lengths.append(sizes[i])
-            out_at += sizes[i]
-        tables = _host_tensor(shifts + lengths, device).view(2, -1)
-        chunk = torch.repeat_interleave(torch.arange(len(order), device=device), tables[1], output_size=at)
-        return tables[0][chunk] + torch.arange(at, device=device)
+        return chunk_gather_index(sizes, order, device)
     return layout.memo(("source_major_index", str(device)), build)
 
 
@@ -146,8 +133,7 @@ def to_source_major(rows: torch.Tensor, layout: Layout,
     if kept != sorted(kept):  # otherwise the rows are already in order
         index = _source_major_index(layout, rows.device)
         if rows.requires_grad and torch.is_grad_enabled():
-            inverse = torch.empty_like(index)
-            inverse[index] = torch.arange(index.shape[0], device=index.device)
+            inverse = inverse_permutation(index)
         else:
             inverse = index  # only the backward reads it, and there is none
         rows = gather_rows(rows, index, inverse)

@@ -61,10 +61,7 @@ def _memo(method: Callable) -> Callable:
     """Cache a Layout method's result: a step asks for the same derived sizes many times."""
     @functools.wraps(method)
     def cached(self: "Layout"):
-        key = method.__name__
-        if key not in self._cache:
-            self._cache[key] = method(self)
-        return self._cache[key]
+        return self.memo(method.__name__, lambda: method(self))
     return cached
 
 

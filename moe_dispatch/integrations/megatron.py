@@ -226,19 +226,18 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
 # --------------------------------------------------------------------------------------------
 def _activation_name(config: Any) -> str:
     """Our activation of the same function as Megatron's MLP (``activation_func``, glu)."""
-    import torch.nn.functional as F
+    from ..config import _megatron_activation
 
     if getattr(config, "activation_func_clamp_value", None) is not None or getattr(config, "glu_linear_offset", 0.0):
         raise ValueError("row_stable_gemms: activation_func_clamp_value / glu_linear_offset are not supported; "
                          "expected None / 0.0 (or pass row_stable_gemms=False)")
-    act, gated = config.activation_func, bool(config.gated_linear_unit)
-    names = {(F.gelu, False): "gelu", (F.silu, True): "swiglu", (F.relu, False): "relu"}
-    for (fn, glu), name in names.items():
-        if act is fn and gated == glu:
-            return name
-    raise ValueError(f"row_stable_gemms: activation_func={getattr(act, '__name__', act)} with gated_linear_unit="
-                     f"{gated} is not supported; expected gelu, relu or silu+gated_linear_unit (swiglu), "
-                     "or pass row_stable_gemms=False")
+    try:
+        return _megatron_activation(config)
+    except ValueError as exc:
+        act, gated = config.activation_func, bool(config.gated_linear_unit)
+        raise ValueError(f"row_stable_gemms: activation_func={getattr(act, '__name__', act)} with gated_linear_unit="
+                         f"{gated} is not supported; expected gelu, relu or silu+gated_linear_unit (swiglu), "
+                         "or pass row_stable_gemms=False") from exc
 
 
 def check_row_stable_supported(moe_layer: Any) -> None:
@@ -259,9 +258,10 @@ def check_row_stable_supported(moe_layer: Any) -> None:
 
 
 def _router_dtype(config: Any, input_dtype: "torch.dtype") -> "torch.dtype":
-    import torch
+    """The dtype of Megatron's gating GEMM: ``moe_router_dtype`` ('fp32'/'fp64'), else the input's."""
+    from ..config import _ROUTER_DTYPES
 
-    return {"fp32": torch.float32, "fp64": torch.float64}.get(getattr(config, "moe_router_dtype", None), input_dtype)
+    return _ROUTER_DTYPES.get(getattr(config, "moe_router_dtype", None), input_dtype)
 
 
 def make_row_stable(moe_layer: Any) -> Any:

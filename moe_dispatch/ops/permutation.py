@@ -197,6 +197,14 @@ def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: Optional[torc
     return _permute_op(tokens, slots, probs, num_out, zero_fill)
 
 
+def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: Optional[torch.Tensor], has_pad_rows: bool,
+                   max_slots: int) -> torch.Tensor:
+    """The unpermute_rows op: rows [N, H] -> [T, H] (has_pad_rows and max_slots serve the backward)."""
+    if _direct(rows, probs):
+        return _impl(rows).unpermute_rows(rows, slots, probs)
+    return _unpermute_op(rows, slots, probs, has_pad_rows, max_slots)
+
+
 def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse_index: torch.Tensor) -> torch.Tensor:
     """x[index] for a permutation ``index`` [M] (``inverse_index`` serves the backward)."""
     if _direct(x):
@@ -366,11 +374,8 @@ def unpermute(
     if probs is not None:
         _check_probs(probs, row_id_map.num_tokens, row_id_map.num_experts, permuted_tokens.device)
     most = row_id_map.max_experts_per_token
-    if _direct(permuted_tokens, probs):
-        out = _impl(permuted_tokens).unpermute_rows(permuted_tokens, row_id_map.slots, probs)
-    else:
-        out = _unpermute_op(permuted_tokens, row_id_map.slots, probs, row_id_map.has_pad_rows,
-                            row_id_map.num_experts if most is None else most)
+    out = unpermute_rows(permuted_tokens, row_id_map.slots, probs, row_id_map.has_pad_rows,
+                         row_id_map.num_experts if most is None else most)
     if restore_shape is not None:
         out = out.reshape(restore_shape)
     return out
@@ -408,20 +413,44 @@ def sort_chunks(
         raise ValueError(f"sorted_idxs must be a permutation of range({len(order)}), got {order.tolist()}")
     if probs is not None and (probs.dim() != 1 or probs.shape[0] != tokens.shape[0]):
         raise ValueError(f"probs must be [N] with N = {tokens.shape[0]}, got {list(probs.shape)}")
-    # Per-chunk tables (C entries) go to the device; the N-row index is built there, so no
-    # N-sized host-to-device copy and no synchronisation (output_size is known).
-    device, N = tokens.device, tokens.shape[0]
-    src_start = sizes.cumsum(0) - sizes
-    dst_sizes = sizes[order]
-    dst_start = dst_sizes.cumsum(0) - dst_sizes
-    chunk_tables = torch.stack([src_start[order] - dst_start, dst_sizes]).to(device, non_blocking=True)
-    chunk = torch.repeat_interleave(torch.arange(len(order), device=device), chunk_tables[1], output_size=N)
-    rows = torch.arange(N, device=device)
-    index = chunk_tables[0][chunk] + rows
-    inverse = torch.empty_like(index)
-    inverse[index] = rows  # a permutation: every position written once
+    index = chunk_gather_index(sizes.tolist(), order.tolist(), tokens.device)
+    inverse = inverse_permutation(index)
     out = gather_rows(tokens, index, inverse)
     out_probs = None
     if probs is not None:
         out_probs = gather_rows(probs[:, None], index, inverse)[:, 0]
     return out, out_probs
+
+
+def chunk_gather_index(split_sizes: Sequence[int], sorted_idxs: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[N] int64 on ``device``: output row i of ``sort_chunks`` is input row index[i].
+
+    Unchecked (``sort_chunks`` validates its arguments; the dispatcher derives them from its
+    layout). Only the per-chunk tables (C entries) cross to the device, non_blocking; the N-row
+    index is built there with a known output size, so nothing waits for the GPU.
+    """
+    starts, at = [], 0
+    for size in split_sizes:
+        starts.append(at)
+        at += size
+    shifts, lengths, out_at = [], [], 0
+    for i in sorted_idxs:  # output chunk j is input chunk sorted_idxs[j]
+        shifts.append(starts[i] - out_at)
+        lengths.append(split_sizes[i])
+        out_at += split_sizes[i]
+    return shifted_runs(shifts, lengths, device)
+
+
+def shifted_runs(shifts: Sequence[int], lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[sum(lengths)] int64 on ``device``: i + shifts[r] for every position i of run r, the runs
+    (lengths[r] positions each) laid end to end. Host tables go to the device non_blocking."""
+    tables = torch.tensor([*shifts, *lengths], dtype=torch.int64).to(device, non_blocking=True).view(2, -1)
+    total = sum(lengths)
+    return torch.arange(total, device=device) + torch.repeat_interleave(tables[0], tables[1], output_size=total)
+
+
+def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
+    """inverse[index[i]] = i for a permutation ``index`` [N] (every position written once)."""
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.shape[0], device=index.device)
+    return inverse
