@@ -3,7 +3,8 @@
     python scripts/tune_ops.py [--shapes T,E,H,K ...]
 
 Knobs (none changes a value: tests/ops/test_permutation.py::test_launch_tuning_changes_no_value):
-program order (token-major or chunk-major), warps, rows per 2-D store in the permute kernel, and
+program order (token-major or chunk-major), warps, rows per 2-D store and the cache hint of the
+row stores (write-back or streaming) in the permute kernel, and
 the H-block of the kernels whose sums run per element (the unpermute backward's block is fixed: it sets the probs-gradient chunking). Prints
 CUDA-graph replay medians (do_bench_cudagraph, GPU time only) over each pass's byte floor, and the
 best setting per pass and shape. The defaults in moe_dispatch/ops/triton_kernels.py come from here.
@@ -59,24 +60,25 @@ def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> N
         results = []
         blocks = [1024, 2048, 4096] if block_free else [None]
         warp_counts = [4, 8, 16]
-        stores = [defaults["rows_per_store"]]
-        if name == "permute rows":  # one more knob: keep the grid small
-            blocks, warp_counts, stores = [1024, 2048], [4, 8], [1, 4, 8]
-        for token_major, warps, blk, per_store in itertools.product([False, True], warp_counts, blocks, stores):
-            KT.LAUNCH.update(token_major=token_major, warps=warps, rows_per_store=per_store)
+        stores, caches = [defaults["rows_per_store"]], [defaults["permute_store_cache"]]
+        if name == "permute rows":  # two more knobs: keep the grid small
+            blocks, warp_counts, stores, caches = [1024, 2048], [4, 8], [1, 4, 8], ["", ".cs"]
+        knobs = itertools.product([False, True], warp_counts, blocks, stores, caches)
+        for token_major, warps, blk, per_store, cache in knobs:
+            KT.LAUNCH.update(token_major=token_major, warps=warps, rows_per_store=per_store, permute_store_cache=cache)
             try:
                 ms = graph_ms(make(blk))
             except Exception as exc:  # e.g. too many registers for a block/warps pair
                 print(f"# {name} {token_major} {warps} {blk} {per_store}: {type(exc).__name__}", file=sys.stderr)
                 continue
-            results.append((ms / floor, ms, token_major, warps, blk, per_store))
+            results.append((ms / floor, ms, token_major, warps, blk, per_store, cache or "write-back"))
         KT.LAUNCH.update(defaults)
         default = graph_ms(make(None))
         results.sort()
         best = results[0]
         print(f"| {T},{E},{H},{K} | {name} | {default / floor:.3f}x | {best[0]:.3f}x | "
               f"{'token' if best[2] else 'chunk'}-major, {best[3]} warps, block {best[4] or 'default'}, "
-              f"{best[5]} rows per store | " + ", ".join(f"{r[0]:.3f}" for r in results[:5]) + " |", flush=True)
+              f"{best[5]} rows per store, {best[6]} stores | " + ", ".join(f"{r[0]:.3f}" for r in results[:5]) + " |", flush=True)
 
 
 def main() -> None:

@@ -29,8 +29,11 @@ from .torch_twin import block_h
 # elements. LAUNCH["token_major"]: consecutive programs take consecutive tokens of one H-chunk
 # (True) or the H-chunks of one token (False, whole rows stream together). "warps" overrides the
 # warp count. "rows_per_store": rows the permute kernel writes per 2-D store (1 = one row at a
-# time). scripts/tune_ops.py sweeps them.
-LAUNCH: dict = {"token_major": False, "warps": None, "rows_per_store": 8}
+# time). "permute_store_cache": the PTX cache hint of the permute kernel's row stores ("" =
+# write-back, ".cs" = streaming: for this write-heavy copy ~1% faster on H200 in the same run; the
+# unpermute backward's row stores ran ~1% slower with it, so the other kernels keep write-back).
+# scripts/tune_ops.py sweeps them.
+LAUNCH: dict = {"token_major": False, "warps": None, "rows_per_store": 8, "permute_store_cache": ".cs"}
 
 
 def _num_warps(block: int) -> int:
@@ -192,6 +195,7 @@ def _permute_kernel(
     tokens_ptr, slots_ptr, probs_ptr, out_ptr, out_probs_ptr,
     T, H, E, stride_tt, stride_th, stride_pt, stride_pe,
     HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr, BLOCK_K: tl.constexpr,
+    STORE_CM: tl.constexpr,
 ):
     """Program (t, c): copy token t's H-chunk c to its n_t rows, BLOCK_K rows per 2-D store (a
     pure copy: no value depends on how the stores are grouped)."""
@@ -202,7 +206,7 @@ def _permute_kernel(
         mask_k = j0 + offs_k < n
         rows = tl.load(slot_row + 1 + j0 + offs_k, mask=mask_k, other=0).to(tl.int64)
         tl.store(out_ptr + rows[:, None] * H + offs_h[None, :], tl.broadcast_to(x[None, :], (BLOCK_K, BLOCK_H)),
-                 mask=mask_k[:, None] & mask_h[None, :])
+                 mask=mask_k[:, None] & mask_h[None, :], cache_modifier=STORE_CM)
         if HAS_PROBS:
             if pid_h == 0:
                 e = tl.load(slot_row + 1 + E + j0 + offs_k, mask=mask_k, other=0)
@@ -229,7 +233,8 @@ def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
     _permute_kernel[_row_grid(T, H, bh)](
         tokens, slots, p, out, out_probs, T, H, E, tokens.stride(0), tokens.stride(1), *p_strides,
         HAS_PROBS=probs is not None, BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"],
-        BLOCK_K=LAUNCH["rows_per_store"], num_warps=num_warps or _num_warps(bh), **_launch_opts())
+        BLOCK_K=LAUNCH["rows_per_store"], STORE_CM=LAUNCH["permute_store_cache"],
+        num_warps=num_warps or _num_warps(bh), **_launch_opts())
     return out, out_probs
 
 
