@@ -1,6 +1,7 @@
 """Benchmark permute / unpermute (bf16) against the memory-bandwidth floor and Megatron-core.
 
 Run on a CUDA machine:  python scripts/bench_ops.py [--shapes T,E,H,K ...] [--no-megatron]
+                        python scripts/bench_ops.py --sweep bandwidth.svg   (bandwidth against size)
 
 Each pass is timed with triton.testing.do_bench (median). The floor of a pass is the bytes it
 must move (every input read once, every output written once) over the device-to-device copy
@@ -13,6 +14,7 @@ import sys
 
 import torch
 import triton
+import triton.language as tl
 
 from moe_dispatch.ops import permute, unpermute
 from moe_dispatch.ops import permutation as P
@@ -57,7 +59,9 @@ def megatron_fns():
     return moe_utils
 
 
-def run_shape(T: int, E: int, H: int, K: int, bw: float, moe_utils) -> list[tuple]:
+def passes(T: int, E: int, H: int, K: int) -> tuple[dict, dict, dict, dict]:
+    """({pass: our callable}, {pass: bytes it must move}, {name: (callable, bytes)} of the extra
+    rows, {name: input tensor}) for one shape: bf16 tokens, fp32 probs, K experts per token."""
     dt = torch.bfloat16
     tokens = torch.randn((T, H), device="cuda", dtype=dt)
     routing_map, probs = routing(T, E, K)
@@ -94,6 +98,15 @@ def run_shape(T: int, E: int, H: int, K: int, bw: float, moe_utils) -> list[tupl
             extra[f"rows only, block {block}/{warps} warps"] = (
                 lambda block=block, warps=warps: KT.permute_rows(tokens, slots, probs, N, False, block, warps),
                 floors["permute (map + rows)"] - T * E)
+    data = dict(tokens=tokens, routing_map=routing_map, probs=probs, y=y, g_out=g_out, g_perm=g_perm)
+    return ours, floors, extra, data
+
+
+def run_shape(T: int, E: int, H: int, K: int, bw: float, moe_utils) -> list[tuple]:
+    ours, floors, extra, data = passes(T, E, H, K)
+    tokens, routing_map, probs, y, g_out, g_perm = (data[k] for k in ("tokens", "routing_map", "probs", "y",
+                                                                      "g_out", "g_perm"))
+    N = T * K
     theirs = {}
     if moe_utils is not None:
         def mg_permute():
@@ -123,6 +136,82 @@ def run_shape(T: int, E: int, H: int, K: int, bw: float, moe_utils) -> list[tupl
         floor_ms = nbytes / bw * 1e3
         rows.append((f"{T},{E},{H},{K}", name, ms, graph_ms, floor_ms, float("nan")))
     return rows
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+
+
+SWEEP_PASSES = {"permute, counts known (no sync)": "permute incl. map", "unpermute fwd, probs": "unpermute fwd",
+                "permute bwd": "permute bwd", "unpermute bwd, probs grad": "unpermute bwd"}
+
+
+def sweep(E: int, H: int, K: int, token_counts: list[int]) -> dict[str, list[tuple[int, float]]]:
+    """{series: [(bytes moved, TB/s)]}: each pass's bytes over its CUDA-graph time, and a plain
+    Triton copy kernel moving the same bytes (read + write) as the reference."""
+    series: dict[str, list[tuple[int, float]]] = {label: [] for label in ["copy (reference)", *SWEEP_PASSES.values()]}
+    print(f"| T (E={E}, H={H}, K={K}) | " + " | ".join(series) + " |")
+    print("|---" * (len(series) + 1) + "|")
+    for T in token_counts:
+        ours, floors, extra, _ = passes(T, E, H, K)
+        calls = {**{name: (fn, floors[name]) for name, fn in ours.items()}, **extra}
+        for name, label in SWEEP_PASSES.items():
+            fn, nbytes = calls[name]
+            series[label].append((nbytes, nbytes / (bench_graph(fn) * 1e-3) / 1e12))
+        nbytes = floors["permute bwd"]  # the copy reference moves about what the passes move
+        src = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")
+        dst = torch.empty_like(src)
+        grid = (triton.cdiv(src.numel(), 4096),)
+        ms = bench_graph(lambda: _copy_kernel[grid](src, dst, src.numel(), BLOCK=4096, num_warps=8))
+        series["copy (reference)"].append((nbytes, nbytes / (ms * 1e-3) / 1e12))
+        row = [series[label][-1][1] for label in series]
+        print(f"| {T} | " + " | ".join(f"{v:.2f}" for v in row) + " |", flush=True)
+        torch.cuda.empty_cache()
+    return series
+
+
+def write_svg(path: str, series: dict[str, list[tuple[int, float]]], title: str) -> None:
+    """A line chart, log2 bytes on x, TB/s on y; plain SVG so the benchmark needs no plotting package."""
+    import math
+    width, height, left, right, top, bottom = 720, 420, 70, 190, 40, 50
+    xs = [x for pts in series.values() for x, _ in pts]
+    x_lo, x_hi = math.log2(min(xs)), math.log2(max(xs))
+    y_hi = max(5.0, max(y for pts in series.values() for _, y in pts))
+
+    def px(x: float) -> float:
+        return left + (math.log2(x) - x_lo) / max(x_hi - x_lo, 1e-9) * (width - left - right)
+
+    def py(y: float) -> float:
+        return height - bottom - y / y_hi * (height - top - bottom)
+
+    colors = ["#555555", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           'font-size="12">', f'<text x="{left}" y="20" font-size="14">{title}</text>']
+    for tick in range(int(y_hi) + 1):
+        out.append(f'<line x1="{left}" x2="{width - right}" y1="{py(tick):.1f}" y2="{py(tick):.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{left - 8}" y="{py(tick) + 4:.1f}" text-anchor="end">{tick}</text>')
+    for e in range(math.ceil(x_lo), math.floor(x_hi) + 1):
+        label = f"{2 ** e / 2 ** 20:.0f} MiB" if e >= 20 else f"{2 ** e / 2 ** 10:.0f} KiB"
+        out.append(f'<text x="{px(2 ** e):.1f}" y="{height - bottom + 18}" text-anchor="middle">{label}</text>')
+    out.append(f'<text x="{(left + width - right) / 2}" y="{height - 10}" text-anchor="middle">bytes moved per '
+               'call (log scale)</text>')
+    out.append(f'<text x="18" y="{(top + height - bottom) / 2}" transform="rotate(-90 18 '
+               f'{(top + height - bottom) / 2})" text-anchor="middle">achieved TB/s (bytes / CUDA-graph time)</text>')
+    for i, (label, pts) in enumerate(series.items()):
+        color = colors[i % len(colors)]
+        dash = ' stroke-dasharray="5,4"' if i == 0 else ""
+        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+        out.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
+        ly = top + 10 + 18 * i
+        out.append(f'<line x1="{width - right + 10}" x2="{width - right + 30}" y1="{ly}" y2="{ly}" stroke="{color}" '
+                   f'stroke-width="2"{dash}/>')
+        out.append(f'<text x="{width - right + 36}" y="{ly + 4}">{label}</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
 
 
 def host_overhead() -> list[tuple[str, float]]:
@@ -161,9 +250,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=None, help="T,E,H,K tuples")
     parser.add_argument("--no-megatron", action="store_true")
+    parser.add_argument("--sweep", metavar="SVG", help="only sweep T at E=64, H=4096, K=8 and plot bandwidth to SVG")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_ops.py needs a CUDA device")
+    if args.sweep:
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+              "achieved TB/s (bytes each pass must move / CUDA-graph median)")
+        series = sweep(64, 4096, 8, [2 ** i for i in range(7, 16)])
+        write_svg(args.sweep, series, f"permute / unpermute on {torch.cuda.get_device_name()}, bf16, "
+                                      "E=64, H=4096, K=8, T=128..32768")
+        return
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else DEFAULT_SHAPES
     moe_utils = None if args.no_megatron else megatron_fns()
     bw = copy_bandwidth()
