@@ -1,0 +1,31 @@
+"""scripts/bench_ops.py's plot writer: one line and one legend entry per series, every point inside
+the plot area (the benchmark itself needs CUDA; its timings are never asserted)."""
+from __future__ import annotations
+
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import bench_ops  # noqa: E402
+
+
+def test_write_svg_draws_every_series(tmp_path):
+    series = {"copy (reference)": [(2 ** 20, 1.0), (2 ** 26, 3.9), (2 ** 31, 4.2)],
+              "permute incl. map": [(2 ** 21, 0.5), (2 ** 27, 3.1), (2 ** 32, 3.6)],
+              "unpermute bwd": [(2 ** 22, 6.5), (2 ** 30, 3.9)]}
+    path = tmp_path / "bw.svg"
+    bench_ops.write_svg(str(path), series, "title")
+    root = ET.parse(path).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    width, height = float(root.get("width")), float(root.get("height"))
+    lines = root.findall(f"{ns}polyline")
+    assert len(lines) == len(series)
+    for line, points in zip(lines, series.values()):
+        xy = [tuple(map(float, p.split(","))) for p in line.get("points").split()]
+        assert len(xy) == len(points)
+        assert all(0 <= x <= width and 0 <= y <= height for x, y in xy)
+        assert [x for x, _ in xy] == sorted(x for x, _ in xy)  # log x keeps the order
+    labels = [t.text for t in root.findall(f"{ns}text")]
+    assert all(name in labels for name in series)
+    assert "6" in labels  # the y axis stretches past 5 TB/s when a point does
