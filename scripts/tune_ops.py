@@ -81,10 +81,27 @@ def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> N
               f"{best[5]} rows per store, {best[6]} stores | " + ", ".join(f"{r[0]:.3f}" for r in results[:5]) + " |", flush=True)
 
 
+def sweep_map(T: int, E: int, K: int) -> None:
+    """make_slots alone (no floor worth the name: ~T*E bytes): microseconds per launch setting."""
+    routing_map, _ = routing(T, E, K)
+    defaults = dict(KT.LAUNCH)
+    results = []
+    for chunks, block_t, warps in itertools.product([64, 128, 256], [None, 16, 64], [None, 2, 8]):
+        KT.LAUNCH.update(map_chunks=chunks, map_block_t=block_t, map_warps=warps)
+        results.append((graph_ms(lambda: KT.make_slots(routing_map, 1)) * 1e3, chunks, block_t, warps))
+    KT.LAUNCH.update(defaults)
+    default = graph_ms(lambda: KT.make_slots(routing_map, 1)) * 1e3
+    results.sort()
+    best = results[0]
+    print(f"| {T},{E},-,{K} | map (make_slots), us | {default:.1f} | {best[0]:.1f} | {best[1]} chunks, block_t "
+          f"{best[2] or 'default'}, {best[3] or 'default'} warps | "
+          + ", ".join(f"{r[0]:.1f} ({r[1]}/{r[2]}/{r[3]})" for r in results[:5]) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=None, help="T,E,H,K tuples")
-    parser.add_argument("--passes", nargs="*", default=[], help="only these passes (e.g. 'permute rows')")
+    parser.add_argument("--passes", nargs="*", default=[], help="only these passes (e.g. 'permute rows', 'map')")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     bw = copy_bandwidth()
@@ -92,7 +109,10 @@ def main() -> None:
     print("| T,E,H,K | pass | default / floor | best / floor | best setting | top 5 / floor |")
     print("|---|---|---|---|---|---|")
     for shape in shapes:
-        sweep_shape(*shape, bw, args.passes)
+        if not args.passes or "map" in args.passes:
+            sweep_map(shape[0], shape[1], shape[3])
+        if not args.passes or set(args.passes) - {"map"}:
+            sweep_shape(*shape, bw, args.passes)
         torch.cuda.empty_cache()
 
 

@@ -32,8 +32,11 @@ from .torch_twin import block_h
 # time). "permute_store_cache": the PTX cache hint of the permute kernel's row stores ("" =
 # write-back, ".cs" = streaming: for this write-heavy copy ~1% faster on H200 in the same run; the
 # unpermute backward's row stores ran ~1% slower with it, so the other kernels keep write-back).
-# scripts/tune_ops.py sweeps them.
-LAUNCH: dict = {"token_major": False, "warps": None, "rows_per_store": 8, "permute_store_cache": ".cs"}
+# "map_chunks", "map_block_t", "map_warps": make_slots' token chunks (about that many programs),
+# tokens per tile (None: 4096 / E rounded to a power of two, at most 128) and warps (None:
+# Triton's default). scripts/tune_ops.py sweeps them.
+LAUNCH: dict = {"token_major": False, "warps": None, "rows_per_store": 8, "permute_store_cache": ".cs",
+                "map_chunks": 128, "map_block_t": None, "map_warps": None}
 
 
 def _num_warps(block: int) -> int:
@@ -170,20 +173,21 @@ def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tens
     if T == 0:
         return slots, torch.zeros(E + 1, dtype=torch.int64, device=device)
     block_e = triton.next_power_of_2(E)
-    block_t = max(1, min(128, 4096 // block_e))
+    block_t = LAUNCH["map_block_t"] or max(1, min(128, 4096 // block_e))
     # About 128 chunks: enough programs to fill the GPU, a count table small enough to re-read.
-    chunk_t = block_t * triton.cdiv(triton.cdiv(T, 128), block_t)
+    chunk_t = block_t * triton.cdiv(triton.cdiv(T, LAUNCH["map_chunks"]), block_t)
     num_chunks = triton.cdiv(T, chunk_t)
     routed = routing_map.view(torch.uint8)
     counts = torch.empty((num_chunks, E), dtype=torch.int32, device=device)
     chunk_max = torch.empty(num_chunks, dtype=torch.int32, device=device)
     stats = torch.empty(E + 1, dtype=torch.int64, device=device)
+    warps = {"num_warps": LAUNCH["map_warps"]} if LAUNCH["map_warps"] else {}
     _chunk_counts_kernel[(num_chunks,)](routed, counts, chunk_max, T, E, routed.stride(0), routed.stride(1),
-                                        CHUNK_T=chunk_t, BLOCK_T=block_t, BLOCK_E=block_e)
+                                        CHUNK_T=chunk_t, BLOCK_T=block_t, BLOCK_E=block_e, **warps)
     _slots_kernel[(num_chunks,)](routed, counts, chunk_max, slots, stats, T, E, num_chunks, pad_multiple,
                                  routed.stride(0), routed.stride(1),
                                  CHUNK_T=chunk_t, BLOCK_T=block_t, BLOCK_E=block_e,
-                                 BLOCK_C=max(1, min(32, 8192 // block_e)))
+                                 BLOCK_C=max(1, min(32, 8192 // block_e)), **warps)
     return slots, stats
 
 

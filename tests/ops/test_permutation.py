@@ -151,11 +151,12 @@ def _ulp_close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool((diff <= 2 * half_ulp(torch.maximum(a.double().abs(), b.double().abs()), dtype)).all())
 
 
-@pytest.mark.parametrize("token_major,warps,rows_per_store,store_cache", [(True, 2, 1, ""), (False, 1, 2, ".wb")])
-def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_per_store, store_cache):
-    """The launch knobs (program order, warps, store cache hint, and the block size of the kernels
-    whose sums run per element) are free to tune: the interpreted kernels give the same bits with
-    any of them."""
+@pytest.mark.parametrize("token_major,warps,rows_per_store,store_cache,map_tiling",
+                         [(True, 2, 1, "", (2, 4, 2)), (False, 1, 2, ".wb", (64, 1, 1))])
+def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_per_store, store_cache, map_tiling):
+    """The launch knobs (program order, warps, store cache hint, the map's chunking, and the block
+    size of the kernels whose sums run per element) are free to tune: the interpreted kernels give
+    the same bits with any of them."""
     from moe_dispatch.ops import triton_kernels as K
 
     routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(23, 8, 3, 40, torch.float32,
@@ -167,6 +168,8 @@ def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_pe
         monkeypatch.setitem(K.LAUNCH, "warps", warps)
         monkeypatch.setitem(K.LAUNCH, "rows_per_store", rows_per_store)  # K=3: 1 or 2 stores per token
         monkeypatch.setitem(K.LAUNCH, "permute_store_cache", store_cache)
+        for key, value in zip(("map_chunks", "map_block_t", "map_warps"), map_tiling):
+            monkeypatch.setitem(K.LAUNCH, key, value)  # 23 tokens: 2 chunks of 12, or 23 chunks of 1
         tuned = _run(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs)
         slots, N = reference["row_id_map"].slots, reference["permuted"].shape[0]
         for block in (16, 32):
