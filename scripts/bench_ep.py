@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import triton
 
+from bench_ops import routing, time_host_calls  # this script's folder is on sys.path
+
 from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.dispatcher import build_dispatcher
 
@@ -60,15 +62,6 @@ def bench(fn, warmup: int = 5, iters: int = 30) -> float:
 def say(*args) -> None:
     if dist.get_rank() == 0:
         print(*args, flush=True)
-
-
-def routing(T: int, E: int, K: int, seed: int):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    scores = torch.rand((T, E), device=DEVICE, generator=gen)
-    idx = scores.topk(K, dim=1).indices
-    routing_map = torch.zeros((T, E), dtype=torch.bool, device=DEVICE).scatter_(1, idx, True)
-    probs = torch.softmax(scores, dim=1) * routing_map
-    return routing_map, probs
 
 
 def our_round_trip(args, kind: str, x: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
@@ -109,7 +102,7 @@ def bench_dispatch(args, world: int, rank: int) -> None:
         return
     T, E, K, H = args.tokens, args.experts, args.topk, args.hidden
     x = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16)
-    routing_map, probs = routing(T, E, K, seed=rank)
+    routing_map, probs = routing(T, E, K, seed=rank, device=DEVICE)
     El = E // world
     # Bytes this rank must send to other ranks: each token once per remote rank holding one of
     # its experts (dispatch), each (token, remote expert) row back (combine).
@@ -244,7 +237,7 @@ def profile_dispatch(args, world: int, rank: int) -> None:
         setattr(functional, name, wrapped)
     T, E, K, H = args.tokens, args.experts, args.topk, args.hidden
     x = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16)
-    routing_map, probs = routing(T, E, K, seed=rank)
+    routing_map, probs = routing(T, E, K, seed=rank, device=DEVICE)
     for kind in ["alltoall", "allgather"]:
         ours = our_round_trip(args, kind, x, routing_map, probs)
         for _ in range(5):
@@ -261,7 +254,7 @@ def profile_dispatch(args, world: int, rank: int) -> None:
     # Host cost per call at a tiny size (the GPU work is negligible: the loop is launch-bound).
     t, e, h = 64, 8, 128
     xs = torch.randn((t, h), device=DEVICE, dtype=torch.bfloat16)
-    rm, pr = routing(t, e, 2, seed=0)
+    rm, pr = routing(t, e, 2, seed=0, device=DEVICE)
     _, _, rid = permutation.permute(xs, rm, pr)
     rows = torch.randn((rid.num_out_tokens, h), device=DEVICE, dtype=torch.bfloat16)
     slots = rid.slots
@@ -276,16 +269,8 @@ def profile_dispatch(args, world: int, rank: int) -> None:
         "sort_chunks": lambda: permutation.sort_chunks(rows, [rows.shape[0] // 2, rows.shape[0] - rows.shape[0] // 2], [1, 0]),
     }
     say("\n## host cost per call, tiny size (us)\n| op | us/call |\n|---|---|")
-    for name, fn in cases.items():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        n = 200
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        say(f"| {name} | {(time.perf_counter() - t0) / n * 1e6:.1f} |")
+    for name, us in time_host_calls(cases):
+        say(f"| {name} | {us:.1f} |")
 
 
 def main() -> None:

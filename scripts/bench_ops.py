@@ -26,11 +26,16 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+def graph_ms(fn, rep: int = 100) -> float:
+    """GPU time alone: median ms of the call replayed from a CUDA graph (no host launch cost)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
 def bench_graph(fn) -> float:
-    """GPU time alone: the call replayed from a CUDA graph, so host launch cost is excluded."""
+    """graph_ms, or nan for a call that synchronises (it cannot be captured)."""
     try:
-        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
-    except Exception:  # a call that synchronises cannot be captured
+        return graph_ms(fn, rep=200)
+    except Exception:
         return float("nan")
 
 
@@ -42,12 +47,33 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def routing(T: int, E: int, K: int):
-    scores = torch.rand((T, E), device="cuda")
+def routing(T: int, E: int, K: int, seed: int | None = None, device="cuda"):
+    """(routing_map [T, E] bool, probs [T, E] fp32): each token's top-K of random scores, the
+    softmax over all E masked to them. seed None: the global generator."""
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    scores = torch.rand((T, E), device=device, generator=gen)
     idx = scores.topk(K, dim=1).indices
-    routing_map = torch.zeros((T, E), dtype=torch.bool, device="cuda").scatter_(1, idx, True)
+    routing_map = torch.zeros((T, E), dtype=torch.bool, device=device).scatter_(1, idx, True)
     probs = torch.softmax(scores, dim=1) * routing_map
     return routing_map, probs
+
+
+def time_host_calls(calls: dict, warmup: int = 20, iters: int = 200) -> list[tuple[str, float]]:
+    """[(name, host microseconds per call)]: the loop's host time, not waiting for the GPU after
+    it (at tiny sizes the GPU keeps up, so this is the launch cost)."""
+    import time
+
+    out = []
+    for name, fn in calls.items():
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        out.append((name, (time.perf_counter() - start) / iters * 1e6))
+        torch.cuda.synchronize()
+    return out
 
 
 def megatron_fns():
@@ -216,8 +242,6 @@ def write_svg(path: str, series: dict[str, list[tuple[int, float]]], title: str)
 
 def host_overhead() -> list[tuple[str, float]]:
     """Host microseconds per call (no synchronisation): where small shapes lose their time."""
-    import time
-
     from moe_dispatch.ops import triton_kernels as K
     T, E, H, K_ = 1024, 16, 256, 4
     tokens = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
@@ -233,17 +257,7 @@ def host_overhead() -> list[tuple[str, float]]:
         "API: permute, counts known": lambda: permute(tokens, routing_map, probs, tokens_per_expert=counts),
         "API: permute (syncs)": lambda: permute(tokens, routing_map, probs),
     }
-    out = []
-    for name, fn in calls.items():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(200):
-            fn()
-        out.append((name, (time.perf_counter() - start) / 200 * 1e6))
-        torch.cuda.synchronize()
-    return out
+    return time_host_calls(calls)
 
 
 def main() -> None:

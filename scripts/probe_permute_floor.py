@@ -21,15 +21,11 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ops import copy_bandwidth, routing  # noqa: E402
+from bench_ops import copy_bandwidth, graph_ms, routing  # noqa: E402
 
 from moe_dispatch.ops import triton_kernels as KT  # noqa: E402
 
 SHAPES = [(4096, 256, 7168, 8), (16384, 128, 4096, 6), (32768, 64, 4096, 8)]
-
-
-def graph_ms(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
 @triton.jit

@@ -4,8 +4,9 @@
 
 Knobs (none changes a value: tests/ops/test_permutation.py::test_launch_tuning_changes_no_value):
 program order (token-major or chunk-major), warps, rows per 2-D store and the cache hint of the
-row stores (write-back or streaming) in the permute kernel, and
-the H-block of the kernels whose sums run per element (the unpermute backward's block is fixed: it sets the probs-gradient chunking). Prints
+row stores (write-back or streaming) in the permute kernel, the H-block of the kernels whose sums
+run per element (the unpermute backward's block is fixed: it sets the probs-gradient chunking),
+and with --passes map, make_slots' chunks, tokens per tile and warps. Prints
 CUDA-graph replay medians (do_bench_cudagraph, GPU time only) over each pass's byte floor, and the
 best setting per pass and shape. The defaults in moe_dispatch/ops/triton_kernels.py come from here.
 """
@@ -20,16 +21,12 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ops import copy_bandwidth, routing  # noqa: E402
+from bench_ops import copy_bandwidth, graph_ms, routing  # noqa: E402
 
 from moe_dispatch.ops import permute  # noqa: E402
 from moe_dispatch.ops import triton_kernels as KT  # noqa: E402
 
 SHAPES = [(4096, 256, 7168, 8), (16384, 128, 4096, 6), (32768, 64, 4096, 8)]
-
-
-def graph_ms(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
 def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> None:
@@ -78,7 +75,8 @@ def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> N
         best = results[0]
         print(f"| {T},{E},{H},{K} | {name} | {default / floor:.3f}x | {best[0]:.3f}x | "
               f"{'token' if best[2] else 'chunk'}-major, {best[3]} warps, block {best[4] or 'default'}, "
-              f"{best[5]} rows per store, {best[6]} stores | " + ", ".join(f"{r[0]:.3f}" for r in results[:5]) + " |", flush=True)
+              f"{best[5]} rows per store, {best[6]} stores | " + ", ".join(f"{r[0]:.3f}" for r in results[:5]) + " |",
+              flush=True)
 
 
 def sweep_map(T: int, E: int, K: int) -> None:
