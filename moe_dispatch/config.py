@@ -2,6 +2,8 @@
 
 Field semantics follow Megatron-core's ``moe_*`` TransformerConfig fields; `MoEConfig.from_megatron`
 maps one onto the other. Every impossible combination raises a ValueError that names the field.
+The config is frozen: ``config.replace(topk=4)`` returns a validated copy, and assigning a field
+raises ``dataclasses.FrozenInstanceError``, so no value ever escapes validation.
 """
 
 from __future__ import annotations
@@ -22,14 +24,30 @@ _ACTIVATIONS = ("gelu", "relu", "swiglu")
 _EXPERT_IMPLS = ("grouped", "sequential")
 
 
+# Seeds feed torch.Generator.manual_seed after small offsets (router, shared expert): keep the
+# sum inside the range it accepts.
+_SEED_LIMIT = 2**63
+
+
 def _choice(field: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
+    if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"{field}={value!r} is not one of {allowed}")
 
 
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass; True as a size is a typo, not a size.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _positive_int(field: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _is_int(value) or value < 1:
         raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+
+
+def _strict_bool(field: str, value: Any) -> None:
+    # Truthiness would take "no", 0 or a tensor as a setting; only True and False are.
+    if not isinstance(value, bool):
+        raise ValueError(f"{field} must be a bool (True or False), got {value!r}")
 
 
 def _finite_number(field: str, value: Any, minimum: float, strict: bool) -> None:
@@ -40,7 +58,7 @@ def _finite_number(field: str, value: Any, minimum: float, strict: bool) -> None
         raise ValueError(f"{field} must be a finite number {op} {minimum}, got {value!r}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MoEConfig:
     """Configuration of one mixture-of-experts layer.
 
@@ -65,7 +83,10 @@ class MoEConfig:
     expert's permuted block to a multiple of this many rows), ``probs_in_experts`` (Megatron mode:
     experts multiply probs before fc2; default False applies probs in the fp32 combine),
     ``shared_expert_ffn_hidden_size``, ``params_dtype`` and ``init_seed`` (all weights are built
-    from it on the CPU, so every rank builds the same ones).
+    from it on the CPU, so every rank builds the same ones; an int in [0, 2**63)).
+
+    Types are strict: bool fields take only True/False, int fields only ints (not bools or
+    floats), float fields ints or floats; the Optional fields above take None as described.
     """
 
     hidden_size: int
@@ -96,6 +117,8 @@ class MoEConfig:
     shared_expert_ffn_hidden_size: Optional[int] = None
 
     def __post_init__(self) -> None:
+        for name in ("pre_softmax", "enable_expert_bias", "pad_to_capacity", "probs_in_experts"):
+            _strict_bool(name, getattr(self, name))
         for name in ("hidden_size", "num_experts", "ffn_hidden_size", "pad_multiple"):
             _positive_int(name, getattr(self, name))
         _positive_int("topk", self.topk)
@@ -129,8 +152,8 @@ class MoEConfig:
             _positive_int("shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size)
         if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
             raise ValueError(f"params_dtype must be a floating torch.dtype, got {self.params_dtype!r}")
-        if isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int):
-            raise ValueError(f"init_seed must be an int, got {self.init_seed!r}")
+        if not _is_int(self.init_seed) or not 0 <= self.init_seed < _SEED_LIMIT:
+            raise ValueError(f"init_seed must be an int in [0, 2**63), got {self.init_seed!r}")
 
     def _check_groups(self) -> None:
         if self.num_groups is not None:
@@ -163,7 +186,10 @@ class MoEConfig:
         return _ROUTER_DTYPES[self.router_dtype]
 
     def replace(self, **changes: Any) -> "MoEConfig":
-        """A validated copy with some fields changed."""
+        """A validated copy with some fields changed (the only way to change a frozen config)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(f"MoEConfig has no field {', '.join(unknown)}")
         return dataclasses.replace(self, **changes)
 
     @classmethod
