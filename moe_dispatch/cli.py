@@ -2,6 +2,9 @@
 
     moe-dispatch check [options]     the rank-consistency check (see `moe-dispatch check --help`)
     moe-dispatch ops-demo [options]  permute/unpermute error vs float64 and repeatability
+
+Each command checks all its flags before it starts any work or process: a bad flag exits with
+status 2 and one message naming it.
 """
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ from typing import Optional
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
+        # Asked for help: stdout, status 0; no command: a usage error, stderr, status 2.
+        print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "check":

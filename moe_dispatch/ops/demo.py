@@ -54,14 +54,35 @@ def _error_table(T: int, E: int, K: int, H: int, dtype: torch.dtype, device: str
     }
 
 
+def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every flag checked before any work: one ``parser.error`` (exit status 2) naming the flag."""
+    for flag in ("tokens", "experts", "topk", "hidden"):
+        if getattr(args, flag) < 1:
+            parser.error(f"argument --{flag}: must be >= 1, got {getattr(args, flag)}")
+    if args.topk > args.experts:
+        parser.error(f"argument --topk: {args.topk} exceeds --experts {args.experts}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        parser.error(f"argument --device: {exc}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"argument --device: expected cpu or cuda, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: {args.device!r} needs CUDA, which is not available here")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        parser.error(f"argument --device: {args.device!r}, but this machine has {torch.cuda.device_count()} GPUs")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="moe-dispatch ops-demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--topk", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    validate_args(parser, args)
     print(f"permute/unpermute vs float64: T={args.tokens} E={args.experts} K={args.topk} H={args.hidden} "
           f"on {args.device}")
     print(f"{'dtype':>10} | {'pass':<22} | max |ours - float64|")
