@@ -24,12 +24,10 @@ import traceback
 import torch
 import torch.distributed as dist
 import triton
-
 from bench_ops import routing, time_host_calls  # this script's folder is on sys.path
 
 from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.dispatcher import build_dispatcher
-
 
 DEVICE = torch.device("cuda")
 
@@ -145,8 +143,10 @@ def bench_dispatch(args, world: int, rank: int) -> None:
         rows.append((f"ours {kind} round trip", bench(our_round_trip(args, kind, x, routing_map, probs))))
     try:
         pg = megatron_groups(world, rank)
-        from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
-                                                                    MoEAlltoAllTokenDispatcher)
+        from megatron.core.transformer.moe.token_dispatcher import (
+            MoEAllGatherTokenDispatcher,
+            MoEAlltoAllTokenDispatcher,
+        )
         for kind, cls in [("alltoall", MoEAlltoAllTokenDispatcher), ("allgather", MoEAllGatherTokenDispatcher)]:
             cfg = megatron_config(H, E, K, args.ffn, world, kind)
             d = cls(El, list(range(rank * El, (rank + 1) * El)), cfg, pg_collection=pg)
@@ -262,11 +262,13 @@ def profile_dispatch(args, world: int, rank: int) -> None:
         "torch add_ (baseline)": lambda: xs.add_(0),
         "make_slots op": lambda: permutation._make_slots_op(rm, 1),
         "permute_rows op": lambda: permutation._permute_op(xs, slots, pr, rid.num_out_tokens, False),
-        "triton permute_rows direct": lambda: permutation._impl(xs).permute_rows(xs, slots, pr, rid.num_out_tokens, False),
+        "triton permute_rows direct": lambda: permutation._impl(xs).permute_rows(xs, slots, pr, rid.num_out_tokens,
+                                                                                   False),
         "permute (public, syncs)": lambda: permutation.permute(xs, rm, pr),
         "permute (public, host counts)": lambda: permutation.permute(xs, rm, pr, tokens_per_expert=rm.sum(0).tolist()),
         "unpermute (public)": lambda: permutation.unpermute(rows, rid, pr),
-        "sort_chunks": lambda: permutation.sort_chunks(rows, [rows.shape[0] // 2, rows.shape[0] - rows.shape[0] // 2], [1, 0]),
+        "sort_chunks": lambda: permutation.sort_chunks(rows, [rows.shape[0] // 2, rows.shape[0] - rows.shape[0] // 2],
+                                                       [1, 0]),
     }
     say("\n## host cost per call, tiny size (us)\n| op | us/call |\n|---|---|")
     for name, us in time_host_calls(cases):

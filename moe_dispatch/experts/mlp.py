@@ -95,8 +95,10 @@ class _LocalExperts(nn.Module):
         """normal(0, 1/sqrt(fan_in)) per expert from its own seeded generator (keeps the output
         scale independent of H and ffn; Megatron's default is normal(0, 0.02))."""
         ids = list(self.global_expert_ids)
-        for param, which, fan_in in ((self.weight1, WEIGHT1, self.hidden_size), (self.weight2, WEIGHT2, self.ffn_hidden_size)):
-            w = init_expert_weights(param.shape[1:], self.init_seed, ids, which, fan_in**-0.5, param.dtype, param.device)
+        for param, which, fan_in in ((self.weight1, WEIGHT1, self.hidden_size),
+                                     (self.weight2, WEIGHT2, self.ffn_hidden_size)):
+            w = init_expert_weights(param.shape[1:], self.init_seed, ids, which, fan_in**-0.5, param.dtype,
+                                    param.device)
             param.copy_(w)
 
     def gemm_strategies(self, x: torch.Tensor) -> Tuple[GemmStrategy, GemmStrategy]:
@@ -158,7 +160,8 @@ class _LocalExperts(nn.Module):
         raise ValueError(f"layout must be 'sequential' or 'grouped', got {layout!r}")
 
     @torch.no_grad()
-    def load_megatron_state_dict(self, state_dict: Dict[str, torch.Tensor], layout: str = "sequential", prefix: str = "") -> None:
+    def load_megatron_state_dict(self, state_dict: Dict[str, torch.Tensor], layout: str = "sequential",
+                                 prefix: str = "") -> None:
         """Inverse of `megatron_state_dict`; shapes must match these experts exactly."""
         if layout == "sequential":
             w1, w2 = from_megatron_sequential(state_dict, self.num_local_experts, prefix)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 # case -> (ranks that take part, words the message must contain)
 CASES = {
     "ctor_indivisible": (range(4), ["num_experts=6", "EP size 4"]),

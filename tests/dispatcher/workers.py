@@ -155,7 +155,8 @@ def contract_worker(rank: int, world_size: int) -> dict:
     data = scenario_data("full", torch.bfloat16)
     for ep, per_rank in scenarios()["full"].items():
         group, _ = groups[ep]
-        naive[ep] = (torch.tensor(per_rank[dist.get_rank(group)]), naive_combine(data, per_rank[dist.get_rank(group)], group))
+        ids = per_rank[dist.get_rank(group)]
+        naive[ep] = (torch.tensor(ids), naive_combine(data, ids, group))
     return dict(records=records, naive=naive)
 
 
