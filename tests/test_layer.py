@@ -117,3 +117,54 @@ def test_check_help_lists_options():
     proc = subprocess.run([sys.executable, "-m", "moe_dispatch.check", "--help"], capture_output=True, text=True)
     for option in ["--ranks", "--ep-sizes", "--dispatcher", "--dtype", "--tokens", "--megatron"]:
         assert option in proc.stdout
+
+
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+_COPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy")
+
+
+def host_calls_per_step(layer: MoELayer, x: torch.Tensor, steps: int = 3) -> dict:
+    """CUDA runtime calls that make the host wait (synchronisations) or copy between host and
+    device, per layer step (forward + backward), counted with torch.profiler after a warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        xx = x.detach().requires_grad_()
+        layer(xx).sum().backward()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()  # the profiler's own wait: subtracted below
+    counts = {e.key: e.count for e in prof.key_averages()}
+    syncs = sum(counts.get(name, 0) for name in _SYNC_CALLS) - 1
+    copies = sum(counts.get(name, 0) for name in _COPY_CALLS)
+    detail = {k: counts.get(k, 0) for k in _SYNC_CALLS + _COPY_CALLS}
+    return dict(syncs=syncs / steps, copies=copies / steps, detail=detail)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_step_host_synchronisations():
+    """EP 1 layer step, forward + backward: one host synchronisation (the dispatcher reads the
+    routing counts once) and that one device-to-host copy; no host-to-device copies."""
+    config = MoEConfig(hidden_size=256, num_experts=16, topk=4, ffn_hidden_size=256, params_dtype=torch.bfloat16)
+    layer = MoELayer(config).cuda()
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    counts = host_calls_per_step(layer, x)
+    print(f"\nEP-1 layer step (fwd+bwd): {counts['syncs']:g} host syncs, {counts['copies']:g} host<->device copies "
+          f"per step; runtime calls over 3 steps: {counts['detail']}")
+    assert counts["syncs"] == 1, counts
+    assert counts["copies"] == 1, counts
+
+
+@pytest.mark.gpu
+def test_gpu_check_gloo_ranks_share_the_gpu():
+    """`moe-dispatch check --backend gloo` on a CUDA machine runs its ranks on the GPU(s)."""
+    proc = subprocess.run([sys.executable, "-m", "moe_dispatch.cli", "check", "--backend", "gloo", "--ranks", "2",
+                           "--tokens", "96"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ranks on gloo (cuda)" in proc.stdout and "ALL PASS" in proc.stdout, proc.stdout

@@ -158,3 +158,54 @@ def test_megatron_steps_need_preprocess_first():
     disp = AllToAllDispatcher(config())
     with pytest.raises(RuntimeError, match="dispatch_preprocess first"):
         disp.token_dispatch(torch.zeros(1, H), torch.zeros(1, E))
+
+
+@pytest.mark.parametrize("probs_in_experts", [False, True])
+def test_handle_reuse_skips_the_exchange_and_is_bitwise(monkeypatch, probs_in_experts):
+    """dispatch(handle=previous) (activation recomputation): no size exchange, no new row maps,
+    and rows, outputs and every gradient bitwise equal to the fresh dispatch's."""
+    from moe_dispatch.dispatcher import functional
+
+    d = data_with_edge_cases(torch.bfloat16)
+    cfg = config(probs_in_experts=probs_in_experts, pad_multiple=4)
+    w, b = expert_weights(torch.bfloat16)
+    results = []
+    handle = None
+    for reuse in (False, True):
+        if reuse:
+            def fail(*args, **kwargs):
+                raise AssertionError("a reused handle must not exchange sizes or build a plan")
+            monkeypatch.setattr(functional, "exchange_sizes", fail)
+            monkeypatch.setattr(functional, "make_plan", fail)
+        x = d["x"].clone().requires_grad_()
+        p = d["probs"].clone().requires_grad_()
+        rows, tpe, new = dispatch(x, d["rmap"].clone(), p, cfg, handle=handle)
+        y = run_experts(rows, tpe, w, b, new.permuted_probs if probs_in_experts else None)
+        out = combine(y, new)
+        out.backward(d["r"])
+        results.append((rows.detach(), out.detach(), x.grad, p.grad))
+        handle = new
+    for a, b_ in zip(*results):
+        assert torch.equal(a, b_)
+    assert results[0][3].abs().sum() > 0
+
+
+def test_handle_reuse_with_other_routing_gives_nan_then_raises():
+    """A reused handle whose routing differs: checked on the device (no host sync), the step's
+    outputs are NaN, and the next size exchange raises."""
+    d = batch(torch.float32, n=16)
+    _, _, handle = dispatch(d["x"], d["rmap"], d["probs"], config())
+    other = batch(torch.float32, n=16, seed=4)
+    rows, _, h2 = dispatch(d["x"], other["rmap"], d["probs"], config(), handle=handle)
+    out = combine(rows, h2)
+    assert torch.isnan(out[d["rmap"].any(1)]).all()
+    with pytest.raises(ValueError, match="differs from the handle's routing"):
+        dispatch(d["x"], d["rmap"], d["probs"], config())
+    dispatch(d["x"], d["rmap"], d["probs"], config())  # the error was raised once, then cleared
+
+
+def test_handle_reuse_checks_shapes():
+    d = batch(torch.float32, n=16)
+    _, _, handle = dispatch(d["x"], d["rmap"], d["probs"], config())
+    with pytest.raises(ValueError, match=r"must match the handle's \[T, H\] = \[16, 64\]"):
+        dispatch(d["x"][:8], d["rmap"][:8], d["probs"][:8], config(), handle=handle)
