@@ -30,7 +30,7 @@ from ..ops.permutation import make_slots, permute_rows
 from .comm import ProcessGroup, group_size_rank, to_device
 from .config import DispatchConfig, as_dispatch_config
 from .exchange import KINDS, Received, ReturnRoute, return_rows, return_runs, send_back
-from .layout import InputProblem, Layout, agree_config, exchange_sizes, latch_error
+from .layout import InputProblem, Layout, agree_config, dtype_code, exchange_sizes, latch_error
 
 Runs = tuple[torch.Tensor, torch.Tensor, int]  # (shifts, lengths) on the device, total positions
 
@@ -343,7 +343,7 @@ def _reuse(previous: DispatchHandle, hidden: Any, routing_map: Any, probs: Any,
             raise ValueError(f"dispatch(handle=...): hidden_states, routing_map and probs must match the handle's "
                              f"[T, H] = [{T}, {H}] {plan.hidden_dtype}, [T, E] = [{T}, {E}] bool and float, on "
                              f"{plan.routing_map.device}")
-        latch_error(plan.group, 101)
+        latch_error(plan.group, 101, device=plan.routing_map.device)
         nan = torch.full((T, E), float("nan"), dtype=plan.probs_dtype, device=plan.routing_map.device)
         return torch.zeros((T, H), dtype=plan.hidden_dtype, device=nan.device), nan
     mismatch = (routing_map != plan.routing_map).any()
@@ -405,8 +405,11 @@ def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Ten
     if handle.layout.ep_size == 1:
         raise ValueError(f"expert_output must be [N, H] = [{N}, {H}] {dtype} on {device} (N = sum(tokens_per_expert)), "
                          f"got {got}" + (f" {expert_output.dtype}" if isinstance(expert_output, torch.Tensor) else ""))
-    rows = expert_output.shape[0] if isinstance(expert_output, torch.Tensor) and expert_output.dim() else -1
-    latch_error(handle.group, 100, N, rows)
+    if isinstance(expert_output, torch.Tensor) and expert_output.shape == (N, H) and expert_output.dtype != dtype:
+        latch_error(handle.group, 102, dtype_code(dtype), dtype_code(expert_output.dtype), device=device)
+    else:  # rows: -1 when not a 2-D tensor of width H (or on another device)
+        ok_2d = isinstance(expert_output, torch.Tensor) and expert_output.dim() == 2 and expert_output.shape[1] == H
+        latch_error(handle.group, 100, N, expert_output.shape[0] if ok_2d else -1, device=device)
     nan = torch.full((N, H), float("nan"), dtype=dtype, device=device)
     if isinstance(expert_output, torch.Tensor) and expert_output.requires_grad and expert_output.is_floating_point():
         # keep the graph to the experts and the dispatch: their backward collectives must still run

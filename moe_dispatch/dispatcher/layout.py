@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from .comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
 from .config import DispatchConfig
@@ -75,13 +76,20 @@ _PROBLEMS = {
     4: lambda e, g: f"hidden_states must be float32, float16 or bfloat16, got {_dtype_name(g)}",
     5: lambda e, g: f"hidden_states must be on the layer's device type ({_DEVICE_NAMES.get(e, e)}), got "
                     f"{_DEVICE_NAMES.get(g, g)}",
-    100: lambda e, g: f"expert_output given to the previous combine on this group must be [N, H] = "
-                      f"[{e}, H] rows in the dispatch's dtype, got {g} rows (that step's outputs were NaN)",
+    100: lambda e, g: f"expert_output given to the previous combine on this group must have N = {e} rows "
+                      f"(sum(tokens_per_expert)) of hidden size H, got {g if g >= 0 else 'no [rows, H] tensor'} "
+                      f"(that step's outputs were NaN)",
+    102: lambda e, g: f"expert_output given to the previous combine on this group must be {_dtype_name(e)} like "
+                      f"the dispatched rows, got {_dtype_name(g)} (that step's outputs were NaN)",
     101: lambda e, g: "routing_map given to dispatch(handle=...) differs from the handle's routing "
                       "(that step's outputs were NaN)",
 }
 _DEVICE_CODES = {"cpu": 1, "cuda": 2}
 _DEVICE_NAMES = {v: k for k, v in _DEVICE_CODES.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPE_CODES.get(dtype, 0)
 
 
 def device_code(device: torch.device) -> int:
@@ -91,22 +99,30 @@ def device_code(device: torch.device) -> int:
 _LATCHED: dict = {}  # group -> [3] int64 (code, expected, got), on the device or the host
 
 
+def _group_key(group: ProcessGroup) -> Any:
+    """None and the default group are one group."""
+    if group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return group
+
+
 def latch_error(group: ProcessGroup, code: torch.Tensor | int, expected: torch.Tensor | int = 0,
                 got: torch.Tensor | int = 0, device: Optional[torch.device] = None) -> None:
     """Remember an error (code 0 = none; ints or device scalars) for the next size exchange on
     ``group``, where every rank of the group raises it. No host synchronisation."""
-    parts = [v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.int64, device=device or "cpu")
-             for v in (code, expected, got)]
-    dev = next((p.device for p in parts if p.device.type != "cpu"), parts[0].device)
-    new = torch.stack([p.to(device=dev, dtype=torch.int64).reshape(()) for p in parts])
-    old = _LATCHED.get(group)
+    values = (code, expected, got)
+    dev = next((v.device for v in values if isinstance(v, torch.Tensor)), device or torch.device("cpu"))
+    # host ints become fills on the device (a fill is a kernel, not a host-to-device copy)
+    new = torch.stack([v.to(torch.int64).reshape(()) if isinstance(v, torch.Tensor)
+                       else torch.full((), v, dtype=torch.int64, device=dev) for v in values])
+    old = _LATCHED.get(_group_key(group))
     if old is not None:  # keep the first error
         new = torch.where(old[0] != 0, old, new.to(old.device))
-    _LATCHED[group] = new
+    _LATCHED[_group_key(group)] = new
 
 
 def _take_latched(group: ProcessGroup, device: torch.device) -> torch.Tensor:
-    late = _LATCHED.pop(group, None)
+    late = _LATCHED.pop(_group_key(group), None)
     if late is None:
         return torch.zeros(3, dtype=torch.int64, device=device)
     return late.to(device, non_blocking=True)
@@ -147,9 +163,11 @@ def fingerprint_hash(cfg: DispatchConfig) -> int:
 
 
 def _differ(values: list) -> str:
-    """'[8, 4, 8, 8] by rank; ranks [1] differ from rank 0'."""
-    odd = [r for r, v in enumerate(values) if v != values[0]]
-    return f"{values} by rank; ranks {odd} differ from rank 0"
+    """'[8, 4, 8, 8] by rank; ranks [1] differ from the others' (the others: the most common
+    value; on a tie, the lowest rank's)."""
+    common = max(values, key=lambda v: (values.count(v), -values.index(v)))
+    odd = [r for r, v in enumerate(values) if v != common]
+    return f"{values} by rank; ranks {odd} differ from the others"
 
 
 def agree_config(cfg: DispatchConfig, group: ProcessGroup, device: torch.device) -> None:
