@@ -211,19 +211,12 @@ class ReturnRoute:
 def return_runs(layout: "Layout") -> tuple[list[int], list[int]]:
     """(shifts, lengths) of ReturnRoute.index as runs: position i of run r is row i + shifts[r]."""
     P, El, me = layout.ep_size, layout.num_local_experts, layout.rank
-    blocks, tail = layout.local_blocks, layout.local_tail_pad
-    start, at = {}, 0
-    for e in range(El):
-        for s in range(P):
-            start[e, s] = at
-            at += blocks[s][e]
-        at += tail[e]
     shifts, lengths, out = [], [], 0
     for d in [me] + [d for d in range(P) if d != me]:
         for e in range(El):
-            shifts.append(start[e, d] - out)
-            lengths.append(blocks[d][e])
-            out += blocks[d][e]
+            shifts.append(layout.block_starts[e][d] - out)
+            lengths.append(layout.local_blocks[d][e])
+            out += layout.local_blocks[d][e]
     return shifts, lengths
 
 
@@ -248,7 +241,10 @@ def send_forth(grad: torch.Tensor, route: ReturnRoute) -> torch.Tensor:
     """Mirror of send_back: the owner's rows [M, H] -> receiver layout [N, H] (pad rows 0)."""
     grad = grad.contiguous()
     n_self = route.n_self
-    out = grad.new_zeros((route.num_rows, grad.shape[1]))
+    # Rows outside the index (the experts' tail padding) get a zero gradient; without any, every
+    # row is written below and needs no fill.
+    alloc = grad.new_empty if route.index.shape[0] == route.num_rows else grad.new_zeros
+    out = alloc((route.num_rows, grad.shape[1]))
     if len(route.send_splits) > 1:
         recv = all_to_all_rows(grad[n_self:], route.send_splits, route.recv_splits, route.group)
         out.index_copy_(0, route.index[n_self:], recv)

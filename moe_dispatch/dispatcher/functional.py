@@ -122,32 +122,21 @@ class DispatchHandle:
 
 
 # ---- row maps -----------------------------------------------------------------------------------
-def _block_starts(layout: Layout) -> dict:
-    """(local expert, source) -> first row of its block in the receiver layout."""
-    start, at = {}, 0
-    for e in range(layout.num_local_experts):
-        for s in range(layout.ep_size):
-            start[e, s] = at
-            at += layout.local_blocks[s][e]
-        at += layout.local_tail_pad[e]
-    return start
-
-
 def _expert_runs(layout: Layout, order: tuple[int, ...]) -> tuple[list[int], list[int]]:
     """make_slots numbers the received routed rows densely (local expert-major, then buffer row
     order, i.e. segment ``order``); run (e, s) moves to its block in the receiver layout."""
-    start, base = _block_starts(layout), layout.rank * layout.num_local_experts
+    base = layout.rank * layout.num_local_experts
     shifts, lengths, dense = [], [], 0
     for e in range(layout.num_local_experts):
         for s in order:
             n = layout.counts[s][base + e]
-            shifts.append(start[e, s] - dense)
+            shifts.append(layout.block_starts[e][s] - dense)
             lengths.append(n)
             dense += n
     return shifts, lengths
 
 
-def _owner_runs(layout: Layout, order: tuple[int, ...]) -> tuple[list[int], list[int]]:
+def _owner_runs(layout: Layout) -> tuple[list[int], list[int]]:
     """Run e (this rank's pairs with global expert e) -> its block in the owner buffer."""
     El, me = layout.num_local_experts, layout.rank
     start, at = {}, 0
@@ -206,7 +195,7 @@ def make_plan(cfg: DispatchConfig, group: ProcessGroup, layout: Layout, routing_
     at_padded = add(list(layout.tokens_per_local_expert)) if padded_needed else None
     at_owner = at_route = None
     if P > 1:
-        owner = _owner_runs(layout, order)
+        owner = _owner_runs(layout)
         at_owner = (add(owner[0]), add(owner[1]), add(list(layout.owner_blocks)))
         ret = return_runs(layout)
         at_route = (add(ret[0]), add(ret[1]))

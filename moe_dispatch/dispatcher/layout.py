@@ -211,6 +211,8 @@ class Layout:
         max_experts_per_token: [P], the most experts one token of each source is routed to.
         local_blocks: [P][El], rows each source contributes to each local expert (capacity incl.).
         local_tail_pad: [El], pad rows after each local expert's blocks (dropless pad_multiple).
+        block_starts: [El][P], first row of each (local expert, source) block in the receiver
+            layout (expert-major, source ascending, each expert's tail pad after its blocks).
         tokens_per_local_expert: [El], rows of each local expert's block, padding included.
         owner_blocks: [E], rows per global expert in this rank's returned buffer.
         return_send_splits: [P], rows this rank's experts send back to each source rank.
@@ -230,6 +232,7 @@ class Layout:
     max_experts_per_token: tuple[int, ...]
     local_blocks: IntTable
     local_tail_pad: tuple[int, ...]
+    block_starts: IntTable
     tokens_per_local_expert: tuple[int, ...]
     owner_blocks: tuple[int, ...]
     return_send_splits: tuple[int, ...]
@@ -250,11 +253,18 @@ class Layout:
         totals = [sum(local_blocks[s][e] for s in range(P)) for e in range(El)]
         m = cfg.pad_multiple
         tail = tuple(0 if capacity is not None else -(-n // m) * m - n for n in totals)
+        starts, at = [], 0
+        for e in range(El):
+            starts.append([])
+            for s in range(P):
+                starts[e].append(at)
+                at += local_blocks[s][e]
+            at += tail[e]
         return cls(
             ep_size=P, rank=rank, num_experts=E, num_local_experts=El, num_tokens=tuple(num_tokens),
             counts=tuple(map(tuple, counts)), sent=tuple(map(tuple, sent)), capacity=capacity, pad_multiple=m,
             probs_grad=probs_grad, max_experts_per_token=tuple(max_experts_per_token),
-            local_blocks=local_blocks, local_tail_pad=tail,
+            local_blocks=local_blocks, local_tail_pad=tail, block_starts=tuple(map(tuple, starts)),
             tokens_per_local_expert=tuple(n + t for n, t in zip(totals, tail)),
             owner_blocks=tuple(block(rank, e) for e in range(E)),
             return_send_splits=tuple(sum(row) for row in local_blocks),
