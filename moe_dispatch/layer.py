@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import MoEConfig
-from .dispatcher import build_dispatcher, hidden_states_problem
+from .dispatcher import build_dispatcher
 from .experts import GroupedMLP, SequentialMLP
 from .router import TopKRouter
 
@@ -67,10 +67,7 @@ class MoELayer(nn.Module):
         Bad input (not a float tensor [T, H] / [S, B, H] with H = hidden_size on the layer's device
         type) raises the same ValueError on every EP rank: a rank that finds it locally skips the
         router and takes part in the dispatcher's size exchange with the error, so no rank waits."""
-        device = self.experts.weight1.device
-        problem = hidden_states_problem(hidden_states, self.config.hidden_size, device)
-        if problem is not None:
-            self.dispatcher.raise_together(problem, device)
+        self.dispatcher.check_layer_input(hidden_states, self.experts.weight1.device)
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         probs, routing_map = self.router(hidden_states)
         expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(tokens, routing_map, probs)

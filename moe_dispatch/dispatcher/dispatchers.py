@@ -24,7 +24,7 @@ from .comm import ProcessGroup, group_size_rank
 from .config import DispatchConfig, as_dispatch_config
 from .exchange import Received
 from .functional import DispatchHandle, Plan
-from .layout import InputProblem, agree_config, check_ep_size, exchange_sizes
+from .layout import InputProblem, agree_config, check_ep_size, exchange_sizes, hidden_states_problem
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,16 @@ class _Dispatcher:
         self._agree(device)
         exchange_sizes(None, None, None, self.config, self.ep_group, problem=problem, device=device)
         raise AssertionError("exchange_sizes returned despite a problem")  # unreachable: it raises
+
+    def check_layer_input(self, hidden_states: Any, device: torch.device) -> None:
+        """For a layer's forward, before its router: if hidden_states is not a float tensor
+        [T, H] / [S, B, H] with H = config.hidden_size on ``device``'s type, every rank of the group
+        raises the same ValueError (this rank through ``raise_together``, the others in their
+        dispatch). No collective and no sync when the input is fine. A wrapper around an install()'d
+        Megatron layer's forward can call it on ``moe_layer.token_dispatcher``."""
+        problem = hidden_states_problem(hidden_states, self.config.hidden_size, device)
+        if problem is not None:
+            self.raise_together(problem, device)
 
     # ---- Megatron-core interface -----------------------------------------------------------
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):

@@ -295,3 +295,23 @@ def ep8_worker(rank: int, world_size: int) -> list:
         megatron.update(cfg=name + "-megatron", rank=rank)
         records.append(megatron)
     return records
+
+
+def triton_views_worker(rank: int, world_size: int) -> dict:
+    """EP 2 through the Triton kernels (the interpreter on CPU; set_backend('triton')), which read
+    the exchange's packed byte buffers through strided views, against the torch twin: outputs,
+    input and weight gradients bitwise (fp32), probs gradients within rounding (their in-chunk sum
+    order differs, see ops)."""
+    from moe_dispatch.ops import set_backend
+
+    out = {}
+    for kind, cfg in (("alltoall", config()),
+                      ("allgather", config(kind="allgather", probs_in_experts=True, router_dtype="fp64",
+                                           pad_multiple=4))):
+        data = scenario_data("full", torch.float32)
+        ids = _split(list(range(48)), world_size)[rank]
+        with set_backend("triton"):
+            kernels = run_once(kind, torch.float32, cfg, data, ids, dist.group.WORLD, "functional", reuse=True)
+        twin = run_once(kind, torch.float32, cfg, data, ids, dist.group.WORLD, "megatron")
+        out[kind] = (kernels, twin)
+    return out
