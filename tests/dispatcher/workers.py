@@ -147,8 +147,12 @@ def gloo_worker(rank: int, world_size: int) -> dict:
                 contract=contract_worker(rank, world_size))
 
 
-def contract_worker(rank: int, world_size: int) -> dict:
+def contract_worker(rank: int, world_size: int, device: str = "cpu") -> dict:
+    """The contract matrix on 4 ranks. device 'cuda': gloo ranks sharing GPU 0 (gloo's collectives
+    take CUDA tensors), the Triton kernels instead of the torch twin."""
     assert world_size == 4
+    if device == "cuda":
+        torch.cuda.set_device(0)
     groups = make_groups(rank)
     records = []
     for name, (kind, dtype, cfg) in contract_configs().items():
@@ -160,7 +164,7 @@ def contract_worker(rank: int, world_size: int) -> dict:
                 group, replica = groups[ep]
                 ids = per_rank[dist.get_rank(group)]
                 api = "megatron" if ep == 2 else "functional"
-                rec = run_once(kind, dtype, cfg, data, ids, group, api, shape3d=scen == "identical")
+                rec = run_once(kind, dtype, cfg, data, ids, group, api, shape3d=scen == "identical", device=device)
                 rec.update(cfg=name, scen=scen, ep=ep, replica=replica, rank=rank)
                 records.append(rec)
     naive = {}
