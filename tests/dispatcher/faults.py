@@ -166,3 +166,28 @@ def fault_worker(rank: int, world_size: int) -> dict:
                             and torch.equal(after_dispatch, reference_dispatch)))
     # a zero-token rank's peers must get exactly their normal outputs
     return dict(results=results, reference=reference, reference_dispatch=reference_dispatch)
+
+
+def step_transfers(rank: int, world_size: int) -> dict:
+    """Host reads (each one host sync on CUDA) and host-to-device copies of one EP-4 layer step
+    (forward + backward), after the layer's first step (which also agrees on the configuration)."""
+    from moe_dispatch.dispatcher import comm, functional, layout
+
+    layer = MoELayer(_layer_config(), dist.group.WORLD)
+    x = _tokens(rank).requires_grad_()
+    layer(x).float().sum().backward()
+    counts = {"read_host": 0, "to_device": 0}
+
+    def counted(name, real):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+    saved = layout.read_host, layout.to_device, functional.to_device
+    layout.read_host = counted("read_host", comm.read_host)
+    layout.to_device = functional.to_device = counted("to_device", comm.to_device)
+    try:
+        layer(x).float().sum().backward()
+    finally:
+        layout.read_host, layout.to_device, functional.to_device = saved
+    return counts

@@ -49,3 +49,11 @@ def test_case(faults, index):
             word = word.format(rank=bad, field=variant)
             assert word in o["message"], f"{what}: {word!r} not in rank {r}'s {o['message']!r}"
     assert len(messages) == 1, f"{what}: messages differ across ranks: {messages}"
+
+
+def test_ep4_layer_step_reads_the_host_once(gloo_ranks):
+    """After its first step, an EP-4 layer step (forward + backward) reads the host once (the
+    size exchange) and copies two small tables to the device (the exchange's descriptor and the
+    row maps), on every rank."""
+    for rank in gloo_ranks:
+        assert rank["transfers"] == {"read_host": 1, "to_device": 2}, rank["transfers"]

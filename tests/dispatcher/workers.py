@@ -141,10 +141,10 @@ def _gather(t: torch.Tensor, group) -> list:
 def gloo_worker(rank: int, world_size: int) -> dict:
     """Everything the 4-rank gloo tests need, in one spawn (starting ranks costs more than the
     checks): the bad-input checks first, then the contract matrix."""
-    from .faults import fault_worker
+    from .faults import fault_worker, step_transfers
 
     return dict(bad_input=bad_input_worker(rank, world_size), faults=fault_worker(rank, world_size),
-                contract=contract_worker(rank, world_size))
+                transfers=step_transfers(rank, world_size), contract=contract_worker(rank, world_size))
 
 
 def contract_worker(rank: int, world_size: int, device: str = "cpu") -> dict:
