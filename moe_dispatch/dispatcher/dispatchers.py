@@ -71,7 +71,9 @@ class _Dispatcher:
         self._agreed = self.ep_size == 1  # configuration agreed with the group (once, lazily)
         self._step: _Step = None
 
-    def _agree(self, device: torch.device) -> None:
+    def agree(self, device: torch.device) -> None:
+        """Agree on the configuration with the group (one fixed-size exchange), the first time
+        only; dispatch does it too. A layer calls it before its own first collective."""
         if not self._agreed:
             agree_config(self.config, self.ep_group, device)
             self._agreed = True
@@ -82,7 +84,7 @@ class _Dispatcher:
         """(expert_input [N, H], tokens_per_expert CPU int64 [El], handle); see functional.dispatch
         (``handle``: reuse a previous step's, for activation recomputation)."""
         if handle is None:
-            self._agree(hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu"))
+            self.agree(hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu"))
             x, wire, plan = functional.prepare(hidden_states, routing_map, probs, self.config, self.ep_group)
             rows, new = functional.finish(x, wire, functional.send_tokens(x, wire, plan), plan, hidden_states.shape)
             return rows, new.tokens_per_expert, new
@@ -95,7 +97,7 @@ class _Dispatcher:
     def raise_together(self, problem: InputProblem, device: torch.device) -> None:
         """Take part in this step's size exchange with a locally found problem: every rank of the
         group (those in dispatch, and this one) raises the same ValueError. Always raises."""
-        self._agree(device)
+        self.agree(device)
         exchange_sizes(None, None, None, self.config, self.ep_group, problem=problem, device=device)
         raise AssertionError("exchange_sizes returned despite a problem")  # unreachable: it raises
 
@@ -112,7 +114,7 @@ class _Dispatcher:
     # ---- Megatron-core interface -----------------------------------------------------------
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """Validate (all ranks), exchange sizes; returns (hidden [T, H], probs [T, E] fp32/fp64)."""
-        self._agree(hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu"))
+        self.agree(hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu"))
         x, wire, plan = functional.prepare(hidden_states, routing_map, probs, self.config, self.ep_group)
         self._step = _Prepared(plan, hidden_states.shape)
         return x, wire

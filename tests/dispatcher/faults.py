@@ -48,8 +48,9 @@ def fault_cases(seed: int = 2026, count: int = 40) -> list[tuple[str, str, int]]
 
 
 def _layer_config(**changes) -> MoEConfig:
+    # aux loss on: the router all-reduces its counts, a collective before the dispatcher's
     fields = dict(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=FFN, params_dtype=torch.bfloat16,
-                  load_balancing_type="none")
+                  load_balancing_type="aux_loss", aux_loss_coeff=0.01)
     return MoEConfig(**{**fields, **changes})
 
 
