@@ -86,7 +86,8 @@ class RowFormat:
     def pack(self, buf: torch.Tensor, hidden: torch.Tensor, probs: Optional[torch.Tensor],
              routing: Optional[torch.Tensor], index: Optional[torch.Tensor] = None) -> None:
         """buf's rows = the rows ``index`` of hidden [R, H], probs [R, k], routing [R, k] (all rows
-        in order without index): one copy per part, no intermediate."""
+        in order without index). The hidden rows are copied straight into the buffer (one pass);
+        the small probs and routing parts through an index_select."""
         h, p, r = self.views(buf)
         if index is None:
             h.copy_(hidden)

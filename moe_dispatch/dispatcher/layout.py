@@ -403,7 +403,6 @@ def exchange_sizes(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfi
     return layout
 
 
-
 def hidden_states_problem(hidden_states: Any, hidden_size: int, device: torch.device) -> Optional[InputProblem]:
     """What is wrong with a layer's input, found locally (None: nothing), for the size exchange
     to carry (``_Dispatcher.raise_together``) instead of failing on one rank while others wait.
