@@ -198,3 +198,24 @@ def test_layer_step_reads_the_host_once(monkeypatch, pad_multiple):
     x = torch.randn(20, 32, requires_grad=True)
     counts = count_host_transfers(monkeypatch, lambda: layer(x).sum().backward())
     assert counts == {"read_host": 1, "to_device": int(pad_multiple > 1)}, counts
+
+
+def _nccl_layer_worker(rank: int, world_size: int) -> dict:
+    config = MoEConfig(hidden_size=256, num_experts=16, topk=4, ffn_hidden_size=256, params_dtype=torch.bfloat16)
+    layer = MoELayer(config).cuda()
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    return host_calls_per_step(layer, x)
+
+
+@pytest.mark.gpu
+def test_gpu_ep2_layer_step_host_synchronisations():
+    """EP 2 on two GPUs (NCCL), forward + backward: one host synchronisation (the size exchange),
+    one device-to-host copy and two pinned host-to-device copies (its descriptor, the row maps)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from tests.dispatcher.harness import run_ranks
+
+    for rank, counts in enumerate(run_ranks(_nccl_layer_worker, 2, timeout=300, backend="nccl")):
+        print(f"\nEP-2 layer step, rank {rank}: {counts['syncs']:g} host syncs, {counts['copies']:g} copies per step; "
+              f"{counts['detail']}")
+        assert counts["syncs"] == 1 and counts["copies"] == 3, counts
