@@ -10,7 +10,8 @@ from .router import AuxLossScaler, TopKRouter
 __version__ = "0.1.0"
 
 __all__ = [
-    "AllGatherDispatcher", "AllToAllDispatcher", "AuxLossScaler", "DispatchHandle", "GroupedMLP", "MoEConfig", "MoELayer",
+    "AllGatherDispatcher", "AllToAllDispatcher", "AuxLossScaler", "DispatchHandle", "GroupedMLP", "MoEConfig",
+    "MoELayer",
     "RowIdMap", "SequentialMLP", "TopKRouter", "build_dispatcher", "combine", "dispatch", "expert_row_counts",
     "permute", "sort_chunks", "unpermute",
 ]

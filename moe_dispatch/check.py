@@ -277,13 +277,21 @@ def _worker(local_rank: int, world: int, port: int, backend: str, args: argparse
     main_worker(args, backend)
 
 
+def rank_device(backend: str, local_rank: int) -> torch.device:
+    """The rank's device: NCCL, one GPU per rank; gloo, the GPUs too where CUDA is present (ranks
+    share them, local_rank modulo the GPU count: gloo's collectives take CUDA tensors, so one GPU
+    can check EP 2 to 8), else the CPU."""
+    if backend == "nccl" or (backend == "gloo" and torch.cuda.is_available()):
+        index = local_rank if backend == "nccl" else local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
 def main_worker(args: argparse.Namespace, backend: str) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(backend, local_rank)
+    if device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the cores; one thread each avoids oversubscription
     dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
     rank = dist.get_rank()

@@ -15,11 +15,13 @@ from typing import Any, Optional
 
 import torch
 
+from .dispatcher.exchange import KINDS
+
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 _SCORE_FUNCTIONS = ("softmax", "sigmoid")
 _LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 _DROP_POLICIES = ("probs", "position")
-_DISPATCHERS = ("allgather", "alltoall")
+_DISPATCHERS = tuple(sorted(KINDS))  # the dispatcher kinds' one registry
 _ACTIVATIONS = ("gelu", "relu", "swiglu")
 _EXPERT_IMPLS = ("grouped", "sequential")
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import MoEConfig
-from .dispatcher import build_dispatcher
+from .dispatcher import build_dispatcher, hidden_states_problem
 from .experts import GroupedMLP, SequentialMLP
 from .router import TopKRouter
 
@@ -62,16 +62,33 @@ class MoELayer(nn.Module):
         return dict(self.router.last_losses)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [S, B, H] or [T, H] -> the same shape and dtype."""
-        if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != self.config.hidden_size:
-            raise ValueError(f"hidden_states must be [T, {self.config.hidden_size}] or "
-                             f"[S, B, {self.config.hidden_size}], got {tuple(hidden_states.shape)}")
+        """hidden_states [S, B, H] or [T, H] -> the same shape and dtype.
+
+        Bad input (not a float tensor [T, H] / [S, B, H] with H = hidden_size on the layer's device
+        type) raises the same ValueError on every EP rank: a rank that finds it locally routes no
+        tokens (so that the router's own collectives, the aux-loss counts, still match) and takes
+        part in the dispatcher's size exchange with the error, so no rank waits."""
+        device = self.experts.weight1.device
+        # Before the router's first collective: a configuration that differs across ranks (e.g.
+        # num_experts) would otherwise abort in the aux-loss all-reduce. Once per layer.
+        self.dispatcher.agree(device)
+        problem = hidden_states_problem(hidden_states, self.config.hidden_size, device)
+        if problem is not None:
+            three_d = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3
+            batch = tuple(hidden_states.shape[1:2]) if three_d else ()  # [S, B, H]: the same B
+            self.router(torch.zeros((0, *batch, self.config.hidden_size), dtype=self.router.weight.dtype,
+                                    device=device))
+            self.dispatcher.raise_together(problem, device)
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         probs, routing_map = self.router(hidden_states)
         expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(tokens, routing_map, probs)
-        expert_output = self.experts(expert_input, tokens_per_expert, handle.permuted_probs)
+        expert_output = self.experts(expert_input, tokens_per_expert, handle.permuted_probs,
+                                     offsets=handle.expert_offsets)
         output = self.dispatcher.combine(expert_output, handle)
         if self.shared_expert is not None:
-            counts = torch.tensor([tokens.shape[0]], dtype=torch.int64)
-            output = output + self.shared_expert(tokens, counts).reshape(output.shape)
+            T = tokens.shape[0]
+            # host counts for the loop GEMMs; device offsets (a fill, no copy) for grouped_mm
+            counts = torch.tensor([T], dtype=torch.int64)
+            offsets = torch.full((1,), T, dtype=torch.int32, device=tokens.device)
+            output = output + self.shared_expert(tokens, counts, offsets=offsets).reshape(output.shape)
         return output.reshape(hidden_states.shape)

@@ -3,13 +3,16 @@ forward + backward, ours beside megatron-core's in the same run.
 
     torchrun --nproc-per-node 2 scripts/bench_ep.py [--what dispatch,layer] [--tokens 8192]
     torchrun --nproc-per-node 2 scripts/bench_ep.py --cpu-smoke   # gloo, tiny: checks the script runs
+    torchrun --nproc-per-node 1 scripts/bench_ep.py --what layer   # the EP-1 layer on one GPU
 
 Round trip: identity experts; ours (alltoall, allgather), Megatron's MoEAlltoAll/MoEAllGather
 token dispatchers, and a raw all_to_all_single of the K-copy rows there and back. The byte floor
 is the bytes this rank must send to other ranks (deduplicated tokens on dispatch, K-copy rows on
 combine) over the all-to-all bandwidth measured here (the raw exchange).
 Layer: hidden 4096, ffn 1024, 64 experts, top-6, bf16, fp32 router; Megatron's MoELayer with
-SequentialMLP and no TransformerEngine (what a user without TE gets).
+SequentialMLP and no TransformerEngine (what a user without TE gets). First the EP-1 layer (each
+rank alone) with gradients reset every step beside gradients accumulating, with the host
+synchronisations and host<->device copies per step (torch.profiler).
 Times are medians of CUDA-event timings on rank 0 over a fixed number of iterations that every
 rank runs: triton.testing.do_bench sizes its loop from a per-rank estimate, and ranks that loop a
 different number of times over collectives hang.
@@ -24,12 +27,10 @@ import traceback
 import torch
 import torch.distributed as dist
 import triton
-
 from bench_ops import routing, time_host_calls  # this script's folder is on sys.path
 
 from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.dispatcher import build_dispatcher
-
 
 DEVICE = torch.device("cuda")
 
@@ -145,8 +146,10 @@ def bench_dispatch(args, world: int, rank: int) -> None:
         rows.append((f"ours {kind} round trip", bench(our_round_trip(args, kind, x, routing_map, probs))))
     try:
         pg = megatron_groups(world, rank)
-        from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
-                                                                    MoEAlltoAllTokenDispatcher)
+        from megatron.core.transformer.moe.token_dispatcher import (
+            MoEAllGatherTokenDispatcher,
+            MoEAlltoAllTokenDispatcher,
+        )
         for kind, cls in [("alltoall", MoEAlltoAllTokenDispatcher), ("allgather", MoEAllGatherTokenDispatcher)]:
             cfg = megatron_config(H, E, K, args.ffn, world, kind)
             d = cls(El, list(range(rank * El, (rank + 1) * El)), cfg, pg_collection=pg)
@@ -220,6 +223,56 @@ def bench_layer(args, world: int, rank: int) -> None:
         say(f"| {name} | {ms:.2f} | {fwd:.2f} | {T / (ms * 1e-3):,.0f} |")
 
 
+def host_waits(fn, steps: int = 3) -> str:
+    """'syncs / copies' per call of fn: CUDA runtime calls that make the host wait for the GPU, and
+    host<->device copies (torch.profiler, after a warm-up); 'n/a' on the CPU."""
+    if DEVICE.type != "cuda":
+        return "n/a"
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()  # the profiler's own wait, subtracted
+    counts = {e.key: e.count for e in prof.key_averages()}
+    syncs = sum(counts.get(k, 0) for k in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                           "cudaEventSynchronize", "cudaMemcpy")) - 1
+    copies = sum(counts.get(k, 0) for k in ("cudaMemcpyAsync", "cudaMemcpy"))
+    return f"{syncs / steps:g} / {copies / steps:g}"
+
+
+def bench_layer_ep1(args, single) -> None:
+    """The EP-1 layer (each rank alone, group ``single``), forward + backward, with the gradients
+    reset every step beside gradients accumulating into .grad."""
+    T, E, K, H, F = args.tokens, args.experts, args.topk, args.hidden, args.ffn
+    config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=F, params_dtype=torch.bfloat16,
+                       load_balancing_type="none")
+    layer = MoELayer(config, single).to(DEVICE)
+    x = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16)
+
+    def accumulate():
+        layer(x).backward(g)
+
+    def reset():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x).backward(g)
+    rows = [("grads reset each step", bench(reset), host_waits(reset)),
+            ("grads accumulating into .grad", bench(accumulate), host_waits(accumulate))]
+    flops = 2 * 3 * T * K * H * F * 2
+    say(f"\n## EP-1 MoELayer forward + backward (ours, alltoall, grouped row-stable experts): {T} tokens, H={H}, "
+        f"ffn={F}, E={E}, K={K}, bf16, fp32 router; expert GEMM work {flops / 1e12:.2f} TFLOP")
+    say("# A training step that calls optimizer.zero_grad(set_to_none=True) (PyTorch's default) pays 'grads reset "
+        "each step': its backward writes .grad. 'Accumulating' is what micro-batches after the first pay under "
+        "gradient accumulation (one extra read-add-write of every weight gradient).")
+    say("| EP-1 layer step | fwd+bwd (ms) | host syncs / host<->device copies per step |\n|---|---|---|")
+    for name, ms, waits in rows:
+        say(f"| EP-1 ours alltoall, {name} | {ms:.2f} | {waits} |")
+
+
 def profile_dispatch(args, world: int, rank: int) -> None:
     """Where a round trip's time goes: torch.profiler tables (rank 0) with one range per stage, and
     the host cost of each op at a tiny size (launch-bound), for tuning; not a benchmark."""
@@ -228,7 +281,7 @@ def profile_dispatch(args, world: int, rank: int) -> None:
     from moe_dispatch.dispatcher import functional
     from moe_dispatch.ops import permutation
 
-    for name in ["prepare", "exchange", "expand", "to_source_major", "send_to_owners", "unpermute"]:
+    for name in ["prepare", "send_tokens", "finish", "return_to_owners", "owner_sum"]:
         fn = getattr(functional, name)
 
         def wrapped(*a, _fn=fn, _name=name, **k):
@@ -262,11 +315,13 @@ def profile_dispatch(args, world: int, rank: int) -> None:
         "torch add_ (baseline)": lambda: xs.add_(0),
         "make_slots op": lambda: permutation._make_slots_op(rm, 1),
         "permute_rows op": lambda: permutation._permute_op(xs, slots, pr, rid.num_out_tokens, False),
-        "triton permute_rows direct": lambda: permutation._impl(xs).permute_rows(xs, slots, pr, rid.num_out_tokens, False),
+        "triton permute_rows direct": lambda: permutation._impl(xs).permute_rows(xs, slots, pr, rid.num_out_tokens,
+                                                                                   False),
         "permute (public, syncs)": lambda: permutation.permute(xs, rm, pr),
         "permute (public, host counts)": lambda: permutation.permute(xs, rm, pr, tokens_per_expert=rm.sum(0).tolist()),
         "unpermute (public)": lambda: permutation.unpermute(rows, rid, pr),
-        "sort_chunks": lambda: permutation.sort_chunks(rows, [rows.shape[0] // 2, rows.shape[0] - rows.shape[0] // 2], [1, 0]),
+        "sort_chunks": lambda: permutation.sort_chunks(rows, [rows.shape[0] // 2, rows.shape[0] - rows.shape[0] // 2],
+                                                       [1, 0]),
     }
     say("\n## host cost per call, tiny size (us)\n| op | us/call |\n|---|---|")
     for name, us in time_host_calls(cases):
@@ -302,6 +357,8 @@ def main() -> None:
     if "dispatch" in args.what:
         bench_dispatch(args, world, rank)
     if "layer" in args.what:
+        single = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
+        bench_layer_ep1(args, single)
         bench_layer(args, world, rank)
     dist.destroy_process_group()
 

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_dispatch.ops import permute, unpermute
 from moe_dispatch.ops import permutation as P
+from moe_dispatch.ops import permute, unpermute
 
 DEFAULT_SHAPES = [(8192, 16, 2048, 4), (4096, 256, 7168, 8), (16384, 128, 4096, 6), (32768, 64, 4096, 8)]
 

@@ -47,7 +47,8 @@ def megatron_router(mu, cfg: MoEConfig, weight, expert_bias, seq, batch):
         aux_map, scores = mu.compute_routing_scores_for_aux_loss(logits, cfg.topk, cfg.score_function)
         if cfg.load_balancing_type == "seq_aux_loss":
             s, m = scores.reshape(seq, -1), aux_map.reshape(seq, -1)
-            loss = mu.switch_load_balancing_loss_func(s, m.sum(0), seq, cfg.topk, cfg.num_experts, cfg.aux_loss_coeff) / batch
+            loss = mu.switch_load_balancing_loss_func(s, m.sum(0), seq, cfg.topk, cfg.num_experts,
+                                                      cfg.aux_loss_coeff) / batch
         else:
             loss = mu.switch_load_balancing_loss_func(
                 scores, aux_map.sum(0), logits.shape[0], cfg.topk, cfg.num_experts, cfg.aux_loss_coeff)
@@ -68,7 +69,8 @@ def run_case(name: str, case: dict, weight_dtype: torch.dtype, mu) -> list:
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
     g = torch.randn(T, E, device="cuda", dtype=torch.float32)
     rows = []
-    variants = {"ours": TopKRouter(cfg, device="cuda"), "ours, check_finite=False": TopKRouter(cfg, device="cuda", check_finite=False)}
+    variants = {"ours": TopKRouter(cfg, device="cuda"),
+                "ours, check_finite=False": TopKRouter(cfg, device="cuda", check_finite=False)}
     for label, router in variants.items():
         if router.expert_bias is not None:
             router.expert_bias.copy_(torch.linspace(-0.01, 0.01, E, device="cuda"))
@@ -83,7 +85,8 @@ def run_case(name: str, case: dict, weight_dtype: torch.dtype, mu) -> list:
         agree = (m_ours == m_mg).all(-1).float().mean().item()
         fwd = bench(lambda: mg(x))
         fb = bench(lambda: torch.autograd.backward(mg(x)[0], g))
-        rows.append((name, str(weight_dtype).replace("torch.", ""), f"Megatron (maps agree on {agree:.4%} of tokens)", fwd, fb))
+        rows.append((name, str(weight_dtype).replace("torch.", ""), f"Megatron (maps agree on {agree:.4%} of tokens)",
+                     fwd, fb))
     # gating alone: our fixed-config Triton GEMM against cuBLAS on the fp32 upcasts
     x2 = x.detach().view(T, H)
     w = router.weight.detach()
@@ -96,7 +99,8 @@ def run_case(name: str, case: dict, weight_dtype: torch.dtype, mu) -> list:
     err = ((full.double() - x2.double() @ w.double().t()).abs().max().item(),
            (full_cublas.double() - x2.double() @ w.double().t()).abs().max().item())
     rows.append((name, str(weight_dtype).replace("torch.", ""),
-                 f"gating GEMM only: ours row-stable={stable} max|err|={err[0]:.1e} / cuBLAS fp32 row-stable={stable_cublas} max|err|={err[1]:.1e}",
+                 f"gating GEMM only: ours row-stable={stable} max|err|={err[0]:.1e} / "
+                 f"cuBLAS fp32 row-stable={stable_cublas} max|err|={err[1]:.1e}",
                  ours_ms, cublas_ms))
     return rows
 

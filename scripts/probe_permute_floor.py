@@ -76,7 +76,7 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, triton {triton.__version__}")
     print(f"# copy (torch, read + write) {bw / 1e12:.2f} TB/s; write-only (Triton fill) "
           f"{nbytes / fill_ms / 1e9:.2f} TB/s; read-only (Triton sum) {nbytes / read_ms / 1e9:.2f} TB/s")
-    del x, sums
+    x = sums = None  # free the buffers (the lambdas above already ran)
     print("| T,E,H,K | destinations | source | stores | ms | / floor |")
     print("|---|---|---|---|---|---|")
     for T, E, H, K in shapes:

@@ -10,3 +10,5 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q torch==2.13.0 triton==3.6.0
 .venv/bin/python -m pip install -q -e '.[test]'
+# The linter CI runs first (scripts/test.sh); configured in pyproject.toml.
+.venv/bin/python -m pip install -q ruff==0.16.9

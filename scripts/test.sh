@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_venv.sh
+.venv/bin/ruff check .
 exec .venv/bin/python -m pytest -q "$@"

@@ -46,7 +46,8 @@ def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> N
         "permute bwd": ((N * H + T * H) * b,
                         lambda blk: (lambda: KT.permute_rows_backward(g_perm, slots, None, torch.float32, blk)), True),
         "unpermute bwd, probs grad": ((T * H + 2 * N * H) * b + 2 * T * E * 4,
-                                      lambda blk: (lambda: KT.unpermute_rows_backward(g_out, y, slots, probs, False, K)),
+                                      lambda blk: (lambda: KT.unpermute_rows_backward(g_out, y, slots, probs,
+                                                                                      False, K)),
                                       False),
     }
     defaults = dict(KT.LAUNCH)

@@ -117,3 +117,105 @@ def test_check_help_lists_options():
     proc = subprocess.run([sys.executable, "-m", "moe_dispatch.check", "--help"], capture_output=True, text=True)
     for option in ["--ranks", "--ep-sizes", "--dispatcher", "--dtype", "--tokens", "--megatron"]:
         assert option in proc.stdout
+
+
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+_COPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy")
+
+
+def host_calls_per_step(layer: MoELayer, x: torch.Tensor, steps: int = 3) -> dict:
+    """CUDA runtime calls that make the host wait (synchronisations) or copy between host and
+    device, per layer step (forward + backward), counted with torch.profiler after a warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        xx = x.detach().requires_grad_()
+        layer(xx).sum().backward()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()  # the profiler's own wait: subtracted below
+    counts = {e.key: e.count for e in prof.key_averages()}
+    syncs = sum(counts.get(name, 0) for name in _SYNC_CALLS) - 1
+    copies = sum(counts.get(name, 0) for name in _COPY_CALLS)
+    detail = {k: counts.get(k, 0) for k in _SYNC_CALLS + _COPY_CALLS}
+    return dict(syncs=syncs / steps, copies=copies / steps, detail=detail)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_step_host_synchronisations():
+    """EP 1 layer step, forward + backward: one host synchronisation (the dispatcher reads the
+    routing counts once) and that one device-to-host copy; no host-to-device copies."""
+    config = MoEConfig(hidden_size=256, num_experts=16, topk=4, ffn_hidden_size=256, params_dtype=torch.bfloat16)
+    layer = MoELayer(config).cuda()
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    counts = host_calls_per_step(layer, x)
+    print(f"\nEP-1 layer step (fwd+bwd): {counts['syncs']:g} host syncs, {counts['copies']:g} host<->device copies "
+          f"per step; runtime calls over 3 steps: {counts['detail']}")
+    assert counts["syncs"] == 1, counts
+    assert counts["copies"] == 1, counts
+
+
+@pytest.mark.gpu
+def test_gpu_check_gloo_ranks_share_the_gpu():
+    """`moe-dispatch check --backend gloo` on a CUDA machine runs its ranks on the GPU(s)."""
+    proc = subprocess.run([sys.executable, "-m", "moe_dispatch.cli", "check", "--backend", "gloo", "--ranks", "2",
+                           "--tokens", "96"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ranks on gloo (cuda)" in proc.stdout and "ALL PASS" in proc.stdout, proc.stdout
+
+
+def count_host_transfers(monkeypatch, fn) -> dict:
+    """Calls of the dispatcher's host reads (read_host: each one host sync on CUDA) and host-to-
+    device table copies (to_device) while fn runs: the CPU stand-in for the GPU count above."""
+    from moe_dispatch.dispatcher import comm, functional, layout
+
+    counts = {"read_host": 0, "to_device": 0}
+
+    def counted(name, real):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(layout, "read_host", counted("read_host", comm.read_host))
+    monkeypatch.setattr(layout, "to_device", counted("to_device", comm.to_device))
+    monkeypatch.setattr(functional, "to_device", counted("to_device", comm.to_device))
+    fn()
+    return counts
+
+
+@pytest.mark.parametrize("pad_multiple", [1, 4])
+def test_layer_step_reads_the_host_once(monkeypatch, pad_multiple):
+    """EP 1, forward + backward: one host read (the routing counts), and no table copied to the
+    device unless padding moves rows (then one)."""
+    config = MoEConfig(hidden_size=32, num_experts=8, topk=2, ffn_hidden_size=16, pad_multiple=pad_multiple)
+    layer = MoELayer(config)
+    x = torch.randn(20, 32, requires_grad=True)
+    counts = count_host_transfers(monkeypatch, lambda: layer(x).sum().backward())
+    assert counts == {"read_host": 1, "to_device": int(pad_multiple > 1)}, counts
+
+
+def _nccl_layer_worker(rank: int, world_size: int) -> dict:
+    config = MoEConfig(hidden_size=256, num_experts=16, topk=4, ffn_hidden_size=256, params_dtype=torch.bfloat16)
+    layer = MoELayer(config).cuda()
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    return host_calls_per_step(layer, x)
+
+
+@pytest.mark.gpu
+def test_gpu_ep2_layer_step_host_synchronisations():
+    """EP 2 on two GPUs (NCCL), forward + backward: one host synchronisation (the size exchange),
+    one device-to-host copy and two pinned host-to-device copies (its descriptor, the row maps)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from tests.dispatcher.harness import run_ranks
+
+    for rank, counts in enumerate(run_ranks(_nccl_layer_worker, 2, timeout=300, backend="nccl")):
+        print(f"\nEP-2 layer step, rank {rank}: {counts['syncs']:g} host syncs, {counts['copies']:g} copies per step; "
+              f"{counts['detail']}")
+        assert counts["syncs"] == 1 and counts["copies"] == 3, counts

@@ -1,6 +1,9 @@
-"""Collectives the dispatchers use: group size/rank, an uneven all-to-all with a mirrored backward,
-and an all-gather of equal-size rows. A group of size 1 (or no process group at all) never calls
-torch.distributed, so the single-process path needs no initialisation.
+"""Collectives and host/device transfers the dispatchers use. A group of size 1 (or no process
+group at all) never calls torch.distributed, so the single-process path needs no initialisation.
+
+Host transfers: small int tables go to the device in one pinned, non_blocking copy (a pageable
+copy stages through a bounce buffer and can block); the one read back per step lands in a pinned
+buffer and waits on the current stream once (the step's one host synchronisation).
 """
 from __future__ import annotations
 
@@ -21,6 +24,25 @@ def group_size_rank(group: ProcessGroup) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host ints -> int64 [len] on ``device``: one copy, pinned and non_blocking on CUDA."""
+    if device.type != "cuda":
+        return torch.tensor(list(values), dtype=torch.int64, device=device)
+    staged = torch.tensor(list(values), dtype=torch.int64, pin_memory=True)
+    return staged.to(device, non_blocking=True)
+
+
+def read_host(t: torch.Tensor) -> list:
+    """t (int64, any device) -> nested host lists. On CUDA: one copy into pinned memory and one
+    wait on the current stream (the caller's one host synchronisation)."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host.tolist()
+
+
 def all_gather_rows(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """[n, ...] on every rank -> [P * n, ...], rank-major. Every rank must pass the same shape."""
     size, _ = group_size_rank(group)
@@ -33,33 +55,11 @@ def all_gather_rows(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def all_to_all_rows(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
-                    group: ProcessGroup) -> torch.Tensor:
+                    group: ProcessGroup, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Uneven all-to-all of rows: send x's chunk i (in_splits[i] rows) to rank i, receive
-    out_splits[j] rows from rank j, concatenated in rank order. No autograd."""
-    size, _ = group_size_rank(group)
-    if size == 1:
-        return x
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    out_splits[j] rows from rank j, concatenated in rank order (into ``out`` if given, which must
+    be contiguous with sum(out_splits) rows). No autograd."""
+    if out is None:
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
     return out
-
-
-class _AllToAllRows(torch.autograd.Function):
-    """all_to_all_rows whose backward is the mirror all-to-all: rows are moved, never summed."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
-        return all_to_all_rows(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_to_all_rows(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
-
-
-def all_to_all_rows_autograd(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
-                             group: ProcessGroup) -> torch.Tensor:
-    """all_to_all_rows with autograd (the backward sends the gradient rows back the same way)."""
-    if group_size_rank(group)[0] == 1:
-        return x
-    return _AllToAllRows.apply(x, list(out_splits), list(in_splits), group)

@@ -1,78 +1,421 @@
-"""Functional dispatch / combine, in the steps the Megatron-style classes call one by one:
+"""dispatch / combine: one frozen handle from the first to the second (DeepEP style).
 
-    prepare  -> validate, exchange sizes (one all-gather, one host sync), build the owner's map
-    exchange -> send tokens, routing rows and fp32/fp64 probs (alltoall or allgather)
-    expand   -> one row per (token, local expert), the layout the experts get
-    combine  -> rows back to their owners unreduced, then the owner's fixed-order fp32 sum
+    dispatch: size exchange + layout (layout.py; skipped with handle=previous), row maps (here),
+              the forward exchange (exchange.py), expand to one row per (token, local expert)
+    combine:  rows back to their owners unreduced (exchange.py), the owner's fixed-order fp32 sum
+
+Why the results are bitwise invariant (rank, dispatcher, EP size, batch):
+- every local expert receives its rows in the order (source rank ascending, token ascending), and
+  the expert's computation of a row must not depend on the other rows (row-stable);
+- expert outputs return UNREDUCED to the token's owner, whose ``unpermute`` sums a token's rows in
+  ascending expert order in fp32 (fp64 for fp64 probs), whatever P, the dispatcher or the batch;
+- the dispatch's backward is the same path: the gradient of every (token, expert) row goes back
+  to the owner unreduced and is summed there in the same fixed order.
+
+Receiver layout (rows given to the local experts, [N, H]): for each local expert e, for each
+source rank s ascending, a block of rows (s's tokens ascending, then capacity padding), then the
+expert's tail padding (pad_multiple). Owner buffer (rows returned to the owner, [M, H]): for each
+expert rank (own rank first, then the others ascending) its experts' blocks, each the owner's
+tokens ascending (then capacity padding). At EP size 1 both are the same buffer and nothing moves.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from ..ops import unpermute
-from .allgather import send_allgather
-from .alltoall import send_alltoall
-from .comm import ProcessGroup
-from .common import DispatchHandle, expand, owner_row_id_map, send_to_owners, to_source_major
-from .layout import exchange_layout, wire_probs_dtype
+from ..ops import RowIdMap, unpermute
+from ..ops.permutation import make_slots, permute_rows
+from .comm import ProcessGroup, group_size_rank, to_device
+from .config import DispatchConfig, as_dispatch_config
+from .exchange import KINDS, Received, ReturnRoute, return_rows, return_runs, send_back
+from .layout import InputProblem, Layout, agree_config, dtype_code, exchange_sizes, latch_error
 
-KINDS = ("alltoall", "allgather")
+Runs = tuple[torch.Tensor, torch.Tensor, int]  # (shifts, lengths) on the device, total positions
 
 
-def prepare(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, config: Any,
-            group: ProcessGroup, kind: str) -> tuple[torch.Tensor, DispatchHandle]:
-    """Validate on every rank, exchange the routing counts and build the handle.
+@dataclass(frozen=True)
+class Plan:
+    """What one step's routing decides, before any data moves; reused by dispatch(handle=...).
 
-    Returns (hidden viewed as [T, H], handle). Raises ValueError on every rank of the group if
-    any rank's input is bad (before any data is exchanged).
+    Attributes:
+        config, group, layout: the dispatcher's settings, the EP group, the step's sizes.
+        routing_map: [T, E] bool, this rank's tokens.
+        hidden_dtype, probs_dtype: dtypes of the rows and of the wire probs.
+        owner_map: RowIdMap of this rank's (token, expert) pairs in the owner buffer (None at EP 1:
+            the expert map serves).
+        route: the return exchange (None at EP 1).
+        expert_runs: how the receiver layout's row map shifts make_slots' dense rows (None: it
+            does not).
+        expert_padded: [El] int64 rows per local expert block on the device (None: the counts).
+        tokens_per_expert: CPU int64 [El], rows per local expert (padding included).
     """
-    if kind not in KINDS:
-        raise ValueError(f"dispatcher kind must be one of {KINDS}, got {kind!r}")
-    layout = exchange_layout(hidden, routing_map, probs, config, group)
+
+    config: DispatchConfig
+    group: ProcessGroup
+    layout: Layout
+    routing_map: torch.Tensor
+    hidden_dtype: torch.dtype
+    probs_dtype: torch.dtype
+    owner_map: Optional[RowIdMap]
+    route: Optional[ReturnRoute]
+    expert_runs: Optional[Runs]
+    expert_padded: Optional[torch.Tensor]
+    tokens_per_expert: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What the combine (and the dispatch's backward) needs; returned by ``dispatch``. Immutable.
+
+    Attributes:
+        plan: the step's Plan (layout, maps, routes).
+        expert_map: RowIdMap of the receiver layout (the rows given to the experts).
+        probs: [T, E] fp32/fp64 (the wire dtype), with autograd to the caller's probs.
+        permuted_probs: [N] probs of the rows given to the experts (differentiable only with
+            probs_in_experts; otherwise the combine applies the probs).
+        hidden_shape: shape of the caller's hidden states ([T, H] or [S, B, H]).
+        expert_offsets: int32 [El] on the device, cumulative rows per local expert (the offsets
+            torch._grouped_mm takes: no host-to-device copy of tokens_per_expert).
+    """
+
+    plan: Plan
+    expert_map: RowIdMap
+    probs: torch.Tensor
+    permuted_probs: torch.Tensor
+    hidden_shape: torch.Size
+    expert_offsets: torch.Tensor
+
+    @property
+    def layout(self) -> Layout:
+        return self.plan.layout
+
+    @property
+    def group(self) -> ProcessGroup:
+        return self.plan.group
+
+    @property
+    def kind(self) -> str:
+        return self.plan.config.kind
+
+    @property
+    def routing_map(self) -> torch.Tensor:
+        return self.plan.routing_map
+
+    @property
+    def owner_map(self) -> RowIdMap:
+        return self.plan.owner_map if self.plan.owner_map is not None else self.expert_map
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        """CPU int64 [El], rows per local expert (padding included)."""
+        return self.plan.tokens_per_expert
+
+    @property
+    def probs_in_experts(self) -> bool:
+        return self.plan.config.probs_in_experts
+
+    def combine_weights(self) -> Optional[torch.Tensor]:
+        """[T, E] probs for the combine's weighted sum, or None when the experts applied them."""
+        return None if self.probs_in_experts else self.probs
+
+
+# ---- row maps -----------------------------------------------------------------------------------
+def _expert_runs(layout: Layout, order: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """make_slots numbers the received routed rows densely (local expert-major, then buffer row
+    order, i.e. segment ``order``); run (e, s) moves to its block in the receiver layout."""
+    base = layout.rank * layout.num_local_experts
+    shifts, lengths, dense = [], [], 0
+    for e in range(layout.num_local_experts):
+        for s in order:
+            n = layout.counts[s][base + e]
+            shifts.append(layout.block_starts[e][s] - dense)
+            lengths.append(n)
+            dense += n
+    return shifts, lengths
+
+
+def _owner_runs(layout: Layout) -> tuple[list[int], list[int]]:
+    """Run e (this rank's pairs with global expert e) -> its block in the owner buffer."""
+    El, me = layout.num_local_experts, layout.rank
+    start, at = {}, 0
+    for d in (me, *[d for d in range(layout.ep_size) if d != me]):
+        for e in range(d * El, (d + 1) * El):
+            start[e] = at
+            at += layout.owner_blocks[e]
+    shifts, lengths, dense = [], [], 0
+    for e in range(layout.num_experts):
+        shifts.append(start[e] - dense)
+        lengths.append(layout.counts[me][e])
+        dense += layout.counts[me][e]
+    return shifts, lengths
+
+
+def _runs_index(runs: Runs) -> torch.Tensor:
+    """[total] int64: position i of run r maps to i + shifts[r] (runs laid end to end)."""
+    shifts, lengths, total = runs
+    return torch.arange(total, device=shifts.device) + torch.repeat_interleave(shifts, lengths, output_size=total)
+
+
+def _row_map(routing_map: torch.Tensor, runs: Optional[Runs], padded: Optional[torch.Tensor], num_out: int,
+             routed: int, max_per_row: int) -> RowIdMap:
+    """RowIdMap of routing_map [R, X] whose dense rows (make_slots) move by ``runs``."""
+    slots, stats = make_slots(routing_map.contiguous(), 1)  # stats: [X] counts, then max n_t
+    X = routing_map.shape[1]
+    if runs is not None and routed > 0:
+        lut = _runs_index(runs)
+        rows = slots[:, 1:1 + X]
+        moved = torch.where(rows >= 0, lut[rows.clamp(min=0).long()].to(torch.int32), rows)
+        slots = torch.cat([slots[:, :1], moved, slots[:, 1 + X:]], dim=1)
+    counts = stats[:X]
+    return RowIdMap(slots, counts, counts if padded is None else padded, num_out, num_out > routed,
+                    max(1, max_per_row))
+
+
+def _nonzero_shifts(runs: tuple[list[int], list[int]]) -> bool:
+    return any(s != 0 for s, n in zip(*runs) if n)
+
+
+def make_plan(cfg: DispatchConfig, group: ProcessGroup, layout: Layout, routing_map: torch.Tensor,
+              hidden_dtype: torch.dtype, probs_dtype: torch.dtype) -> Plan:
+    """Row maps and routes of one step. Their host tables cross to the device in one copy."""
+    P, El, me = layout.ep_size, layout.num_local_experts, layout.rank
+    device = routing_map.device
+    order = KINDS[cfg.kind].order(P, me)
+    table: list[int] = []
+
+    def add(values: list[int]) -> slice:
+        table.extend(values)
+        return slice(len(table) - len(values), len(table))
+
+    expert = _expert_runs(layout, order)
+    padded_needed = P > 1 or layout.tokens_per_local_expert != tuple(layout.counts[me][:El])
+    at_expert = (add(expert[0]), add(expert[1])) if _nonzero_shifts(expert) else None
+    at_padded = add(list(layout.tokens_per_local_expert)) if padded_needed else None
+    at_owner = at_route = None
+    if P > 1:
+        owner = _owner_runs(layout)
+        at_owner = (add(owner[0]), add(owner[1]), add(list(layout.owner_blocks)))
+        ret = return_runs(layout)
+        at_route = (add(ret[0]), add(ret[1]))
+    dev = to_device(table, device) if table else None
+    expert_runs = (dev[at_expert[0]], dev[at_expert[1]], sum(expert[1])) if at_expert else None
+    owner_map = route = None
+    if P > 1:
+        owner_runs = (dev[at_owner[0]], dev[at_owner[1]], sum(owner[1]))
+        M = sum(layout.owner_blocks)
+        owner_map = _row_map(routing_map, owner_runs, dev[at_owner[2]], M, sum(layout.counts[me]),
+                             layout.max_experts_per_token[me])
+        send = tuple(0 if d == me else layout.return_send_splits[d] for d in range(P))
+        recv = tuple(0 if d == me else layout.return_recv_splits[d] for d in range(P))
+        route = ReturnRoute(_runs_index((dev[at_route[0]], dev[at_route[1]], sum(ret[1]))),
+                            layout.return_send_splits[me], send, recv, sum(layout.tokens_per_local_expert), group)
+    return Plan(config=cfg, group=group, layout=layout, routing_map=routing_map, hidden_dtype=hidden_dtype,
+                probs_dtype=probs_dtype, owner_map=owner_map, route=route, expert_runs=expert_runs,
+                expert_padded=dev[at_padded] if at_padded else None,
+                tokens_per_expert=torch.tensor(layout.tokens_per_local_expert, dtype=torch.int64))
+
+
+def expert_row_map(plan: Plan, recv_routing: torch.Tensor) -> RowIdMap:
+    """RowIdMap of the received rows [R] -> the receiver layout, from their routing [R, El]."""
+    layout = plan.layout
+    base, El = layout.rank * layout.num_local_experts, layout.num_local_experts
+    routed = sum(row[e] for row in layout.counts for e in range(base, base + El))
+    most = min(El, max(layout.max_experts_per_token))
+    return _row_map(recv_routing, plan.expert_runs, plan.expert_padded, sum(layout.tokens_per_local_expert),
+                    routed, most)
+
+
+def pairs_to_dense(values: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:
+    """values [N] in row_id_map's row order -> [T, X] with out[t, x] = values[row(t, x)], 0 elsewhere.
+    Every (t, x) has at most one row, so this is a pure scatter: no sums."""
+    T, X = row_id_map.num_tokens, row_id_map.num_experts
+    if values.numel() == 0 or T == 0:
+        return values.new_zeros((T, X))
+    slots = row_id_map.slots
+    rows, cols = slots[:, 1:1 + X].long(), slots[:, 1 + X:].long()
+    valid = rows >= 0
+    picked = torch.where(valid, values[rows.clamp(min=0)], values.new_zeros(()))
+    out = values.new_zeros((T, X + 1))  # column X collects the unused slots (all writing 0)
+    out.scatter_(1, torch.where(valid, cols, X), picked)
+    return out[:, :X]
+
+
+# ---- the steps ----------------------------------------------------------------------------------
+def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
+            problem: Optional[InputProblem] = None) -> tuple[torch.Tensor, torch.Tensor, Plan]:
+    """Size exchange (validates every rank's input, raises alike on all) and the step's Plan.
+    Returns (hidden as [T, H], probs in the wire dtype with autograd, plan)."""
+    layout = exchange_sizes(hidden, routing_map, probs, cfg, group, problem)
     x = hidden.reshape(-1, hidden.shape[-1])
-    handle = DispatchHandle(
-        layout=layout, group=group, kind=kind, owner_map=owner_row_id_map(routing_map, layout),
-        routing_map=routing_map, probs=probs.to(wire_probs_dtype(config, probs.dtype)),
-        probs_in_experts=bool(getattr(config, "probs_in_experts", False)), hidden_shape=hidden.shape,
-        tokens_per_expert=torch.tensor(layout.tokens_per_local_expert(), dtype=torch.int64),
-    )
-    return x, handle
+    wire = probs.to(cfg.wire_probs_dtype(probs.dtype))
+    return x, wire, make_plan(cfg, group, layout, routing_map, x.dtype, wire.dtype)
 
 
-def exchange(x: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (tokens [R, H], routing [R, El] bool, probs [R, El]) this rank's experts need,
-    grouped by source rank. Detached: the gradient flows through ``expand``."""
-    send = send_alltoall if handle.kind == "alltoall" else send_allgather
-    return send(x, handle)
+def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: Plan, with_routing: bool = True) -> Received:
+    """x [T, H], probs [T, E] (wire dtype) -> this rank's rows, grouped by source (no autograd)."""
+    if plan.layout.ep_size == 1:
+        return Received(x.detach(), probs.detach(), plan.routing_map, (0,))
+    kind = KINDS[plan.config.kind]
+    return kind.send(x.detach(), probs.detach(), plan.routing_map, plan.layout, plan.group, with_routing)
+
+
+class _Expand(torch.autograd.Function):
+    """Forward: one row per (received token, local expert), the receiver layout.
+    Backward: every row's gradient goes back to its owner unreduced (``send_back``), where
+    ``unpermute`` without probs sums a token's rows in ascending expert order in fp32.
+
+    Inputs: x [T, H] and probs [T, E] are the owner's tensors that autograd links to; the received
+    tensors (detached, views of the exchange's buffer) carry the values."""
+
+    @staticmethod
+    def forward(ctx, x, probs, recv_x, recv_probs, plan, expert_map):
+        rows, row_probs = permute_rows(recv_x, expert_map.slots, recv_probs, expert_map.num_out_tokens,
+                                       expert_map.has_pad_rows)
+        ctx.plan, ctx.expert_map, ctx.x_shape, ctx.probs_dtype = plan, expert_map, x.shape, recv_probs.dtype
+        # The probs gradient travels back only if some rank needs it (same collectives everywhere).
+        ctx.send_probs_grad = plan.config.probs_in_experts and plan.layout.probs_grad
+        if not plan.config.probs_in_experts:
+            ctx.mark_non_differentiable(row_probs)
+        return rows, row_probs
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_row_probs):
+        plan = ctx.plan
+        if ctx.send_probs_grad and grad_row_probs is None:
+            grad_row_probs = torch.zeros(grad_rows.shape[0], dtype=ctx.probs_dtype, device=grad_rows.device)
+        grad_row_probs = grad_row_probs if ctx.send_probs_grad else None
+        if plan.route is None:
+            rows, owner_probs, owner_map = grad_rows.contiguous(), grad_row_probs, ctx.expert_map
+        else:
+            rows, owner_probs = send_back(grad_rows.contiguous(), grad_row_probs, plan.route)
+            owner_map = plan.owner_map
+        grad_x = unpermute(rows, owner_map, None).view(ctx.x_shape)
+        grad_probs = None
+        if owner_probs is not None and ctx.needs_input_grad[1]:
+            grad_probs = pairs_to_dense(owner_probs, owner_map)
+        return grad_x, grad_probs, None, None, None, None
+
+
+def finish(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: Plan, hidden_shape: torch.Size,
+           expert_map: Optional[RowIdMap] = None) -> tuple[torch.Tensor, DispatchHandle]:
+    """Expand the received rows into the receiver layout; returns (expert_input [N, H], handle)."""
+    if expert_map is None:
+        expert_map = expert_row_map(plan, recv.routing)
+    probs_in = probs if plan.config.probs_in_experts else probs.detach()
+    rows, row_probs = _Expand.apply(x, probs_in, recv.hidden, recv.probs, plan, expert_map)
+    offsets = torch.cumsum(expert_map.padded_tokens_per_expert, 0).to(torch.int32)
+    handle = DispatchHandle(plan=plan, expert_map=expert_map, probs=probs, permuted_probs=row_probs,
+                            hidden_shape=hidden_shape, expert_offsets=offsets)
+    return rows, handle
+
+
+def _reuse(previous: DispatchHandle, hidden: Any, routing_map: Any, probs: Any,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check dispatch(handle=previous)'s inputs against the handle, without a host sync.
+
+    Host checks: shapes, dtypes and device equal to the first dispatch's (at EP 1 a mismatch
+    raises; at EP > 1 it is latched, like a differing routing). Device check: routing_map equals
+    the handle's, elementwise; if not, the probs become NaN (so every output of the step is NaN)
+    and the next size exchange on the group raises on every rank."""
+    plan = previous.plan
+    T, E = plan.routing_map.shape
+    H = plan.config.hidden_size
+    ok = (isinstance(hidden, torch.Tensor) and hidden.dtype == plan.hidden_dtype and hidden.shape[-1:] == (H,)
+          and hidden.numel() == T * H and isinstance(routing_map, torch.Tensor)
+          and routing_map.shape == (T, E) and routing_map.dtype == torch.bool
+          and isinstance(probs, torch.Tensor) and probs.shape == (T, E) and probs.is_floating_point()
+          and probs.device == routing_map.device == hidden.device == plan.routing_map.device)
+    if not ok:
+        if plan.layout.ep_size == 1:
+            raise ValueError(f"dispatch(handle=...): hidden_states, routing_map and probs must match the handle's "
+                             f"[T, H] = [{T}, {H}] {plan.hidden_dtype}, [T, E] = [{T}, {E}] bool and float, on "
+                             f"{plan.routing_map.device}")
+        latch_error(plan.group, 101, device=plan.routing_map.device)
+        nan = torch.full((T, E), float("nan"), dtype=plan.probs_dtype, device=plan.routing_map.device)
+        return torch.zeros((T, H), dtype=plan.hidden_dtype, device=nan.device), nan
+    mismatch = (routing_map != plan.routing_map).any()
+    latch_error(plan.group, mismatch.long() * 101)
+    wire = probs.to(plan.probs_dtype)
+    return hidden.reshape(T, H), torch.where(mismatch, float("nan"), wire)
 
 
 def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, config: Any,
-             ep_group: ProcessGroup = None, kind: Optional[str] = None,
+             ep_group: ProcessGroup = None, kind: Optional[str] = None, handle: Optional[DispatchHandle] = None,
              ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send tokens to the ranks of their experts.
 
     Args:
         hidden: [T, H] or [S, B, H] (T = S * B) float32/float16/bfloat16, this rank's tokens.
         routing_map: [T, E] bool. probs: [T, E] float (sent as fp32, or fp64 for an fp64 router).
-        config: needs num_experts, and optionally dispatcher, router_dtype, probs_in_experts,
-            pad_multiple, pad_to_capacity, capacity_factor, topk.
+        config: a MoEConfig or a DispatchConfig.
         ep_group: the expert-parallel process group (None: the default group, or a single process).
-        kind: 'alltoall' or 'allgather' (default: config.dispatcher).
+        kind: 'alltoall' or 'allgather' (default: the config's).
+        handle: a previous dispatch's handle with the same routing (activation recomputation): the
+            configuration check, the size exchange and the row maps are skipped; only the data
+            moves. The routing is compared on the device, without a host sync (see ``_reuse``).
 
     Returns:
         expert_input [N, H]: rows for the local experts, expert-major; within an expert ascending
             (source rank, token); padding rows (pad_multiple / capacity) are zero.
         tokens_per_expert: CPU int64 [El], rows per local expert (padding included).
-        handle: for ``combine``; handle.permuted_probs [N] holds the rows' probs (differentiable
-            only when config.probs_in_experts; otherwise the combine applies the probs).
+        handle: for ``combine`` (frozen).
+
+    The functional form agrees on the configuration (one small fixed-size exchange) on every call
+    at EP > 1; the dispatcher objects do it once, at their first dispatch.
     """
-    kind = kind or getattr(config, "dispatcher", "alltoall")
-    x, handle = prepare(hidden, routing_map, probs, config, ep_group, kind)
-    recv_x, recv_map, recv_probs = exchange(x, handle)
-    rows, handle.permuted_probs = expand(x, handle.probs, recv_x, recv_map, recv_probs, handle)
-    return rows, handle.tokens_per_expert, handle
+    if handle is not None:
+        x, wire = _reuse(handle, hidden, routing_map, probs)
+        recv = send_tokens(x, wire, handle.plan, with_routing=False)
+        rows, new = finish(x, wire, recv, handle.plan, handle.hidden_shape, handle.expert_map)
+        return rows, new.tokens_per_expert, new
+    cfg = as_dispatch_config(config, kind)
+    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+    if group_size_rank(ep_group)[0] > 1:
+        agree_config(cfg, ep_group, device)
+    x, wire, plan = prepare(hidden, routing_map, probs, cfg, ep_group)
+    rows, new = finish(x, wire, send_tokens(x, wire, plan), plan, hidden.shape)
+    return rows, new.tokens_per_expert, new
+
+
+def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Tensor:
+    """expert_output if it is [N, H] in the dispatch's dtype and device. Otherwise: at EP 1 raise
+    ValueError; at EP > 1 latch the error for the next size exchange on the group (where every rank
+    raises it) and return NaN rows of the right shape, so that this step's collectives still match
+    on every rank (no hang) and its outputs are NaN on the owners of the rows (no silent result)."""
+    N, H = handle.expert_map.num_out_tokens, handle.plan.config.hidden_size
+    dtype, device = handle.plan.hidden_dtype, handle.plan.routing_map.device
+    ok = (isinstance(expert_output, torch.Tensor) and expert_output.shape == (N, H)
+          and expert_output.dtype == dtype and expert_output.device == device)
+    if ok:
+        return expert_output
+    got = list(expert_output.shape) if isinstance(expert_output, torch.Tensor) else type(expert_output).__name__
+    if handle.layout.ep_size == 1:
+        raise ValueError(f"expert_output must be [N, H] = [{N}, {H}] {dtype} on {device} (N = sum(tokens_per_expert)), "
+                         f"got {got}" + (f" {expert_output.dtype}" if isinstance(expert_output, torch.Tensor) else ""))
+    if isinstance(expert_output, torch.Tensor) and expert_output.shape == (N, H) and expert_output.dtype != dtype:
+        latch_error(handle.group, 102, dtype_code(dtype), dtype_code(expert_output.dtype), device=device)
+    else:  # rows: -1 when not a 2-D tensor of width H (or on another device)
+        ok_2d = isinstance(expert_output, torch.Tensor) and expert_output.dim() == 2 and expert_output.shape[1] == H
+        latch_error(handle.group, 100, N, expert_output.shape[0] if ok_2d else -1, device=device)
+    nan = torch.full((N, H), float("nan"), dtype=dtype, device=device)
+    if isinstance(expert_output, torch.Tensor) and expert_output.requires_grad and expert_output.is_floating_point():
+        # keep the graph to the experts and the dispatch: their backward collectives must still run
+        nan = nan + (expert_output.sum() * 0).to(device=device, dtype=dtype)
+    return nan
+
+
+def return_to_owners(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """Checked expert rows [N, H] -> the owner buffer [M, H] (the expert rows themselves at EP 1)."""
+    if handle.plan.route is None:
+        return expert_output
+    return return_rows(expert_output, handle.plan.route)
+
+
+def owner_sum(rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """The owner's fixed-order weighted sum of its rows [M, H] -> hidden_states' shape."""
+    return unpermute(rows, handle.owner_map, handle.combine_weights(), restore_shape=handle.hidden_shape)
 
 
 def combine(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -80,11 +423,7 @@ def combine(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor
 
     out[t] = sum over t's experts e, ascending, of probs[t, e] * y[t, e] (probs omitted when the
     experts applied them), in fp32 (fp64 for fp64 probs), rounded once to expert_output.dtype.
+    A wrong expert_output: see ``check_expert_output`` (no hang; NaN, then the same error on every
+    rank at the next dispatch on the group).
     """
-    expected = int(handle.tokens_per_expert.sum())
-    if expert_output.dim() != 2 or expert_output.shape[0] != expected:
-        raise ValueError(f"expert_output must be [N, H] with N = sum(tokens_per_expert) = {expected}, "
-                         f"got {list(expert_output.shape)}")
-    rows, _ = to_source_major(expert_output, handle.layout)
-    rows = send_to_owners(rows, handle.layout, handle.group, autograd=True)
-    return unpermute(rows, handle.owner_map, handle.combine_weights(), restore_shape=handle.hidden_shape)
+    return owner_sum(return_to_owners(check_expert_output(expert_output, handle), handle), handle)

@@ -11,7 +11,8 @@ device function to every element whatever the vectorisation, so CUDA uses the na
 (tests/experts/test_gpu.py checks it).
 
 The CPU formulas run in float64 and are rounded once to float32 (then to the tensor's dtype):
-exp is good to 3e-13, so silu is accurate to the last float32 bit or two; gelu's erfc carries a relative error below 1.2e-7
+exp is good to 3e-13, so silu is accurate to the last float32 bit or two; gelu's erfc carries a relative
+error below 1.2e-7
 (about one float32 ulp). float64 tensors use the native ops (reference use; no row-stability
 promise in float64).
 """

@@ -30,7 +30,7 @@ among others. Empty experts get exact zeros.
 
 from __future__ import annotations
 
-from typing import List, Literal
+from typing import List, Literal, Optional
 
 import torch
 
@@ -122,11 +122,17 @@ class _GroupedMM(torch.autograd.Function):
         return gx, gw, None
 
 
-def _grouped(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+def _grouped(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor,
+             offsets: Optional[torch.Tensor]) -> torch.Tensor:
     if tokens_per_expert.device.type == "cpu":
         _counts(tokens_per_expert, x.shape[0])  # cheap check; a device tensor would need a sync
-    offs = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
-    return _GroupedMM.apply(x, w, offs)
+    if offsets is None:
+        # A CPU tensor here is a pageable host-to-device copy per call: pass offsets to avoid it.
+        offsets = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
+    elif offsets.shape != (w.shape[0],) or offsets.dtype != torch.int32 or offsets.device != x.device:
+        raise ValueError(f"offsets must be int32 [{w.shape[0]}] on {x.device}, got {offsets.dtype} "
+                         f"{list(offsets.shape)} on {offsets.device}")
+    return _GroupedMM.apply(x, w, offsets)
 
 
 def _blockwise(x: torch.Tensor, w: torch.Tensor, counts: List[int], row_tile: int, tiled: bool) -> torch.Tensor:
@@ -179,14 +185,17 @@ def expert_gemm(
     tokens_per_expert: torch.Tensor,
     strategy: GemmStrategy,
     row_tile: int = 0,
+    offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``x`` [N, K] expert-major, ``w`` [E, K, M], ``tokens_per_expert`` [E] -> [N, M].
 
     ``row_tile`` (``"padded"``/``"tiled"``): 0 means `default_row_tile` for the device.
+    ``offsets``: optional int32 [E] on x's device, the cumulative sum of tokens_per_expert (what
+    ``"grouped"`` needs; the dispatcher's ``handle.expert_offsets``): saves a host-to-device copy.
     """
     x = _dense(x)
     if strategy == "grouped":
-        return _grouped(x, w, tokens_per_expert)
+        return _grouped(x, w, tokens_per_expert, offsets)
     if strategy not in ("padded", "tiled", "loop"):
         raise ValueError(f"unknown GEMM strategy {strategy!r}")
     counts = _counts(tokens_per_expert, x.shape[0])

@@ -51,7 +51,8 @@ def to_megatron_grouped(weight1: torch.Tensor, weight2: torch.Tensor, prefix: st
     }
 
 
-def from_megatron_grouped(state_dict: Dict[str, torch.Tensor], num_local_experts: int, hidden_size: int, prefix: str = "") -> Weights:
+def from_megatron_grouped(state_dict: Dict[str, torch.Tensor], num_local_experts: int, hidden_size: int,
+                          prefix: str = "") -> Weights:
     """GroupedMLP ``weight1``/``weight2`` -> (weight1 [E, H, fc1_out], weight2 [E, ffn, H])."""
     w1 = state_dict[f"{prefix}weight1"].contiguous()
     w2 = state_dict[f"{prefix}weight2"].contiguous()

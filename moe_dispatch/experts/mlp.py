@@ -95,8 +95,10 @@ class _LocalExperts(nn.Module):
         """normal(0, 1/sqrt(fan_in)) per expert from its own seeded generator (keeps the output
         scale independent of H and ffn; Megatron's default is normal(0, 0.02))."""
         ids = list(self.global_expert_ids)
-        for param, which, fan_in in ((self.weight1, WEIGHT1, self.hidden_size), (self.weight2, WEIGHT2, self.ffn_hidden_size)):
-            w = init_expert_weights(param.shape[1:], self.init_seed, ids, which, fan_in**-0.5, param.dtype, param.device)
+        for param, which, fan_in in ((self.weight1, WEIGHT1, self.hidden_size),
+                                     (self.weight2, WEIGHT2, self.ffn_hidden_size)):
+            w = init_expert_weights(param.shape[1:], self.init_seed, ids, which, fan_in**-0.5, param.dtype,
+                                    param.device)
             param.copy_(w)
 
     def gemm_strategies(self, x: torch.Tensor) -> Tuple[GemmStrategy, GemmStrategy]:
@@ -115,9 +117,13 @@ class _LocalExperts(nn.Module):
         permuted_tokens: torch.Tensor,
         tokens_per_expert: torch.Tensor,
         permuted_probs: Optional[torch.Tensor] = None,
+        *,
+        offsets: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """permuted_tokens [N, H] (expert-major rows), tokens_per_expert [E_local] (int, summing
-        to N), permuted_probs [N] or None -> [N, H] in permuted_tokens' dtype.
+        to N), permuted_probs [N] or None -> [N, H] in permuted_tokens' dtype. ``offsets``:
+        optional int32 [E_local] on the tokens' device, cumsum(tokens_per_expert) (e.g. the
+        dispatcher's ``handle.expert_offsets``), so that grouped GEMMs copy nothing to the device.
 
         With ``config.probs_in_experts`` and probs given, the activation is multiplied by each
         row's prob before fc2 (in float32 at least, rounded once), as Megatron's experts do;
@@ -133,14 +139,14 @@ class _LocalExperts(nn.Module):
         # Weights follow the activations' dtype (e.g. float32 master weights, bf16 compute).
         w1, w2 = self.weight1.to(x.dtype), self.weight2.to(x.dtype)
         s1 = select_gemm(x, w1, self.prefer_grouped, self.row_stable)
-        h = expert_gemm(x, w1, tokens_per_expert, s1, self.row_tile)
+        h = expert_gemm(x, w1, tokens_per_expert, s1, self.row_tile, offsets)
         act = activate(h, self.activation)
         if self.probs_in_experts and permuted_probs is not None:
             if permuted_probs.shape != (x.shape[0],):
                 raise ValueError(f"permuted_probs must be [{x.shape[0]}], got {tuple(permuted_probs.shape)}")
             act = scale_rows(act, permuted_probs)
         s2 = select_gemm(act, w2, self.prefer_grouped, self.row_stable)
-        return expert_gemm(act, w2, tokens_per_expert, s2, self.row_tile)
+        return expert_gemm(act, w2, tokens_per_expert, s2, self.row_tile, offsets)
 
     # ---- Megatron-core state dict layouts -------------------------------------------------
 
@@ -154,7 +160,8 @@ class _LocalExperts(nn.Module):
         raise ValueError(f"layout must be 'sequential' or 'grouped', got {layout!r}")
 
     @torch.no_grad()
-    def load_megatron_state_dict(self, state_dict: Dict[str, torch.Tensor], layout: str = "sequential", prefix: str = "") -> None:
+    def load_megatron_state_dict(self, state_dict: Dict[str, torch.Tensor], layout: str = "sequential",
+                                 prefix: str = "") -> None:
         """Inverse of `megatron_state_dict`; shapes must match these experts exactly."""
         if layout == "sequential":
             w1, w2 = from_megatron_sequential(state_dict, self.num_local_experts, prefix)

@@ -33,7 +33,8 @@ def _config_for(kind: str, n: int) -> tuple:
 _HALF = (torch.bfloat16, torch.float16)
 
 if triton is not None:
-    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}
+    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+                  torch.float64: tl.float64}
 
     @triton.jit(do_not_specialize=["M"])
     def _row_stable_mm_kernel(

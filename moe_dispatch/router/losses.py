@@ -122,7 +122,8 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
     return torch.mean(torch.square(lse)) * coeff
 
 
-def all_reduce_counts(counts: torch.Tensor, group: Optional["torch.distributed.ProcessGroup"]) -> Tuple[torch.Tensor, int]:
+def all_reduce_counts(counts: torch.Tensor,
+                      group: Optional["torch.distributed.ProcessGroup"]) -> Tuple[torch.Tensor, int]:
     """Sum integer-valued counts over ``group`` (exact in fp32 below 2**24); returns (sum, group size)."""
     if group is None:
         return counts, 1

@@ -202,7 +202,8 @@ class TopKRouter(nn.Module):
             counts, size = all_reduce_counts(aux_map.view(seq_length, batch, e).sum(dim=0), self.loss_group)
             if seq_length * size == 0:
                 return probs
-            loss = seq_aux_loss(scores.view(seq_length, batch, e), counts, seq_length * size, cfg.topk, cfg.aux_loss_coeff)
+            loss = seq_aux_loss(scores.view(seq_length, batch, e), counts, seq_length * size, cfg.topk,
+                                cfg.aux_loss_coeff)
             name = "seq_load_balancing_loss"
         else:  # global_aux_loss: counts averaged over the steps since reset_global_aux_loss_tracker()
             counts, size = all_reduce_counts(aux_map.sum(dim=0), self.global_loss_group)
@@ -244,7 +245,8 @@ class TopKRouter(nn.Module):
         use_local = tokens_per_expert is None
         counts = self.local_tokens_per_expert if use_local else tokens_per_expert
         if counts.shape != self.expert_bias.shape:
-            raise ValueError(f"tokens_per_expert must have shape {tuple(self.expert_bias.shape)}, got {tuple(counts.shape)}")
+            raise ValueError(f"tokens_per_expert must have shape {tuple(self.expert_bias.shape)}, "
+                             f"got {tuple(counts.shape)}")
         counts = counts.to(device=self.expert_bias.device, dtype=torch.float32)
         if group is not None:
             counts = counts.clone()

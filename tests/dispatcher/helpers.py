@@ -6,21 +6,22 @@ H = 64 every row starts on a vector boundary, so no row falls in a scalar tail l
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Optional, Sequence
 
 import torch
+
+from moe_dispatch.dispatcher import DispatchConfig
 
 H, E, K = 64, 8, 3
 G = 192  # global tokens: 4 chunks of 48
 
 
-def config(**changes) -> SimpleNamespace:
-    """The attributes of MoEConfig the dispatchers read (tests do not depend on config.py)."""
-    base = dict(num_experts=E, topk=K, hidden_size=H, router_dtype="fp32", dispatcher="alltoall",
-                probs_in_experts=False, capacity_factor=None, pad_to_capacity=False, pad_multiple=1)
+def config(**changes) -> DispatchConfig:
+    """The dispatchers' typed config for the test shapes (H, E, K); ``changes`` override fields."""
+    base = dict(kind="alltoall", num_experts=E, topk=K, hidden_size=H, router_dtype="fp32", probs_in_experts=False,
+                capacity_factor=None, pad_to_capacity=False, pad_multiple=1)
     base.update(changes)
-    return SimpleNamespace(**base)
+    return DispatchConfig(**base)
 
 
 def routing(n: int, seed: int, allowed: Optional[Sequence[int]] = None, k: int = K):

@@ -61,8 +61,7 @@ def megatron_worker(rank: int, world_size: int) -> list:
     import warnings
 
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
-                                                                 MoEAlltoAllTokenDispatcher)
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     warnings.filterwarnings("ignore")

@@ -24,7 +24,11 @@ FIELDS = ("out", "gx", "gp")
 
 @pytest.fixture(scope="module")
 def results(gloo_ranks):
-    ranks = [rank["contract"] for rank in gloo_ranks]
+    return assemble([rank["contract"] for rank in gloo_ranks])
+
+
+def assemble(ranks: list) -> dict:
+    """contract_worker's per-rank records -> {runs: (cfg, scen, ep) -> replicas, naive: ...}."""
     replicas = defaultdict(list)  # (cfg, scen, ep, replica) -> records in group-rank order
     for rec in sorted((r for rank in ranks for r in rank["records"]), key=lambda r: r["rank"]):
         replicas[(rec["cfg"], rec["scen"], rec["ep"], rec["replica"])].append(rec)

@@ -87,7 +87,7 @@ def test_against_float64_reference(dtype, probs_dtype, probs_in_experts):
 
 def test_three_dimensional_input_and_builder():
     d = batch(torch.bfloat16, n=48)
-    cfg = config(dispatcher="allgather")
+    cfg = config(kind="allgather")
     disp = build_dispatcher(cfg)
     assert type(disp).__name__ == "AllGatherDispatcher" and disp.local_expert_indices == list(range(E))
     x = d["x"].view(6, 8, H)
@@ -96,8 +96,8 @@ def test_three_dimensional_input_and_builder():
     assert out.shape == (6, 8, H) and rows.shape == (int(d["rmap"].sum()), H)
     flat_rows, _, flat_handle = AllToAllDispatcher(cfg).dispatch(d["x"], d["rmap"], d["probs"])
     assert torch.equal(out.view(48, H), AllToAllDispatcher(cfg).combine(flat_rows, flat_handle))
-    with pytest.raises(ValueError, match="config.dispatcher"):
-        build_dispatcher(config(dispatcher="ring"))
+    with pytest.raises(ValueError, match="dispatcher kind must be one of"):
+        build_dispatcher(config(kind="ring"))
 
 
 def test_low_precision_probs_travel_as_fp32():
@@ -136,8 +136,8 @@ def test_pad_multiple_rows_are_zero_and_get_zero_gradient():
 
 @pytest.mark.parametrize("bad, match", [
     (lambda d: (d["x"], d["rmap"].int(), d["probs"]), r"routing_map must be a bool tensor .* got int32"),
-    (lambda d: (d["x"], d["rmap"][:, :4], d["probs"]), r"routing_map .* \[16, 8\] on EP rank 0, got bool \[16, 4\]"),
-    (lambda d: (d["x"][0], d["rmap"], d["probs"]), r"hidden_states must be .* \[T, H\] or \[S, B, H\]"),
+    (lambda d: (d["x"], d["rmap"][:, :4], d["probs"]), r"routing_map .* \[16, 8\], got bool \[16, 4\] on EP rank 0"),
+    (lambda d: (d["x"][0], d["rmap"], d["probs"]), r"hidden_states must be .* \[T, 64\] or \[S, B, 64\]"),
     (lambda d: (d["x"].long(), d["rmap"], d["probs"]), r"hidden_states must be .* got int64"),
     (lambda d: (d["x"], d["rmap"], d["probs"][:8]), r"probs must be a float tensor .* got float32 \[8, 8\]"),
 ])
@@ -150,7 +150,7 @@ def test_bad_input_names_the_argument(bad, match):
 def test_combine_checks_expert_output_rows():
     d = batch(torch.float32, n=16)
     rows, tpe, handle = dispatch(d["x"], d["rmap"], d["probs"], config())
-    with pytest.raises(ValueError, match=r"expert_output must be \[N, H\] with N = sum\(tokens_per_expert\) = 48"):
+    with pytest.raises(ValueError, match=r"expert_output must be \[N, H\] = \[48, 64\] .*got \[47, 64\]"):
         combine(rows[1:], handle)
 
 
@@ -158,3 +158,54 @@ def test_megatron_steps_need_preprocess_first():
     disp = AllToAllDispatcher(config())
     with pytest.raises(RuntimeError, match="dispatch_preprocess first"):
         disp.token_dispatch(torch.zeros(1, H), torch.zeros(1, E))
+
+
+@pytest.mark.parametrize("probs_in_experts", [False, True])
+def test_handle_reuse_skips_the_exchange_and_is_bitwise(monkeypatch, probs_in_experts):
+    """dispatch(handle=previous) (activation recomputation): no size exchange, no new row maps,
+    and rows, outputs and every gradient bitwise equal to the fresh dispatch's."""
+    from moe_dispatch.dispatcher import functional
+
+    d = data_with_edge_cases(torch.bfloat16)
+    cfg = config(probs_in_experts=probs_in_experts, pad_multiple=4)
+    w, b = expert_weights(torch.bfloat16)
+    results = []
+    handle = None
+    for reuse in (False, True):
+        if reuse:
+            def fail(*args, **kwargs):
+                raise AssertionError("a reused handle must not exchange sizes or build a plan")
+            monkeypatch.setattr(functional, "exchange_sizes", fail)
+            monkeypatch.setattr(functional, "make_plan", fail)
+        x = d["x"].clone().requires_grad_()
+        p = d["probs"].clone().requires_grad_()
+        rows, tpe, new = dispatch(x, d["rmap"].clone(), p, cfg, handle=handle)
+        y = run_experts(rows, tpe, w, b, new.permuted_probs if probs_in_experts else None)
+        out = combine(y, new)
+        out.backward(d["r"])
+        results.append((rows.detach(), out.detach(), x.grad, p.grad))
+        handle = new
+    for a, b_ in zip(*results):
+        assert torch.equal(a, b_)
+    assert results[0][3].abs().sum() > 0
+
+
+def test_handle_reuse_with_other_routing_gives_nan_then_raises():
+    """A reused handle whose routing differs: checked on the device (no host sync), the step's
+    outputs are NaN, and the next size exchange raises."""
+    d = batch(torch.float32, n=16)
+    _, _, handle = dispatch(d["x"], d["rmap"], d["probs"], config())
+    other = batch(torch.float32, n=16, seed=4)
+    rows, _, h2 = dispatch(d["x"], other["rmap"], d["probs"], config(), handle=handle)
+    out = combine(rows, h2)
+    assert torch.isnan(out[d["rmap"].any(1)]).all()
+    with pytest.raises(ValueError, match="differs from the handle's routing"):
+        dispatch(d["x"], d["rmap"], d["probs"], config())
+    dispatch(d["x"], d["rmap"], d["probs"], config())  # the error was raised once, then cleared
+
+
+def test_handle_reuse_checks_shapes():
+    d = batch(torch.float32, n=16)
+    _, _, handle = dispatch(d["x"], d["rmap"], d["probs"], config())
+    with pytest.raises(ValueError, match=r"must match the handle's \[T, H\] = \[16, 64\]"):
+        dispatch(d["x"][:8], d["rmap"][:8], d["probs"][:8], config(), handle=handle)

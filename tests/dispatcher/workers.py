@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from moe_dispatch.dispatcher import AllGatherDispatcher, AllToAllDispatcher
+from moe_dispatch.dispatcher.comm import group_size_rank
 from moe_dispatch.ops import permute, unpermute
 
 from .helpers import E, G, H, batch, config, expert_weights, run_experts
@@ -65,11 +66,14 @@ def make_groups(rank: int) -> dict:
 
 
 def run_once(kind: str, dtype: torch.dtype, cfg, data: dict, ids: list, group, api: str, shape3d: bool = False,
-             device: str = "cpu"):
-    """One forward + backward; returns the rank's results (detached, on the CPU)."""
+             device: str = "cpu", reuse: bool = False):
+    """One forward + backward; returns the rank's results (detached, on the CPU). ``reuse``: the
+    functional API dispatches twice, the second time with the first's handle, and the step goes on
+    with the second (``reuse_equal``: both gave the same rows, bitwise). ``group`` None without an
+    initialised process group: EP 1 in this process."""
     data = {k: v.to(device) for k, v in data.items()}
-    El = cfg.num_experts // dist.get_world_size(group)
-    grank = dist.get_rank(group)
+    P, grank = group_size_rank(group)
+    El = cfg.num_experts // P
     idx = torch.tensor(ids, dtype=torch.int64, device=device)
     x = data["x"][idx].clone()
     if shape3d:
@@ -81,8 +85,13 @@ def run_once(kind: str, dtype: torch.dtype, cfg, data: dict, ids: list, group, a
     w = w_all[grank * El:(grank + 1) * El].clone().requires_grad_()
     b = b_all[grank * El:(grank + 1) * El].clone().requires_grad_()
     d = DISPATCHERS[kind](cfg, group)
+    reuse_equal = None
     if api == "functional":
         rows, tpe, handle = d.dispatch(x, data["rmap"][idx], p)
+        if reuse:
+            first = rows.detach()
+            rows, tpe, handle = d.dispatch(x, data["rmap"][idx].clone(), p, handle=handle)
+            reuse_equal = torch.equal(first, rows)
         pp = handle.permuted_probs
     else:  # Megatron's six steps
         h, hp = d.dispatch_preprocess(x, data["rmap"][idx], p)
@@ -97,7 +106,7 @@ def run_once(kind: str, dtype: torch.dtype, cfg, data: dict, ids: list, group, a
     out.backward(data["r"][idx].view(x.shape))
     result = dict(ids=idx, out=out.detach().reshape(-1, H), gx=x.grad.reshape(-1, H), gp=p.grad,
                   gw=w.grad, gb=b.grad, tpe=tpe)
-    return {k: v.cpu() for k, v in result.items()}
+    return {**{k: v.cpu() for k, v in result.items()}, "reuse_equal": reuse_equal}
 
 
 def naive_combine(data: dict, ids: list, group) -> torch.Tensor:
@@ -132,11 +141,18 @@ def _gather(t: torch.Tensor, group) -> list:
 def gloo_worker(rank: int, world_size: int) -> dict:
     """Everything the 4-rank gloo tests need, in one spawn (starting ranks costs more than the
     checks): the bad-input checks first, then the contract matrix."""
-    return dict(bad_input=bad_input_worker(rank, world_size), contract=contract_worker(rank, world_size))
+    from .faults import fault_worker, step_transfers
+
+    return dict(bad_input=bad_input_worker(rank, world_size), faults=fault_worker(rank, world_size),
+                transfers=step_transfers(rank, world_size), contract=contract_worker(rank, world_size))
 
 
-def contract_worker(rank: int, world_size: int) -> dict:
+def contract_worker(rank: int, world_size: int, device: str = "cpu") -> dict:
+    """The contract matrix on 4 ranks. device 'cuda': gloo ranks sharing GPU 0 (gloo's collectives
+    take CUDA tensors), the Triton kernels instead of the torch twin."""
     assert world_size == 4
+    if device == "cuda":
+        torch.cuda.set_device(0)
     groups = make_groups(rank)
     records = []
     for name, (kind, dtype, cfg) in contract_configs().items():
@@ -148,14 +164,15 @@ def contract_worker(rank: int, world_size: int) -> dict:
                 group, replica = groups[ep]
                 ids = per_rank[dist.get_rank(group)]
                 api = "megatron" if ep == 2 else "functional"
-                rec = run_once(kind, dtype, cfg, data, ids, group, api, shape3d=scen == "identical")
+                rec = run_once(kind, dtype, cfg, data, ids, group, api, shape3d=scen == "identical", device=device)
                 rec.update(cfg=name, scen=scen, ep=ep, replica=replica, rank=rank)
                 records.append(rec)
     naive = {}
     data = scenario_data("full", torch.bfloat16)
     for ep, per_rank in scenarios()["full"].items():
         group, _ = groups[ep]
-        naive[ep] = (torch.tensor(per_rank[dist.get_rank(group)]), naive_combine(data, per_rank[dist.get_rank(group)], group))
+        ids = per_rank[dist.get_rank(group)]
+        naive[ep] = (torch.tensor(ids), naive_combine(data, ids, group))
     return dict(records=records, naive=naive)
 
 
@@ -250,3 +267,55 @@ def nccl_worker(rank: int, world_size: int, device_type: str = "cuda") -> list:
                 rec.update(cfg=name, scen=scen, ep=ep, replica=replica, rank=rank)
                 records.append(rec)
     return records
+
+
+def ep8_configs() -> dict:
+    """name -> (kind, dtype, config) for the EP-8 check (tiny: one local expert per rank)."""
+    return {
+        "alltoall-bf16-combine": ("alltoall", torch.bfloat16, config()),
+        "allgather-bf16-experts": ("allgather", torch.bfloat16, config(kind="allgather", probs_in_experts=True)),
+        "alltoall-fp32-capacity": ("alltoall", torch.float32, config(capacity_factor=2.0, pad_to_capacity=True,
+                                                                     pad_multiple=4, router_dtype="fp64")),
+    }
+
+
+def ep8_split() -> list:
+    """Token ids per rank at EP 8: uneven, rank 3 holds none."""
+    full = list(range(G))
+    cuts = [0, 30, 50, 80, 80, 110, 130, 170, G]
+    return [full[cuts[r]:cuts[r + 1]] for r in range(8)]
+
+
+def ep8_worker(rank: int, world_size: int) -> list:
+    """Every EP-8 configuration on the world group, through the reused handle (see run_once)."""
+    assert world_size == 8
+    records = []
+    for name, (kind, dtype, cfg) in ep8_configs().items():
+        data = scenario_data("full", dtype)
+        rec = run_once(kind, dtype, cfg, data, ep8_split()[rank], dist.group.WORLD, "functional", reuse=True)
+        rec.update(cfg=name, rank=rank)
+        records.append(rec)
+        megatron = run_once(kind, dtype, cfg, data, ep8_split()[rank], dist.group.WORLD, "megatron")
+        megatron.update(cfg=name + "-megatron", rank=rank)
+        records.append(megatron)
+    return records
+
+
+def triton_views_worker(rank: int, world_size: int) -> dict:
+    """EP 2 through the Triton kernels (the interpreter on CPU; set_backend('triton')), which read
+    the exchange's packed byte buffers through strided views, against the torch twin: outputs,
+    input and weight gradients bitwise (fp32), probs gradients within rounding (their in-chunk sum
+    order differs, see ops)."""
+    from moe_dispatch.ops import set_backend
+
+    out = {}
+    for kind, cfg in (("alltoall", config()),
+                      ("allgather", config(kind="allgather", probs_in_experts=True, router_dtype="fp64",
+                                           pad_multiple=4))):
+        data = scenario_data("full", torch.float32)
+        ids = _split(list(range(48)), world_size)[rank]
+        with set_backend("triton"):
+            kernels = run_once(kind, torch.float32, cfg, data, ids, dist.group.WORLD, "functional", reuse=True)
+        twin = run_once(kind, torch.float32, cfg, data, ids, dist.group.WORLD, "megatron")
+        out[kind] = (kernels, twin)
+    return out

@@ -2,7 +2,8 @@
 
 Megatron needs torch.distributed and its parallel state initialised and
 ``torch.cuda.current_device`` pointing at the CPU (shared/FACTS.md); a subprocess keeps that
-away from the other tests. Prints one JSON line per (activation, dtype): row-wise relative differences and bitwise flags.
+away from the other tests. Prints one JSON line per (activation, dtype): row-wise relative differences and
+bitwise flags.
 Usage: python -m tests.experts.megatron_worker PORT
 """
 from __future__ import annotations

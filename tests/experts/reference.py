@@ -20,7 +20,8 @@ def reference_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, count
                       probs: Optional[torch.Tensor]) -> torch.Tensor:
     """All float64, one expert at a time: act(x_e @ w1[e]) (* p) @ w2[e]."""
     outs = []
-    for e, (xe, pe) in enumerate(zip(torch.split(x, counts), torch.split(probs, counts) if probs is not None else [None] * len(counts))):
+    probs_parts = torch.split(probs, counts) if probs is not None else [None] * len(counts)
+    for e, (xe, pe) in enumerate(zip(torch.split(x, counts), probs_parts)):
         h = xe @ w1[e]
         if activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)

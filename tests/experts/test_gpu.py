@@ -54,7 +54,8 @@ def test_grouped_and_tiled_agree_within_rounding():
     tpe = torch.tensor([100, 0, 900])
     a, b = grouped(x, tpe), tiled(x, tpe)
     diff = (a.float() - b.float()).abs().max().item()
-    print(f"\ngrouped vs tiled bf16: bitwise={torch.equal(a, b)} max|diff|={diff:.3g} max|y|={a.abs().max().item():.3g}")
+    print(f"\ngrouped vs tiled bf16: bitwise={torch.equal(a, b)} max|diff|={diff:.3g} "
+          f"max|y|={a.abs().max().item():.3g}")
     assert diff <= 8 * 2**-8 * a.float().abs().max().item()
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from moe_dispatch import check
 
-HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+HAVE_MEGATRON = (importlib.util.find_spec("megatron") is not None
+                 and importlib.util.find_spec("megatron.core") is not None)
 
 
 def _status(line: str) -> str:

@@ -21,7 +21,8 @@ def cfg(**kw):
 
 def test_defaults_and_probs_dtype():
     c = cfg()
-    assert (c.router_dtype, c.score_function, c.load_balancing_type, c.dispatcher) == ("fp32", "softmax", "aux_loss", "alltoall")
+    assert (c.router_dtype, c.score_function, c.load_balancing_type, c.dispatcher) == (
+        "fp32", "softmax", "aux_loss", "alltoall")
     assert c.capacity_factor is None and c.pad_multiple == 1 and c.params_dtype == torch.float32
     assert c.probs_dtype(torch.bfloat16) == torch.float32
     assert cfg(router_dtype="fp64").probs_dtype(torch.bfloat16) == torch.float64
@@ -106,7 +107,8 @@ def test_from_megatron_maps_every_field():
     assert (c.num_groups, c.group_topk, c.enable_expert_bias, c.bias_update_rate) == (4, 2, True, 1e-2)
     assert (c.load_balancing_type, c.aux_loss_coeff, c.z_loss_coeff) == ("seq_aux_loss", 1e-3, 1e-4)
     assert (c.capacity_factor, c.pad_to_capacity, c.drop_policy, c.dispatcher) == (1.5, True, "position", "alltoall")
-    assert (c.activation, c.params_dtype, c.shared_expert_ffn_hidden_size, c.init_seed) == ("swiglu", torch.bfloat16, 48, 7)
+    assert (c.activation, c.params_dtype, c.shared_expert_ffn_hidden_size, c.init_seed) == (
+        "swiglu", torch.bfloat16, 48, 7)
 
 
 def test_from_megatron_defaults_and_activations():
@@ -114,7 +116,8 @@ def test_from_megatron_defaults_and_activations():
     assert c.router_dtype is None  # Megatron's default: the input dtype
     assert (c.ffn_hidden_size, c.dispatcher, c.activation, c.capacity_factor) == (40, "allgather", "gelu", None)
     assert MoEConfig.from_megatron(tc(activation_func=F.relu)).activation == "relu"
-    assert MoEConfig.from_megatron(tc(moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[0.1])).aux_loss_coeff == 0.1
+    single = tc(moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[0.1])
+    assert MoEConfig.from_megatron(single).aux_loss_coeff == 0.1
 
 
 @pytest.mark.parametrize(
@@ -122,7 +125,8 @@ def test_from_megatron_defaults_and_activations():
     [
         (dict(add_bias_linear=True), "add_bias_linear"),
         (dict(moe_router_load_balancing_type="sinkhorn"), "sinkhorn"),
-        (dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.1, 0.1]), "moe_router_load_balancing_type"),
+        (dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.1, 0.1]),
+         "moe_router_load_balancing_type"),
         (dict(moe_token_dispatcher_type="flex"), "moe_token_dispatcher_type"),
         (dict(gated_linear_unit=True, activation_func=F.gelu), "activation_func"),
         (dict(moe_input_jitter_eps=0.1), "moe_input_jitter_eps"),

@@ -118,7 +118,8 @@ def test_triton_kernel_indexing_under_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=120)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 

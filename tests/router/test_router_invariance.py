@@ -17,7 +17,8 @@ CONFIGS = {
     "softmax-groups-losses": dict(topk=6, num_groups=4, group_topk=2, aux_loss_coeff=0.1, z_loss_coeff=0.1),
 }
 # (router_dtype, input dtype)
-DTYPES = [("fp32", torch.float32), ("fp32", torch.bfloat16), ("fp64", torch.float64), ("fp64", torch.bfloat16), (None, torch.bfloat16)]
+DTYPES = [("fp32", torch.float32), ("fp32", torch.bfloat16), ("fp64", torch.float64), ("fp64", torch.bfloat16),
+          (None, torch.bfloat16)]
 DTYPE_IDS = ["fp32", "fp32-bf16in", "fp64", "fp64-bf16in", "bf16"]
 
 

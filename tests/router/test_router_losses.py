@@ -65,7 +65,8 @@ def test_router_losses_match_megatron(kind):
     x = hidden(6 * 5).view(6, 5, H)  # [S, B, H]
     probs, _ = router(x)
     logits = router.gating(x.view(-1, H))
-    names = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss", "global_aux_loss": "global_load_balancing_loss"}
+    names = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+             "global_aux_loss": "global_load_balancing_loss"}
     assert set(router.last_losses) == {names[kind], "z_loss"}
     expected = megatron_aux(logits, kind, 1e-2, seq=6, batch=5)
     torch.testing.assert_close(router.last_losses[names[kind]], expected, rtol=1e-6, atol=0)

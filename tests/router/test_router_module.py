@@ -78,8 +78,11 @@ def _gradcheck_config(**kw):
 LOSS_CONFIGS = {
     "plain-softmax": dict(),
     "aux+z": dict(aux_loss_coeff=0.3, z_loss_coeff=0.2),
-    "seq-aux-sigmoid-groups": dict(score_function="sigmoid", num_groups=4, group_topk=2, load_balancing_type="seq_aux_loss", aux_loss_coeff=0.3),
-    "global-aux-pre-softmax-scaled": dict(pre_softmax=True, topk_scaling_factor=2.0, load_balancing_type="global_aux_loss", aux_loss_coeff=0.3, z_loss_coeff=0.1),
+    "seq-aux-sigmoid-groups": dict(score_function="sigmoid", num_groups=4, group_topk=2,
+                                   load_balancing_type="seq_aux_loss", aux_loss_coeff=0.3),
+    "global-aux-pre-softmax-scaled": dict(pre_softmax=True, topk_scaling_factor=2.0,
+                                          load_balancing_type="global_aux_loss", aux_loss_coeff=0.3,
+                                          z_loss_coeff=0.1),
 }
 
 
@@ -186,7 +189,8 @@ def test_expert_bias_selection_only_and_update():
 
 
 def test_fp32_buffers_survive_module_casts():
-    router = TopKRouter(cfg(score_function="sigmoid", enable_expert_bias=True, aux_loss_coeff=0.1, load_balancing_type="global_aux_loss"))
+    router = TopKRouter(cfg(score_function="sigmoid", enable_expert_bias=True, aux_loss_coeff=0.1,
+                            load_balancing_type="global_aux_loss"))
     router.expert_bias += 1e-3 * torch.arange(E)
     before = router.expert_bias.clone()
     router.to(torch.bfloat16)

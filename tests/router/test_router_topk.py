@@ -21,7 +21,8 @@ CONFIGS = {
     "softmax-pre-groups": dict(topk=6, pre_softmax=True, num_groups=4, group_topk=3),
     "sigmoid": dict(topk=4, score_function="sigmoid"),
     "sigmoid-top1": dict(topk=1, score_function="sigmoid"),
-    "sigmoid-bias-groups-scaled": dict(topk=8, score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5, bias=True),
+    "sigmoid-bias-groups-scaled": dict(topk=8, score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5,
+                                       bias=True),
 }
 
 
@@ -71,7 +72,8 @@ def test_matches_megatron(name, dtype):
     torch.testing.assert_close(probs.double(), m_probs.double(), rtol=tol, atol=tol)
 
 
-def reference(logits, topk, score_function="softmax", pre_softmax=False, num_groups=None, group_topk=None, scaling_factor=None, bias=None):
+def reference(logits, topk, score_function="softmax", pre_softmax=False, num_groups=None, group_topk=None,
+              scaling_factor=None, bias=None):
     """Float64, one token at a time, straight from the definitions (ties -> lower index)."""
     out = torch.zeros(logits.shape, dtype=torch.float64)
     for t, row in enumerate(logits.double().tolist()):
@@ -86,7 +88,8 @@ def reference(logits, topk, score_function="softmax", pre_softmax=False, num_gro
         allowed = range(E)
         if group_topk:
             size = E // num_groups
-            gscore = [sum(sorted(key[g * size:(g + 1) * size], reverse=True)[: topk // group_topk]) for g in range(num_groups)]
+            gscore = [sum(sorted(key[g * size:(g + 1) * size], reverse=True)[: topk // group_topk])
+                      for g in range(num_groups)]
             groups = sorted(range(num_groups), key=lambda g: (-gscore[g], g))[:group_topk]
             allowed = [e for e in range(E) if e // size in groups]
         chosen = sorted(allowed, key=lambda e: (-key[e], e))[:topk]
@@ -169,7 +172,8 @@ def test_probs_are_differentiable_wrt_logits():
     for name, kw in CONFIGS.items():
         kw = dict(kw)
         bias = expert_bias().double() if kw.pop("bias", False) else None
-        assert torch.autograd.gradcheck(lambda x: topk_routing(x, expert_bias=bias, **kw)[0], (logits,), fast_mode=True), name
+        assert torch.autograd.gradcheck(lambda x: topk_routing(x, expert_bias=bias, **kw)[0], (logits,),
+                                        fast_mode=True), name
 
 
 def test_bad_arguments():

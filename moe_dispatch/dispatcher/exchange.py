@@ -1,0 +1,271 @@
+"""The exchange: moving rows between EP ranks, per dispatcher kind (``KINDS``), and back.
+
+Forward (dispatch). Each kind delivers to every rank the tokens, probs and routing rows of its
+local experts, grouped by source rank, in ONE collective: a row is packed as bytes
+``[probs | hidden | routing]`` (``RowFormat``; each part at an offset aligned for its dtype), and
+the receiver reads strided views of the packed buffer without unpacking copies.
+- ``alltoall``: a token crosses the wire once per destination rank that owns any of its experts
+  (deduplicated), with that rank's El probs and routing bits. The rank's own tokens never enter
+  the collective: they are packed straight into the head of the receive buffer, which holds the
+  segments in the order (own rank, then the others ascending).
+- ``allgather``: every rank gathers every rank's [T_max, E] probs, routing and tokens (rows past
+  a rank's T route nowhere) and keeps its own experts' columns; segments in rank order.
+Adding a kind: one send function of the same signature, registered in ``KINDS``.
+
+Return (combine, and the dispatch's backward): every expert row goes back unreduced to its
+token's owner (``send_back``). The reorder from the receiver layout (expert-major) to destination
+order is fused into the packing copy (one ``index_select`` per part straight into the send
+buffer); the owner's own rows are copied into the head of the owner's buffer, never through the
+collective. The kernels that produce these rows are the experts' GEMMs, so the reorder cannot be
+folded into a kernel of ours; a zero-copy alternative would be one send per (expert, destination)
+block. Mirror (``_ReturnRows.backward``): the owner's gradient rows go back the same way.
+
+Chunked overlap (design): the receiver layout is expert-major and every (expert, source) block's
+size is a host int (``Layout.local_blocks``), so an expert's rows can be returned as soon as that
+expert is done; ``ReturnRoute.index`` lists the rows destination-major, expert-minor, so a chunk
+of experts maps to contiguous runs of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from .comm import ProcessGroup, all_gather_rows, all_to_all_rows
+
+if TYPE_CHECKING:
+    from .layout import Layout
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """Byte layout of one packed row: probs [k] (if probs_dtype), hidden [H], routing [k] bool
+    (if routing). Parts start at 16-byte aligned offsets; the row is a multiple of 16 bytes.
+    Without probs and routing the buffer is plain [n, H] in hidden_dtype."""
+
+    hidden_size: int
+    hidden_dtype: torch.dtype
+    num_cols: int
+    probs_dtype: Optional[torch.dtype]
+    routing: bool
+
+    @property
+    def plain(self) -> bool:
+        return self.probs_dtype is None and not self.routing
+
+    def _offsets(self) -> tuple[int, int, int]:
+        p = self.num_cols * self.probs_dtype.itemsize if self.probs_dtype is not None else 0
+        h0 = _round_up(p, 16)
+        r0 = h0 + self.hidden_size * self.hidden_dtype.itemsize
+        width = _round_up(r0 + (self.num_cols if self.routing else 0), 16)
+        return h0, r0, width
+
+    def empty(self, rows: int, device: torch.device) -> torch.Tensor:
+        if self.plain:
+            return torch.empty((rows, self.hidden_size), dtype=self.hidden_dtype, device=device)
+        return torch.empty((rows, self._offsets()[2]), dtype=torch.uint8, device=device)
+
+    def views(self, buf: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """buf -> (hidden [n, H], probs [n, k] or None, routing [n, k] bool or None), strided views."""
+        if self.plain:
+            return buf, None, None
+        h0, r0, _ = self._offsets()
+        hidden = buf[:, h0:r0].view(self.hidden_dtype)
+        probs = routing = None
+        if self.probs_dtype is not None:
+            probs = buf[:, :self.num_cols * self.probs_dtype.itemsize].view(self.probs_dtype)
+        if self.routing:
+            routing = buf[:, r0:r0 + self.num_cols].view(torch.bool)
+        return hidden, probs, routing
+
+    def pack(self, buf: torch.Tensor, hidden: torch.Tensor, probs: Optional[torch.Tensor],
+             routing: Optional[torch.Tensor], index: Optional[torch.Tensor] = None) -> None:
+        """buf's rows = the rows ``index`` of hidden [R, H], probs [R, k], routing [R, k] (all rows
+        in order without index). The hidden rows are copied straight into the buffer (one pass);
+        the small probs and routing parts through an index_select."""
+        h, p, r = self.views(buf)
+        if index is None:
+            h.copy_(hidden)
+        else:
+            torch.index_select(hidden, 0, index, out=h)
+        for view, part in ((p, probs), (r, routing)):
+            if view is not None:
+                view.copy_(part if index is None else part.index_select(0, index))
+
+
+@dataclass(frozen=True)
+class Received:
+    """What the forward exchange delivered: hidden [R, H], probs [R, El] and routing [R, El]
+    (None when not sent) as views of one buffer; ``order``: the source rank of each segment."""
+
+    hidden: torch.Tensor
+    probs: torch.Tensor
+    routing: Optional[torch.Tensor]
+    order: tuple[int, ...]
+
+
+def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices [count, mask.dim()] of mask's True entries, row-major. ``count`` (a host int) lets
+    CUDA skip nonzero's size synchronisation."""
+    if mask.is_cuda:
+        return torch.nonzero_static(mask, size=count)
+    return mask.nonzero()
+
+
+@torch.no_grad()
+def send_alltoall(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, layout: "Layout",
+                  group: ProcessGroup, with_routing: bool) -> Received:
+    """x [T, H], probs [T, E], routing_map [T, E] -> this rank's rows, segments (me, others asc.)."""
+    P, El, me = layout.ep_size, layout.num_local_experts, layout.rank
+    T, H = x.shape
+    local = routing_map.reshape(T, P, El)
+    probs3 = probs.reshape(T, P, El)
+    fmt = RowFormat(H, x.dtype, El, probs.dtype, with_routing)
+    rank_map = local.any(-1)  # [T, P]
+    n_self = layout.sent[me][me]
+    in_splits = [0 if d == me else layout.sent[me][d] for d in range(P)]
+    out_splits = [0 if s == me else layout.sent[s][me] for s in range(P)]
+    recv = fmt.empty(n_self + sum(out_splits), x.device)
+    token = _nonzero(rank_map[:, me], n_self)[:, 0]
+    fmt.pack(recv[:n_self], x, probs3[:, me], local[:, me], token)
+    others = torch.cat([rank_map[:, :me], rank_map[:, me + 1:]], dim=1).t()  # [P - 1, T]
+    pairs = _nonzero(others, sum(in_splits))  # destination-major, then token ascending
+    dest = pairs[:, 0] + (pairs[:, 0] >= me).long()
+    token = pairs[:, 1]
+    send = fmt.empty(sum(in_splits), x.device)
+    h, p, r = fmt.views(send)
+    torch.index_select(x, 0, token, out=h)
+    p.copy_(probs3[token, dest])
+    if r is not None:
+        r.copy_(local[token, dest])
+    all_to_all_rows(send, out_splits, in_splits, group, out=recv[n_self:])
+    hidden, rprobs, routing = fmt.views(recv)
+    return Received(hidden, rprobs, routing, _own_first(P, me))
+
+
+@torch.no_grad()
+def send_allgather(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, layout: "Layout",
+                   group: ProcessGroup, with_routing: bool) -> Received:
+    """x [T, H], probs [T, E], routing_map [T, E] -> every rank's rows (padded to T_max; pad
+    rows route nowhere), this rank's expert columns, segments in rank order."""
+    P, El, me = layout.ep_size, layout.num_local_experts, layout.rank
+    T, H = x.shape
+    E = routing_map.shape[1]
+    fmt = RowFormat(H, x.dtype, E, probs.dtype, True)  # routing: the pad rows must route nowhere
+    t_max = max(layout.num_tokens)
+    buf = fmt.empty(t_max, x.device)
+    fmt.pack(buf[:T], x, probs, routing_map)
+    buf[T:].zero_()
+    hidden, all_probs, all_routing = fmt.views(all_gather_rows(buf, group))
+    cols = slice(me * El, (me + 1) * El)
+    return Received(hidden, all_probs[:, cols], all_routing[:, cols] if with_routing else None, _rank_order(P, me))
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A dispatcher kind: its forward exchange, and the source rank of each segment it delivers
+    (``order(P, rank)``), which the receiver layout's row map needs before the data arrives."""
+
+    send: Callable[..., Received]
+    order: Callable[[int, int], tuple[int, ...]]
+
+
+def _own_first(P: int, me: int) -> tuple[int, ...]:
+    return (me, *[s for s in range(P) if s != me])
+
+
+def _rank_order(P: int, me: int) -> tuple[int, ...]:
+    return tuple(range(P))
+
+
+# The registry of dispatcher kinds. Nothing else lists them.
+KINDS: dict[str, Kind] = {"alltoall": Kind(send_alltoall, _own_first), "allgather": Kind(send_allgather, _rank_order)}
+
+
+# ---- the return exchange ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReturnRoute:
+    """Receiver-layout rows -> their owners.
+
+    Attributes:
+        index: int64 [n_self + sum(send_splits)] on the device: receiver-layout rows, first this
+            rank's own (expert-major), then the other owners' (destination-major, expert-minor).
+        n_self: rows this rank keeps (its own tokens' rows on its own experts).
+        send_splits / recv_splits: [P] rows sent to / received from each rank (0 for itself).
+        num_rows: N, rows of the receiver layout (padding included).
+        group: the EP process group.
+    """
+
+    index: torch.Tensor
+    n_self: int
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    num_rows: int
+    group: ProcessGroup
+
+
+def return_runs(layout: "Layout") -> tuple[list[int], list[int]]:
+    """(shifts, lengths) of ReturnRoute.index as runs: position i of run r is row i + shifts[r]."""
+    P, El, me = layout.ep_size, layout.num_local_experts, layout.rank
+    shifts, lengths, out = [], [], 0
+    for d in [me] + [d for d in range(P) if d != me]:
+        for e in range(El):
+            shifts.append(layout.block_starts[e][d] - out)
+            lengths.append(layout.local_blocks[d][e])
+            out += layout.local_blocks[d][e]
+    return shifts, lengths
+
+
+def send_back(rows: torch.Tensor, row_probs: Optional[torch.Tensor],
+              route: ReturnRoute) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """rows [N, H] (receiver layout), row_probs [N] or None -> the owner's buffer [M, H] (and
+    [M]), segments (own experts, then the other expert ranks ascending). No autograd."""
+    fmt = RowFormat(rows.shape[1], rows.dtype, 1, row_probs.dtype if row_probs is not None else None, False)
+    probs2 = row_probs[:, None] if row_probs is not None else None
+    n_self, send_n = route.n_self, sum(route.send_splits)
+    out = fmt.empty(n_self + sum(route.recv_splits), rows.device)
+    fmt.pack(out[:n_self], rows, probs2, None, route.index[:n_self])
+    if len(route.send_splits) > 1:
+        send = fmt.empty(send_n, rows.device)
+        fmt.pack(send, rows, probs2, None, route.index[n_self:])
+        all_to_all_rows(send, route.recv_splits, route.send_splits, route.group, out=out[n_self:])
+    hidden, probs, _ = fmt.views(out)
+    return hidden, (probs[:, 0] if probs is not None else None)
+
+
+def send_forth(grad: torch.Tensor, route: ReturnRoute) -> torch.Tensor:
+    """Mirror of send_back: the owner's rows [M, H] -> receiver layout [N, H] (pad rows 0)."""
+    grad = grad.contiguous()
+    n_self = route.n_self
+    # Rows outside the index (the experts' tail padding) get a zero gradient; without any, every
+    # row is written below and needs no fill.
+    alloc = grad.new_empty if route.index.shape[0] == route.num_rows else grad.new_zeros
+    out = alloc((route.num_rows, grad.shape[1]))
+    if len(route.send_splits) > 1:
+        recv = all_to_all_rows(grad[n_self:], route.send_splits, route.recv_splits, route.group)
+        out.index_copy_(0, route.index[n_self:], recv)
+    out.index_copy_(0, route.index[:n_self], grad[:n_self])
+    return out
+
+
+class _ReturnRows(torch.autograd.Function):
+    """send_back with autograd: the backward moves the gradient rows back (never sums them)."""
+
+    @staticmethod
+    def forward(ctx, rows, route):
+        ctx.route = route
+        return send_back(rows, None, route)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return send_forth(grad, ctx.route), None
+
+
+def return_rows(rows: torch.Tensor, route: ReturnRoute) -> torch.Tensor:
+    """rows [N, H] (receiver layout) -> the owner's buffer [M, H], with autograd."""
+    return _ReturnRows.apply(rows, route)
