@@ -72,10 +72,12 @@ def _import_megatron_without_compile() -> None:
         torch.compile = original
 
 
-def apply_cpu_shims() -> None:
+def apply_cpu_shims(prepare: bool = True) -> None:
     """Patch torch.cuda and megatron-core so that MoELayer runs on CPU tensors (see module doc).
 
-    Call it before building any Megatron module; it imports megatron.core."""
+    Call it before building any Megatron module; it imports megatron.core. ``prepare=False`` skips
+    ``prepare_megatron`` (call it after ``initialize_model_parallel``, which allocates Megatron's
+    global memory buffer itself and refuses one that exists)."""
     if torch.cuda.is_available():
         raise RuntimeError("apply_cpu_shims() is for CPU-only processes; this one sees a CUDA device")
     if not _APPLIED["cpu"]:
@@ -97,21 +99,24 @@ def apply_cpu_shims() -> None:
         moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
         _APPLIED["cpu"] = True
-    from moe_dispatch.integrations.megatron_build import prepare_megatron
+    if prepare:
+        from moe_dispatch.integrations.megatron_build import prepare_megatron
 
-    prepare_megatron(torch.device("cpu"))
+        prepare_megatron(torch.device("cpu"))
 
 
 def apply_cpu_rng() -> None:
     """Map the CUDA RNG state calls of Megatron's RNG tracker onto the CPU generator, so that
     ``model_parallel_cuda_manual_seed`` and dropout under ``get_cuda_rng_tracker().fork()`` run on a
     CPU process. Call after :func:`apply_cpu_shims`."""
-    apply_cpu_shims()
+    if not _APPLIED["cpu"]:
+        raise RuntimeError("apply_cpu_rng() needs apply_cpu_shims() first")
     if _APPLIED.get("rng"):
         return
     from megatron.core.tensor_parallel import random as megatron_random
 
     torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    torch.cuda.manual_seed = lambda seed: None  # the tracker's own states are CPU states below
+    torch.cuda.manual_seed = torch.manual_seed
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     megatron_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
     _APPLIED["rng"] = True
