@@ -105,7 +105,8 @@ def warn_if_untested(version: Optional[str] = None) -> bool:
 
         version = package_info.__version__
     low, high = TESTED_MEGATRON_CORE
-    inside = Version(low) <= Version(version) <= Version(high)
+    # Release numbers only: wheels carry local tags (0.19.2+27280d6), which sort above 0.19.2.
+    inside = Version(low).release <= Version(version).release <= Version(high).release
     if not inside and version not in _WARNED:
         _WARNED.add(version)
         warnings.warn(f"moe_dispatch's Megatron plug-in is tested with megatron-core {low} through {high}; "

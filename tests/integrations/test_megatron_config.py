@@ -101,7 +101,7 @@ def test_one_translator_shares_the_dispatch_fields():
 
 def test_version_warning_names_the_tested_range():
     low, high = TESTED_MEGATRON_CORE
-    for inside in (low, high, "0.18.0"):
+    for inside in (low, high, "0.18.0", f"{high}+27280d6"):
         assert warn_if_untested(inside) is False
     for outside in ("0.15.3", "0.20.0", "0.20.0rc1"):
         with pytest.warns(UserWarning, match=f"tested with megatron-core {low} through {high}"):
