@@ -357,7 +357,13 @@ def _deterministic_moe_layer_class() -> type:
             the installed release takes them), plus ``row_stable_gemms`` (default True; see
             ``install``, set it through ``get_moe_module_spec`` / ``deterministic_moe_spec``);
             raises ValueError up front (before Megatron builds its own dispatcher) for the settings
-            listed in this module's docstring."""
+            listed in this module's docstring.
+
+            megatron-core 0.16 and 0.17 build a ModuleSpec MLP with ``pg_collection`` (and 0.17
+            ``is_mtp_layer``) only when its module is MoELayer itself, and log "Unknown MLP type"
+            otherwise: this class then gets Megatron's default process groups (the global parallel
+            state, as MoELayer without pg_collection), and raises if their EP size differs from
+            ``expert_model_parallel_size``. From 0.18 the spec is a partial that gets every argument."""
 
             def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None,
                          pg_collection: Optional[Any] = None, is_mtp_layer: bool = False,
@@ -373,6 +379,13 @@ def _deterministic_moe_layer_class() -> type:
                 super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                                  pg_collection=pg_collection, **extra)
                 install(self, pg_collection, row_stable_gemms=row_stable_gemms)
+                ep = getattr(config, "expert_model_parallel_size", None)
+                if pg_collection is None and ep is not None and ep != self.token_dispatcher.ep_size:
+                    # megatron-core <= 0.17's TransformerLayer passes pg_collection only to a spec
+                    # whose module is MoELayer itself: without it Megatron's default groups are used.
+                    raise ValueError(f"DeterministicMoELayer got no pg_collection, and Megatron's default EP group "
+                                     f"has size {self.token_dispatcher.ep_size}, not expert_model_parallel_size={ep}: "
+                                     "pass pg_collection, or initialise Megatron's parallel state to match")
 
         DeterministicMoELayer.__module__ = __name__
         DeterministicMoELayer.__qualname__ = "DeterministicMoELayer"
