@@ -75,8 +75,7 @@ import warnings
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..dispatcher import dispatcher_from_megatron
-from ..dispatcher.dispatchers import _Dispatcher
+from ..dispatcher import AllGatherDispatcher, AllToAllDispatcher, dispatcher_from_megatron
 
 if TYPE_CHECKING:
     import torch
@@ -202,7 +201,7 @@ def _groups_of(moe_layer: Any, pg_collection: Any) -> Any:
 
 def is_installed(moe_layer: Any) -> bool:
     """True when moe_layer.token_dispatcher is one of ours (``install``, or ``dispatcher_from_megatron``)."""
-    return isinstance(getattr(moe_layer, "token_dispatcher", None), _Dispatcher)
+    return isinstance(getattr(moe_layer, "token_dispatcher", None), (AllGatherDispatcher, AllToAllDispatcher))
 
 
 def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_gemms: bool = True) -> Any:
