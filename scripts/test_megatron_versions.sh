@@ -39,4 +39,5 @@ for v in $VERSIONS; do
     echo "   ($((SECONDS - start)) s)"
 done
 echo "megatron-core versions passed: ${passed[*]:-none}; failed: ${failed[*]:-none}"
+echo "megatron-core: ${#passed[@]} passed, ${#failed[@]} failed"
 [ ${#failed[@]} -eq 0 ]
