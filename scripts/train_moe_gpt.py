@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import socket
 import sys
@@ -223,6 +224,8 @@ def _rank_main(local_rank: int, world: int, port: int, ep: int, args: argparse.N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
     warnings.filterwarnings("ignore")
+    # megatron-core <= 0.17 logs "Unknown MLP type" for every layer built from our spec (README).
+    logging.getLogger("megatron.core.transformer.transformer_layer").setLevel(logging.ERROR)
     args.world = world
     if args.backend == "nccl":
         torch.cuda.set_device(local_rank)
