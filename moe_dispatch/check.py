@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run the checks on megatron-core's own MoELayer (SequentialMLP, no TE), beside "
                              "ours on the same tokens: with its stock dispatcher (reference rows: PASS or DIFF, "
                              "never a FAIL) and with our dispatcher installed (counted like ours); needs "
-                             "megatron-core")
+                             "megatron-core (0.16.1 through 0.19.2) and CUDA")
     parser.add_argument("--seed", type=int, default=1234)
     return parser
 
@@ -233,6 +233,21 @@ def run_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
     return contract_checks(args, device, sizes, dispatchers, run)
 
 
+def _megatron_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
+    """--megatron: checks (a)-(d) on megatron-core's MoELayer (``integrations.megatron_check``),
+    handed this check's EP groups and ``contract_checks`` (so that module never imports this one)."""
+    from .integrations.megatron_check import run_megatron_checks
+
+    world = dist.get_world_size()
+    sizes, dispatchers = check_plan(args, world)
+    groups = _ep_groups(world, sizes)
+
+    def contract(run: RunFn, label: str, informational: bool) -> list[Result]:
+        return contract_checks(args, device, sizes, dispatchers, run, label=label, informational=informational)
+
+    return run_megatron_checks(args, device, DTYPES[args.dtype], groups, contract)
+
+
 def throughput(args: argparse.Namespace, device: torch.device) -> str:
     from .config import MoEConfig
     from .layer import MoELayer
@@ -302,8 +317,7 @@ def main_worker(args: argparse.Namespace, backend: str) -> int:
                   f"{args.dtype}, router {args.router_dtype}", flush=True)
         results = run_checks(args, device)
         if args.megatron:
-            from .integrations.megatron_check import run_megatron_checks
-            results += run_megatron_checks(args, device)
+            results += _megatron_checks(args, device)
         line = throughput(args, device)
         if rank == 0:
             _print_table(results)
@@ -328,20 +342,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _megatron_missing() -> Optional[str]:
-    """Why --megatron cannot run here, or None."""
-    import importlib.util
-
-    try:
-        found = importlib.util.find_spec("megatron.core") is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        return ("--megatron needs megatron-core, which is not installed in this environment "
-                f"({sys.executable}): pip install megatron-core==0.16.1 (TransformerEngine not needed)")
-    return None
 
 
 # The check's flags by the MoEConfig field they set: a config error names the flag.
@@ -425,8 +425,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     validate_args(parser, args, argv)
-    if args.megatron and (why := _megatron_missing()):
-        parser.error(why)
+    if args.megatron:
+        from .integrations.megatron_check import megatron_unavailable
+
+        if why := megatron_unavailable():
+            parser.error(why)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         return main_worker(args, backend)

@@ -195,13 +195,25 @@ class MoEConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_megatron(cls, transformer_config: Any, **overrides: Any) -> "MoEConfig":
+    def from_megatron(cls, transformer_config: Any, *, megatron_layer: bool = False, **overrides: Any) -> "MoEConfig":
         """Build from a Megatron-core ``TransformerConfig``; ``overrides`` set our own fields.
 
+        ``megatron_layer=False``: the config of our whole MoELayer (router, dispatcher, experts).
         Megatron features we do not implement raise a ValueError naming the Megatron field, so a
         ported configuration never silently changes meaning.
+
+        ``megatron_layer=True``: the config of our dispatcher inside Megatron's own MoELayer
+        (``install``, ``dispatcher_from_megatron``). Megatron's router and experts keep running, so
+        only the dispatch fields are read (experts, top-k, sizes, router dtype, capacity padding,
+        dispatcher kind, params dtype); ``probs_in_experts=True`` because Megatron's experts
+        multiply the probs themselves (the combine then sums unweighted: probs applied once); the
+        router / expert fields keep neutral values that no Megatron setting can make invalid.
+        Capacity dropping is Megatron's router's, so the dispatcher sees a capacity only when
+        Megatron pads each expert to it (``moe_pad_expert_input_to_capacity``).
         """
-        fields = _megatron_fields(transformer_config)
+        fields = _megatron_dispatch_fields(transformer_config, megatron_layer)
+        if not megatron_layer:
+            fields.update(_megatron_router_expert_fields(transformer_config))
         fields.update(overrides)
         return cls(**fields)
 
@@ -244,10 +256,46 @@ _MEGATRON_UNSUPPORTED = {
 }
 
 
-def _megatron_fields(tc: Any) -> dict:
-    get = lambda name, default=None: getattr(tc, name, default)  # noqa: E731
+def _megatron_dispatch_fields(tc: Any, megatron_layer: bool) -> dict:
+    """The fields the dispatcher needs, from a TransformerConfig (see ``MoEConfig.from_megatron``)."""
+    get = lambda name, default=None: getattr(tc, name, default)  # noqa: E731  (Megatron's config, any version)
     if not get("num_moe_experts"):
         raise ValueError("num_moe_experts is not set: this TransformerConfig has no MoE layer")
+    dispatcher = get("moe_token_dispatcher_type", "allgather")
+    if dispatcher not in _DISPATCHERS:
+        raise ValueError(f"moe_token_dispatcher_type={dispatcher!r} is not one of {_DISPATCHERS}")
+    capacity = get("moe_expert_capacity_factor")
+    if capacity is not None and capacity < 0:
+        capacity = None  # Megatron's own convention: a negative factor means dropless
+    pad = bool(get("moe_pad_expert_input_to_capacity", False))
+    if pad and capacity is None:
+        raise ValueError("moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor > 0")
+    fields = dict(
+        hidden_size=get("hidden_size"),
+        num_experts=get("num_moe_experts"),
+        topk=get("moe_router_topk", 2),
+        ffn_hidden_size=get("moe_ffn_hidden_size") or get("ffn_hidden_size"),
+        router_dtype=get("moe_router_dtype"),
+        capacity_factor=capacity,
+        pad_to_capacity=pad,
+        dispatcher=dispatcher,
+        params_dtype=get("params_dtype") or torch.float32,
+    )
+    if megatron_layer:
+        fields.update(
+            capacity_factor=capacity if pad else None,
+            probs_in_experts=True,
+            # Neutral: our router does not run, and pre_softmax=True is valid for any top-k.
+            pre_softmax=True,
+            load_balancing_type="none",
+        )
+    return fields
+
+
+def _megatron_router_expert_fields(tc: Any) -> dict:
+    """Our router's and experts' fields, from a TransformerConfig; raises for Megatron features we
+    do not implement."""
+    get = lambda name, default=None: getattr(tc, name, default)  # noqa: E731  (Megatron's config, any version)
     for name, default in _MEGATRON_UNSUPPORTED.items():
         if get(name, default) not in (default, None):
             raise ValueError(f"{name}={get(name)!r} is not supported by moe_dispatch")
@@ -258,18 +306,7 @@ def _megatron_fields(tc: Any) -> dict:
     if get("calculate_per_token_loss", False) and (coeff or get("moe_z_loss_coeff")):
         # Megatron then multiplies the losses by the local token count; we keep the plain means.
         raise ValueError("calculate_per_token_loss=True with MoE losses is not supported")
-    dispatcher = get("moe_token_dispatcher_type", "allgather")
-    if dispatcher not in _DISPATCHERS:
-        raise ValueError(f"moe_token_dispatcher_type={dispatcher!r} is not one of {_DISPATCHERS}")
-    capacity = get("moe_expert_capacity_factor")
-    if capacity is not None and capacity < 0:
-        capacity = None  # Megatron's own convention: a negative factor means dropless
     return dict(
-        hidden_size=get("hidden_size"),
-        num_experts=get("num_moe_experts"),
-        topk=get("moe_router_topk", 2),
-        ffn_hidden_size=get("moe_ffn_hidden_size") or get("ffn_hidden_size"),
-        router_dtype=get("moe_router_dtype"),
         score_function=get("moe_router_score_function", "softmax"),
         pre_softmax=bool(get("moe_router_pre_softmax", False)),
         topk_scaling_factor=get("moe_router_topk_scaling_factor"),
@@ -280,11 +317,7 @@ def _megatron_fields(tc: Any) -> dict:
         load_balancing_type=balancing,
         aux_loss_coeff=coeff,
         z_loss_coeff=get("moe_z_loss_coeff"),
-        capacity_factor=capacity,
-        pad_to_capacity=bool(get("moe_pad_expert_input_to_capacity", False)),
         drop_policy=get("moe_token_drop_policy", "probs"),
-        dispatcher=dispatcher,
         activation=_megatron_activation(tc),
-        params_dtype=get("params_dtype", torch.float32),
         shared_expert_ffn_hidden_size=get("moe_shared_expert_intermediate_size"),
     )

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -85,6 +87,10 @@ def megatron_groups(world: int, rank: int):
     global _PG
     if _PG is None:
         from moe_dispatch.integrations.megatron_build import prepare_megatron, process_groups
+        if DEVICE.type == "cpu":  # --cpu-smoke: the test suite's CPU shims (they patch torch.cuda)
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+            from tests.megatron_cpu import apply_cpu_shims
+            apply_cpu_shims()
         prepare_megatron(DEVICE)
         single = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
         _PG = process_groups(dist.group.WORLD, single)

@@ -96,9 +96,9 @@ def test_more_nccl_ranks_than_gpus_is_refused(spawned, capsys):
 
 
 def test_megatron_missing_is_a_flag_error(spawned, capsys, monkeypatch):
-    from moe_dispatch import check
+    from moe_dispatch.integrations import megatron_check
 
-    monkeypatch.setattr(check, "_megatron_missing", lambda: "--megatron needs megatron-core")
+    monkeypatch.setattr(megatron_check, "megatron_unavailable", lambda: "--megatron needs megatron-core")
     with pytest.raises(SystemExit) as exc:
         cli.main(["check", "--backend", "gloo", "--megatron"])
     assert exc.value.code == 2 and capsys.readouterr().err.count("--megatron needs megatron-core") == 1

@@ -165,6 +165,30 @@ class _Dispatcher:
             raise RuntimeError(f"{type(self).__name__}: call {previous} first")
         return self._step
 
+    # ---- Megatron-core: what its MoELayer reads besides the six methods ----------------------
+    # Self-contained: megatron-core 0.16.1 .. 0.19.2 and HEAD (0.20). Megatron's MoETokenDispatcher
+    # sets these in its __init__ (``ep_size`` and ``ep_rank``, this rank's index in the EP group,
+    # are set in ours above with the same meaning). Each value is the one Megatron's own
+    # allgather / alltoall dispatchers have in the modes we support.
+    tp_size = 1  # expert tensor-parallel size: always 1 here (install() rejects more)
+    tp_rank = 0
+    use_nccl_stream = False  # Megatron: A2A on a side stream to overlap shared experts; ours: current stream
+    shared_experts = None  # shared experts run by the layer, never inside the dispatcher
+    cudagraph_attrs: tuple = ()  # nothing for a CUDA graph of moe_preprocess to capture (not supported)
+    valid_cudagraph_attrs = None
+
+    def get_expert_zero_copy_buffers(self) -> tuple[None, None]:
+        """(output_buffer, grad_input_buffer) that the experts should write their output / input
+        gradient into (megatron-core >= 0.19). (None, None), as for Megatron's own allgather and
+        alltoall dispatchers: the experts allocate their own, which combine_preprocess reads."""
+        return None, None
+
+    def set_shared_experts(self, shared_experts: Any) -> None:
+        """Megatron's moe_shared_expert_overlap hook: not supported (the shared experts would run
+        inside the dispatcher's communication)."""
+        raise ValueError("moe_shared_expert_overlap=True is not supported by moe_dispatch's dispatchers: "
+                         "expected False (the layer then runs the shared experts itself)")
+
 
 class AllToAllDispatcher(_Dispatcher):
     """Deduplicated uneven all-to-all: a token crosses the wire once per rank that owns any of its

@@ -1,4 +1,4 @@
-"""Build a dispatcher from Megatron-core's ProcessGroupCollection (``.ep``, ``.tp_ep``, ``.expt_tp``)."""
+"""Build a dispatcher from Megatron-core's TransformerConfig and ProcessGroupCollection."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,17 +12,26 @@ def _size(group: Any) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def dispatcher_from_megatron(pg_collection: Any, config: Any) -> _Dispatcher:
-    """The dispatcher for config (a MoEConfig, or a Megatron TransformerConfig, converted with
-    MoEConfig.from_megatron) on pg_collection.ep.
+def dispatcher_from_megatron(config: Any, pg_collection: Any) -> _Dispatcher:
+    """Our dispatcher on ``pg_collection.ep``, in Megatron's argument order ``(config, pg_collection)``.
 
-    Raises ValueError when expert tensor parallelism is used (pg_collection.expt_tp size != 1, or
-    tp_ep larger than ep): these dispatchers split experts across EP ranks only.
+    Args:
+        config: a Megatron ``TransformerConfig``, converted with
+            ``MoEConfig.from_megatron(config, megatron_layer=True)``: the dispatcher serves
+            Megatron's own router and experts, which multiply the probs themselves, so it runs in
+            ``probs_in_experts`` mode and the probs are applied once. A ``MoEConfig`` is used as is.
+            (A TransformerConfig is told apart by its ``num_moe_experts`` field.)
+        pg_collection: Megatron's ProcessGroupCollection (``.ep``; ``.expt_tp`` and ``.tp_ep``
+            are checked when present).
+
+    Raises:
+        ValueError: no EP group, or expert tensor parallelism (``expt_tp`` size != 1, or
+            ``tp_ep`` not the EP group): these dispatchers split experts across EP ranks only.
     """
-    if hasattr(config, "num_moe_experts"):
+    if hasattr(config, "num_moe_experts"):  # Megatron's TransformerConfig
         from ..config import MoEConfig
 
-        config = MoEConfig.from_megatron(config)
+        config = MoEConfig.from_megatron(config, megatron_layer=True)
     ep = getattr(pg_collection, "ep", None)
     if ep is None:
         raise ValueError("pg_collection.ep (the expert-parallel group) is required")

@@ -1,4 +1,7 @@
-"""Our dispatchers inside megatron-core's ``MoELayer`` (written against megatron-core 0.16.1).
+"""Our dispatchers inside megatron-core's ``MoELayer``: megatron-core 0.16.1 through 0.19.2, written
+against HEAD's (0.20) interface where it differs. Differences between releases are detected from
+the installed package (attributes, signatures, spec types), never from its version string; a
+version outside the tested range only adds a warning naming the range.
 
 Upstream has no hook for the dispatcher: ``MoELayer.__init__`` builds its own from
 ``config.moe_token_dispatcher_type``. This module swaps it afterwards::
@@ -19,7 +22,7 @@ token's K expert outputs (and each token's gradient rows) are summed once, on th
 in ascending expert order in fp32 (fp64 with an fp64 router). The rest needs Megatron's own GEMMs
 to be row-stable (a row's result independent of the rows sharing the call): its router's gating
 GEMM and ``SequentialMLP``'s one ``mm`` per expert are not (CPU fp32 ``mm`` below 8 rows; cuBLAS
-on H200 at many row counts, shared/FACTS.md). So ``install`` by default (``row_stable_gemms=True``)
+on H200 at many row counts, BENCHMARKS.md). So ``install`` by default (``row_stable_gemms=True``)
 also replaces those two forwards with our row-stable GEMMs on the same parameters
 (``make_row_stable``); ``row_stable_gemms=False`` keeps Megatron's, matching its stock numerics.
 
@@ -29,8 +32,9 @@ the dispatcher runs in ``probs_in_experts`` mode: it hands the experts fp32 (fp6
 exactly once. Probs from a bf16 router (``moe_router_dtype=None``) are upcast (exactly) to fp32
 before they are sent: they never travel in 16 bits.
 
-Supported (tested on CPU / gloo at EP 1 and 2: both dispatchers, fp32 and bf16 params, routers in
-fp32, fp64 and bf16, capacity padding; see tests/integrations):
+Supported (tested on CPU / gloo at EP 1 and 2 under megatron-core 0.16.1, 0.17.0, 0.18.0 and 0.19.2:
+both dispatchers, fp32 and bf16 params, routers in fp32, fp64 and bf16, capacity padding; see
+tests/integrations):
 - ``moe_token_dispatcher_type`` 'allgather' and 'alltoall' (ours of the same kind is installed);
 - the process groups of the layer's ``pg_collection`` (or Megatron's global parallel state):
   ``ep`` is the EP group; ``expt_tp`` must have size 1, so ``tp_ep`` is the EP group;
@@ -53,28 +57,61 @@ Not supported (``install`` / ``DeterministicMoELayer`` raise ``ValueError`` nami
 - ``overlap_moe_expert_parallel_comm=True``: its schedule splits the dispatch's autograd graph;
 - ``moe_router_padding_for_quantization=True``: Megatron's dispatcher pads the routing map for
   FP8/FP4; ours does not;
-- CUDA graphs that capture the dispatch (``cuda_graph_impl`` != 'none' with ``cuda_graph_scope``
-  empty or containing moe / moe_preprocess / full_iteration): the dispatch reads the split sizes
-  on the host once per step. Capturing only ``moe_router`` (or attn / mlp) is fine.
+- CUDA graphs that capture the dispatch (``cuda_graph_impl`` 'full_iteration', or another impl with
+  ``cuda_graph_modules`` (``cuda_graph_scope`` before 0.18) empty or containing moe /
+  moe_preprocess / full_iteration): the dispatch reads the split sizes on the host once per step.
+  Capturing only ``moe_router`` (or attn / mlp) is fine;
+- ``transformer_impl='inference_optimized'`` (0.17+): its MoELayer swaps Megatron's inference
+  dispatcher in at every forward.
 Megatron's inference helper that toggles ``drop_and_pad`` on live dispatchers does not reach ours.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import inspect
+import warnings
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from ..config import MoEConfig
-from ..dispatcher import dispatcher_from_megatron
+from ..dispatcher import AllGatherDispatcher, AllToAllDispatcher, dispatcher_from_megatron
 
-__all__ = ["DeterministicMoELayer", "check_row_stable_supported", "check_supported", "deterministic_moe_spec",
-           "dispatcher_config", "get_moe_module_spec", "install", "is_installed", "make_row_stable"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DeterministicMoELayer",  # noqa: F822  (built lazily, see __getattr__)
+           "TESTED_MEGATRON_CORE", "check_row_stable_supported", "check_supported",
+           "deterministic_moe_spec", "get_moe_module_spec", "install", "is_installed", "make_row_stable",
+           "warn_if_untested"]
 
 SUPPORTED_DISPATCHERS = ("allgather", "alltoall")
+# The megatron-core releases the test suite runs against (oldest, newest).
+TESTED_MEGATRON_CORE = ("0.16.1", "0.19.2")
 # Parts of the MoE layer whose CUDA-graph capture would include the dispatch.
 _GRAPHED_DISPATCH_SCOPES = ("moe", "moe_preprocess", "full_iteration")
 _MOE_LAYER_PATH = ("megatron.core.transformer.moe.moe_layer", "MoELayer")
+_WARNED: set = set()
+
+
+def warn_if_untested(version: Optional[str] = None) -> bool:
+    """Warn (once per version) when megatron-core is outside TESTED_MEGATRON_CORE; returns True
+    when it is outside. Only this warning reads the version: behaviour follows features."""
+    from packaging.version import Version  # a dependency of megatron-core
+
+    if version is None:
+        from megatron.core import package_info
+
+        version = package_info.__version__
+    low, high = TESTED_MEGATRON_CORE
+    # Release numbers only: wheels carry local tags (0.19.2+27280d6), which sort above 0.19.2.
+    inside = Version(low).release <= Version(version).release <= Version(high).release
+    if not inside and version not in _WARNED:
+        _WARNED.add(version)
+        warnings.warn(f"moe_dispatch's Megatron plug-in is tested with megatron-core {low} through {high}; "
+                      f"megatron-core {version} is installed: check it with `moe-dispatch check --megatron`",
+                      stacklevel=3)
+    return not inside
 
 
 def _scope_names(scopes: Any) -> list:
@@ -87,11 +124,27 @@ def _scope_names(scopes: Any) -> list:
     return [getattr(s, "name", s) for s in scopes]
 
 
+def _graph_capture_error(config: Any) -> Optional[str]:
+    """Why this config's CUDA graphs would capture the dispatch, or None."""
+    graphs = getattr(config, "cuda_graph_impl", "none") or "none"
+    if graphs == "none":
+        return None
+    if graphs == "full_iteration":  # 0.18+: one graph of the whole forward-backward
+        return "cuda_graph_impl='full_iteration' would capture the dispatch"
+    # 0.18+ name the captured modules cuda_graph_modules (cuda_graph_scope is migrated into it).
+    field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+    scopes = _scope_names(getattr(config, field))
+    if scopes and not any(s in _GRAPHED_DISPATCH_SCOPES for s in scopes):
+        return None
+    return f"cuda_graph_impl={graphs!r} with {field}={scopes or '[] (whole layer)'} would capture the dispatch"
+
+
 def check_supported(config: Any) -> None:
     """Raise ValueError, naming the field, for Megatron settings our dispatcher cannot honour.
 
-    config: megatron.core TransformerConfig of the MoE layer."""
-    get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+    config: megatron.core TransformerConfig of the MoE layer (any supported release: fields a
+    release lacks count as their default)."""
+    get = lambda name, default=None: getattr(config, name, default)  # noqa: E731  (Megatron's config)
     if not get("num_moe_experts"):
         raise ValueError("num_moe_experts is not set: this TransformerConfig has no MoE layer")
     kind = get("moe_token_dispatcher_type", "allgather")
@@ -116,44 +169,17 @@ def check_supported(config: Any) -> None:
     if get("moe_router_padding_for_quantization", False):
         raise ValueError("moe_router_padding_for_quantization=True is not supported: it pads inside "
                          "Megatron's dispatcher; expected False")
-    graphs = get("cuda_graph_impl", "none") or "none"
-    if graphs != "none":
-        scopes = _scope_names(get("cuda_graph_scope"))
-        if not scopes or any(s in _GRAPHED_DISPATCH_SCOPES for s in scopes):
-            raise ValueError(f"cuda_graph_impl={graphs!r} with cuda_graph_scope={scopes or '[] (whole layer)'} "
-                             "would capture the dispatch, which reads split sizes on the host: expected "
-                             "cuda_graph_impl='none' or a scope without moe / moe_preprocess / full_iteration")
+    if get("transformer_impl") == "inference_optimized":
+        raise ValueError("transformer_impl='inference_optimized' is not supported: its MoELayer swaps "
+                         "Megatron's inference dispatcher in at every forward; expected 'local' or "
+                         "'transformer_engine'")
+    why = _graph_capture_error(config)
+    if why:
+        raise ValueError(f"{why}, which reads split sizes on the host: expected cuda_graph_impl='none' or "
+                         "captured modules without moe / moe_preprocess / full_iteration")
     router_dtype = get("moe_router_dtype")
     if router_dtype not in (None, "fp32", "fp64"):
         raise ValueError(f"moe_router_dtype={router_dtype!r} is not supported: expected None, 'fp32' or 'fp64'")
-
-
-def dispatcher_config(config: Any) -> MoEConfig:
-    """The MoEConfig of the dispatcher for a Megatron TransformerConfig.
-
-    Only the dispatch fields are taken over (experts, top-k, router dtype, capacity padding, the
-    dispatcher kind); the router and the experts stay Megatron's, so their fields are not read and
-    our router fields keep neutral values. probs_in_experts=True: Megatron's experts apply probs."""
-    check_supported(config)
-    pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
-    capacity = getattr(config, "moe_expert_capacity_factor", None)
-    if pad and (capacity is None or capacity <= 0):
-        raise ValueError("moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor > 0")
-    return MoEConfig(
-        hidden_size=config.hidden_size,
-        num_experts=config.num_moe_experts,
-        topk=config.moe_router_topk,
-        ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None) or config.ffn_hidden_size,
-        router_dtype=getattr(config, "moe_router_dtype", None),
-        pre_softmax=True,  # neutral: our router is not used (True is valid for any top-k)
-        load_balancing_type="none",
-        capacity_factor=capacity if pad else None,
-        pad_to_capacity=pad,
-        dispatcher=config.moe_token_dispatcher_type,
-        params_dtype=getattr(config, "params_dtype", None) or MoEConfig.params_dtype,
-        probs_in_experts=True,
-        pad_multiple=1,
-    )
 
 
 def _groups_of(moe_layer: Any, pg_collection: Any) -> Any:
@@ -174,8 +200,8 @@ def _groups_of(moe_layer: Any, pg_collection: Any) -> Any:
 
 
 def is_installed(moe_layer: Any) -> bool:
-    """True when moe_layer.token_dispatcher is one of ours (installed by this module)."""
-    return bool(getattr(getattr(moe_layer, "token_dispatcher", None), "_moe_dispatch_megatron", False))
+    """True when moe_layer.token_dispatcher is one of ours (``install``, or ``dispatcher_from_megatron``)."""
+    return isinstance(getattr(moe_layer, "token_dispatcher", None), (AllGatherDispatcher, AllToAllDispatcher))
 
 
 def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_gemms: bool = True) -> Any:
@@ -196,25 +222,21 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
         ValueError: a setting we cannot honour (see the module docstring), or an EP group whose
             split of the experts differs from the layer's.
 
-    Idempotent: installing twice keeps one of ours (rebuilt from the same groups). Call it before
-    the first forward; the dispatcher keeps one step's state between dispatch and combine.
+    The dispatcher is ``dispatcher_from_megatron(moe_layer.config, groups)``: probs applied once,
+    by Megatron's experts. Idempotent: installing twice keeps one of ours (rebuilt from the same
+    groups). Call it before the first forward; the dispatcher keeps one step's state between
+    dispatch and combine.
     """
     config = moe_layer.config
-    moe_config = dispatcher_config(config)
+    check_supported(config)
+    warn_if_untested()
     if row_stable_gemms:
         check_row_stable_supported(moe_layer)
-    groups = _groups_of(moe_layer, pg_collection)
-    dispatcher = dispatcher_from_megatron(groups, moe_config)
+    dispatcher = dispatcher_from_megatron(config, _groups_of(moe_layer, pg_collection))
     expected = list(getattr(moe_layer, "local_expert_indices", dispatcher.local_expert_indices))
     if list(dispatcher.local_expert_indices) != expected:
         raise ValueError(f"EP group mismatch: the dispatcher's local experts {dispatcher.local_expert_indices} "
                          f"differ from the layer's local_expert_indices {expected}")
-    # What Megatron reads from any token dispatcher besides the six methods.
-    dispatcher._moe_dispatch_megatron = True
-    dispatcher.megatron_config = config
-    dispatcher.shared_experts = None
-    dispatcher.cudagraph_attrs = []
-    dispatcher.valid_cudagraph_attrs = None
     moe_layer.token_dispatcher = dispatcher
     if row_stable_gemms:
         make_row_stable(moe_layer)
@@ -324,21 +346,45 @@ def _deterministic_moe_layer_class() -> type:
     check_supported) does not import megatron-core."""
     if "DeterministicMoELayer" not in _CLASSES:
         base = _megatron_moe_layer()
+        # Keyword arguments that this release's MoELayer takes (is_mtp_layer: 0.17+, name: 0.18+).
+        accepted = set(inspect.signature(base.__init__).parameters)
 
         class DeterministicMoELayer(base):
             """megatron.core MoELayer with our dispatcher of the same kind installed.
 
-            Same constructor as MoELayer, plus ``row_stable_gemms`` (default True; see ``install``,
-            set it through ``get_moe_module_spec`` / ``deterministic_moe_spec``); raises ValueError
-            up front (before Megatron builds its own dispatcher) for the settings listed in this
-            module's docstring."""
+            Same constructor as MoELayer (HEAD's: ``is_mtp_layer`` and ``name`` are passed on where
+            the installed release takes them), plus ``row_stable_gemms`` (default True; see
+            ``install``, set it through ``get_moe_module_spec`` / ``deterministic_moe_spec``);
+            raises ValueError up front (before Megatron builds its own dispatcher) for the settings
+            listed in this module's docstring.
+
+            megatron-core 0.16 and 0.17 build a ModuleSpec MLP with ``pg_collection`` (and 0.17
+            ``is_mtp_layer``) only when its module is MoELayer itself, and log "Unknown MLP type"
+            otherwise: this class then gets Megatron's default process groups (the global parallel
+            state, as MoELayer without pg_collection), and raises if their EP size differs from
+            ``expert_model_parallel_size``. From 0.18 the spec is a partial that gets every argument."""
 
             def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None,
-                         pg_collection: Optional[Any] = None, row_stable_gemms: bool = True) -> None:
+                         pg_collection: Optional[Any] = None, is_mtp_layer: bool = False,
+                         name: Optional[str] = None, row_stable_gemms: bool = True) -> None:
                 check_supported(config)
+                extra = {}
+                for key, value, default in (("is_mtp_layer", is_mtp_layer, False), ("name", name, None)):
+                    if key in accepted:
+                        extra[key] = value
+                    elif value != default:
+                        raise TypeError(f"DeterministicMoELayer: {key}={value!r} needs a megatron-core whose "
+                                        f"MoELayer takes {key} (this one does not)")
                 super().__init__(config=config, submodules=submodules, layer_number=layer_number,
-                                 pg_collection=pg_collection)
+                                 pg_collection=pg_collection, **extra)
                 install(self, pg_collection, row_stable_gemms=row_stable_gemms)
+                ep = getattr(config, "expert_model_parallel_size", None)
+                if pg_collection is None and ep is not None and ep != self.token_dispatcher.ep_size:
+                    # megatron-core <= 0.17's TransformerLayer passes pg_collection only to a spec
+                    # whose module is MoELayer itself: without it Megatron's default groups are used.
+                    raise ValueError(f"DeterministicMoELayer got no pg_collection, and Megatron's default EP group "
+                                     f"has size {self.token_dispatcher.ep_size}, not expert_model_parallel_size={ep}: "
+                                     "pass pg_collection, or initialise Megatron's parallel state to match")
 
         DeterministicMoELayer.__module__ = __name__
         DeterministicMoELayer.__qualname__ = "DeterministicMoELayer"
@@ -352,41 +398,69 @@ def __getattr__(name: str) -> Any:  # PEP 562: DeterministicMoELayer is built la
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _is_moe_layer(module: Any, moe_layer: type) -> bool:
+    return module is moe_layer or (isinstance(module, tuple) and tuple(module) == _MOE_LAYER_PATH)
+
+
 def deterministic_moe_spec(spec: Any, row_stable_gemms: bool = True) -> Any:
-    """A copy of a Megatron ModuleSpec tree (a layer spec, a block spec, a list of them, or a
-    TransformerBlockSubmodules) where every MoELayer module is DeterministicMoELayer, built with
-    ``row_stable_gemms`` (see ``install``)."""
+    """A copy of a Megatron spec tree where every MoELayer is DeterministicMoELayer, built with
+    ``row_stable_gemms`` (see ``install``).
+
+    ``spec``: a layer spec, a block spec, a list of them, a TransformerBlockSubmodules, or an MoE
+    spec itself. Both kinds of MoE spec are handled: a ``ModuleSpec(module=MoELayer, ...)``
+    (megatron-core <= 0.17) and a ``functools.partial(MoELayer, submodules=...)`` (0.18+); each
+    keeps its kind."""
     moe_layer = _megatron_moe_layer()
-    spec = copy.deepcopy(spec)
-    seen: set = set()
+    deterministic = _deterministic_moe_layer_class()
+    seen: dict = {}
 
-    def visit(node: Any) -> None:
-        if id(node) in seen or node is None or isinstance(node, (str, bytes, int, float, bool, type)):
-            return
-        seen.add(id(node))
-        if isinstance(node, (list, tuple)):
-            for item in node:
-                visit(item)
-            return
+    def visit(node: Any) -> Any:
+        """node, with its MoELayer specs replaced (in place where mutable; partials are rebuilt)."""
+        if node is None or isinstance(node, (str, bytes, int, float, bool, type)):
+            return node
+        if id(node) in seen:
+            return seen[id(node)]
+        seen[id(node)] = node
+        if isinstance(node, functools.partial):
+            args = tuple(visit(a) for a in node.args)
+            keywords = {k: visit(v) for k, v in node.keywords.items()}
+            if _is_moe_layer(node.func, moe_layer):
+                replaced = functools.partial(deterministic, *args, **keywords, row_stable_gemms=row_stable_gemms)
+            else:
+                replaced = functools.partial(node.func, *args, **keywords)
+            seen[id(node)] = replaced
+            return replaced
+        if isinstance(node, list):
+            node[:] = [visit(item) for item in node]
+            return node
+        if isinstance(node, tuple):
+            replaced = type(node)(*(visit(item) for item in node)) if hasattr(node, "_fields") else \
+                tuple(visit(item) for item in node)
+            seen[id(node)] = replaced
+            return replaced
         if isinstance(node, dict):
-            for item in node.values():
-                visit(item)
-            return
+            for key in list(node):
+                node[key] = visit(node[key])
+            return node
         module = getattr(node, "module", None)
-        if module is moe_layer or (isinstance(module, tuple) and tuple(module) == _MOE_LAYER_PATH):
-            node.module = _deterministic_moe_layer_class()
+        if _is_moe_layer(module, moe_layer):
+            node.module = deterministic
             node.params = dict(getattr(node, "params", None) or {}, row_stable_gemms=row_stable_gemms)
-        if dataclasses.is_dataclass(node):
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
             for f in dataclasses.fields(node):
-                visit(getattr(node, f.name))
+                value = getattr(node, f.name)
+                new = visit(value)
+                if new is not value:
+                    object.__setattr__(node, f.name, new)  # a deep copy: frozen dataclasses too
+        return node
 
-    visit(spec)
-    return spec
+    return visit(copy.deepcopy(spec))
 
 
 def get_moe_module_spec(*args: Any, row_stable_gemms: bool = True, **kwargs: Any) -> Any:
-    """megatron.core.models.gpt.moe_module_specs.get_moe_module_spec (same arguments), with the
-    module DeterministicMoELayer built with ``row_stable_gemms`` (see ``install``)."""
+    """megatron.core.models.gpt.moe_module_specs.get_moe_module_spec (same arguments, same kind of
+    spec: a ModuleSpec up to 0.17, a functools.partial from 0.18), with the module
+    DeterministicMoELayer built with ``row_stable_gemms`` (see ``install``)."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as megatron_spec
 
     return deterministic_moe_spec(megatron_spec(*args, **kwargs), row_stable_gemms)

@@ -1,12 +1,13 @@
-"""Build megatron-core 0.16.1's MoELayer (SequentialMLP, no TransformerEngine) outside Megatron's
-training set-up: for ``moe-dispatch check --megatron`` and the plug-in tests.
+"""Build megatron-core's MoELayer (SequentialMLP, no TransformerEngine; 0.16.1 through 0.19.2)
+outside Megatron's training set-up: for ``moe-dispatch check --megatron``, the benchmark and
+training scripts, and the plug-in tests.
 
 No ``initialize_model_parallel``: each layer gets an explicit ``ProcessGroupCollection`` whose EP
 group is any subgroup (so one process can hold an EP-1 and an EP-2 layer side by side) and whose
 other groups are this rank alone. The weights are seeded per global expert id, as our own experts'
 (``moe_dispatch.experts.init_expert_weights``), so layers of every EP size are the same model::
 
-    prepare_megatron(device)                        # CPU shims on CPU, TE-less router on CUDA
+    prepare_megatron(device)                        # TE-less router, Megatron's global buffer
     single = [dist.new_group([r]) for r in range(world)][rank]
     config = moe_transformer_config(64, 128, 8, 2, "alltoall", torch.bfloat16, ep_size=2)
     layer = build_moe_layer(config, process_groups(ep_group, single), ours=True, device=device)
@@ -18,30 +19,42 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["build_moe_layer", "load_seeded_weights", "moe_transformer_config", "prepare_megatron",
-           "process_groups"]
+__all__ = ["build_from_spec", "build_moe_layer", "disable_te_router_gemm", "load_seeded_weights",
+           "moe_transformer_config", "prepare_megatron", "process_groups"]
 
 
 def prepare_megatron(device: torch.device) -> None:
-    """Make megatron-core 0.16.1's MoELayer runnable here without initialize_model_parallel.
+    """Make megatron-core's MoELayer runnable in this process without initialize_model_parallel.
 
-    CPU: :func:`~moe_dispatch.integrations.megatron_cpu.apply_cpu_shims` (process-wide test shims).
-    CUDA: :func:`~moe_dispatch.integrations.megatron_cpu.disable_te_router_gemm` (without TE, an
-    fp32 router raises NameError otherwise) and Megatron's global memory buffer, which its allgather
-    dispatcher gathers into."""
-    from .megatron_cpu import apply_cpu_shims, disable_te_router_gemm
+    Allocates Megatron's global memory buffer (its allgather dispatcher gathers into it) and runs
+    :func:`disable_te_router_gemm` (without TE, 0.16.1's fp32 router raises NameError otherwise).
 
+    Megatron's MoE code asks for CUDA devices and streams even for CPU tensors. A CPU ``device`` is
+    accepted only where ``torch.cuda.current_device()`` already works, i.e. with CUDA, or in a
+    process that patched torch.cuda (the test suite's CPU shims, tests/megatron_cpu.py; never
+    part of this package because they patch torch.cuda process-wide)."""
     if torch.device(device).type == "cpu":
-        if torch.cuda.is_available():
-            raise RuntimeError("megatron-core's MoELayer on CPU ranks needs the CPU shims, which are for "
-                               "processes without CUDA: hide the GPUs (CUDA_VISIBLE_DEVICES=) or use NCCL")
-        apply_cpu_shims()
-        return
+        try:
+            torch.cuda.current_device()
+        except (AssertionError, RuntimeError) as exc:
+            raise RuntimeError("megatron-core's MoELayer needs CUDA here: its MoE code calls "
+                               "torch.cuda.current_device() and CUDA streams even for CPU tensors "
+                               f"({exc}). CPU ranks are a test set-up (the test suite's CPU shims)") from exc
     from megatron.core import parallel_state
 
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()
     disable_te_router_gemm()
+
+
+def disable_te_router_gemm() -> None:
+    """Let megatron-core 0.16.1 run an fp32 router without TransformerEngine (it raises NameError
+    on te_general_gemm otherwise; 0.17+ define it as None themselves): its router then uses the
+    plain torch GEMM. A no-op where TransformerEngine provides the name."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm") or moe_utils.te_general_gemm is None:
+        moe_utils.te_general_gemm = None
 
 
 def process_groups(ep_group: Any, single: Any) -> Any:
@@ -71,23 +84,47 @@ def moe_transformer_config(hidden: int, ffn: int, experts: int, topk: int, dispa
     return TransformerConfig(**fields)
 
 
+def build_from_spec(spec: Any, **kwargs: Any) -> Any:
+    """Build a module from a Megatron spec of either kind: a ``ModuleSpec`` (``build_module``) or a
+    builder callable such as the ``functools.partial`` that megatron-core 0.18+ returns."""
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    if isinstance(spec, ModuleSpec):
+        return build_module(spec, **kwargs)
+    return spec(**kwargs)
+
+
+def _moe_submodules(spec: Any) -> Any:
+    """The MoESubmodules of an MoE spec (ModuleSpec.submodules, or the partial's keyword)."""
+    submodules = getattr(spec, "submodules", None)
+    if submodules is None and hasattr(spec, "keywords"):
+        submodules = spec.keywords.get("submodules")
+    if submodules is None:
+        raise ValueError(f"expected an MoE spec with submodules, got {spec!r}")
+    return submodules
+
+
 def build_moe_layer(config: Any, pg_collection: Any, ours: bool, device: Optional[torch.device] = None,
                     row_stable_gemms: bool = True) -> Any:
     """megatron-core's MoELayer from its own module spec (``get_moe_module_spec(use_te=False)``:
-    SequentialMLP experts). ``ours``: built as DeterministicMoELayer (our dispatcher of the same kind
-    installed, and with ``row_stable_gemms`` our row-stable router / expert GEMMs); else Megatron's
-    stock MoELayer with its own dispatcher. In train mode, on ``device``."""
+    SequentialMLP experts). ``ours``: built through our spec helper as DeterministicMoELayer (our
+    dispatcher of the same kind installed, and with ``row_stable_gemms`` our row-stable router /
+    expert GEMMs); else Megatron's stock MoELayer, with its own dispatcher, from Megatron's spec.
+    In train mode, on ``device``."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as megatron_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.spec_utils import build_module
 
     from .megatron import get_moe_module_spec, is_installed
 
-    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, row_stable_gemms=row_stable_gemms)
-    if not ours:
-        spec.module = MoELayer
-        spec.params = {k: v for k, v in spec.params.items() if k != "row_stable_gemms"}
-    layer = build_module(spec, config=config, pg_collection=pg_collection)
-    assert is_installed(layer) == ours
+    if ours:
+        spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, row_stable_gemms=row_stable_gemms)
+        layer = build_from_spec(spec, config=config, pg_collection=pg_collection)
+    else:
+        submodules = _moe_submodules(megatron_spec(use_te=False, num_experts=config.num_moe_experts))
+        layer = MoELayer(config=config, submodules=submodules, pg_collection=pg_collection)
+    if is_installed(layer) != ours:
+        raise RuntimeError(f"build_moe_layer(ours={ours}) built {type(layer).__name__} with "
+                           f"{type(layer.token_dispatcher).__name__}")
     if device is not None:
         layer.to(device)
     return layer.train()

@@ -1,11 +1,12 @@
 """``moe-dispatch check --megatron``: the contract checks on megatron-core's own MoELayer.
 
 The same checks (a)-(d) as ``moe_dispatch.check`` runs on our MoELayer, on the same tokens, for
-megatron-core 0.16.1's MoELayer (SequentialMLP experts, no TransformerEngine) at the check's size:
+megatron-core's MoELayer (0.16.1 through 0.19.2; SequentialMLP experts, no TransformerEngine) at
+the check's size:
 
 - ``megatron stock``: with Megatron's own dispatcher. Reference rows (``informational``): shown as
   PASS or DIFF, they never fail the check. On CPU they usually match; on GPUs they show Megatron's
-  rank, dispatcher and batch dependence (shared/FACTS.md).
+  rank, dispatcher and batch dependence (BENCHMARKS.md).
 - ``megatron + moe-dispatch``: the same layer with our dispatcher installed
   (``integrations.megatron.install``, default ``row_stable_gemms=True``: the router's gating GEMM
   and the SequentialMLP experts' GEMMs also run row-stably, on Megatron's own parameters). These
@@ -14,27 +15,37 @@ megatron-core 0.16.1's MoELayer (SequentialMLP experts, no TransformerEngine) at
 Every EP size's layer is built with an explicit ProcessGroupCollection over the check's EP
 subgroup, and the weights are seeded per global expert id (the draws of our own MoELayer), so the
 layers of every EP size are the same model. Megatron's layers are fed [T, 1, H].
+
+Megatron's MoE code needs CUDA (it asks for CUDA devices and streams even for CPU tensors), so the
+command runs it on GPUs; on CPU ranks only the test suite runs it, with its test-only shims.
+
+This module does not import ``moe_dispatch.check``: the check hands it the EP groups and its
+``contract`` function (checks (a)-(d) of one kind of layer), so the two never import each other.
 """
 from __future__ import annotations
 
 import argparse
 import warnings
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-
-from ..check import DTYPES, Result, _ep_groups, check_plan, contract_checks
 
 STOCK_LABEL = "megatron stock: "
 OURS_LABEL = "megatron + moe-dispatch: "
 
 
-def _megatron_run(args: argparse.Namespace, device: torch.device, groups: dict, single, ours: bool):
+# contract(run, label, informational) -> results: checks (a)-(d) on one kind of layer, whose
+# run(kind, ep, x, upstream) does one forward + backward (moe_dispatch.check.contract_checks).
+ContractFn = Callable[[Callable, str, bool], list]
+
+
+def _megatron_run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, groups: dict, single: Any,
+                  ours: bool) -> Callable:
     """A check run function (see ``moe_dispatch.check.RunFn``) over Megatron layers, one per
     (dispatcher, EP size), built on first use and reused (grads zeroed before each step)."""
     from .megatron_build import build_moe_layer, load_seeded_weights, moe_transformer_config, process_groups
 
-    dtype = DTYPES[args.dtype]
     layers: dict = {}
 
     def layer_for(kind: str, ep: int):
@@ -62,7 +73,7 @@ def _megatron_run(args: argparse.Namespace, device: torch.device, groups: dict, 
     return run
 
 
-def explain(results: list[Result]) -> list[str]:
+def explain(results: list) -> list[str]:
     """Lines to print under the table: what the two kinds of Megatron rows mean."""
     if any(r.check.startswith(STOCK_LABEL) for r in results):
         return ["note: megatron + moe-dispatch = install(layer): our dispatcher, and Megatron's router gating "
@@ -70,9 +81,32 @@ def explain(results: list[Result]) -> list[str]:
     return []
 
 
-def run_megatron_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
+def megatron_unavailable() -> str | None:
+    """Why ``--megatron`` cannot run in this process, or None (checked before any rank starts)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        import sys
+
+        return ("--megatron needs megatron-core, which is not installed in this environment "
+                f"({sys.executable}): pip install megatron-core (0.16.1 through 0.19.2; TransformerEngine not needed)")
+    if not torch.cuda.is_available():
+        return ("--megatron needs CUDA: megatron-core's MoE code asks for CUDA devices and streams even for CPU "
+                "tensors. On CPU ranks the test suite runs it with test-only shims "
+                "(pytest tests/integrations/test_megatron_check.py)")
+    return None
+
+
+def run_megatron_checks(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, groups: dict,
+                        contract: ContractFn) -> list:
     """Checks (a)-(d) on megatron-core's MoELayer, stock (reference rows) and with our dispatcher
-    installed. Collective: call on every rank, after ``moe_dispatch.check.run_checks``."""
+    installed. ``groups``: this rank's EP group per EP size (the check's). Collective: call on
+    every rank, after ``moe_dispatch.check.run_checks``."""
+    from .megatron import warn_if_untested
     from .megatron_build import prepare_megatron
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -83,11 +117,11 @@ def run_megatron_checks(args: argparse.Namespace, device: torch.device) -> list[
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Megatron's import-time notices (no TE, no apex, ...)
         prepare_megatron(device)
-    sizes, dispatchers = check_plan(args, world)
-    groups = _ep_groups(world, sizes)
+    if rank == 0:
+        warn_if_untested()
     singles = [dist.new_group([r]) for r in range(world)]  # collective: every rank creates all
-    results: list[Result] = []
+    results: list = []
     for ours, label in ((False, STOCK_LABEL), (True, OURS_LABEL)):
-        run = _megatron_run(args, device, groups, singles[rank], ours)
-        results += contract_checks(args, device, sizes, dispatchers, run, label=label, informational=not ours)
+        run = _megatron_run(args, device, dtype, groups, singles[rank], ours)
+        results += contract(run, label, not ours)
     return results

@@ -1,4 +1,4 @@
-"""Megatron-core 0.16.1's dispatchers next to ours on the spawned gloo ranks."""
+"""Megatron-core's dispatchers next to ours on the spawned gloo ranks."""
 from __future__ import annotations
 
 import torch
@@ -7,42 +7,6 @@ import torch.distributed as dist
 from . import helpers
 from .helpers import E, G, H, batch, config, expert_weights, run_experts
 from .workers import DISPATCHERS, _split, make_groups
-
-
-def _megatron_shims() -> None:
-    """Test-only patches that let megatron-core 0.16.1's dispatchers run on CPU/gloo (FACTS.md)."""
-    import contextlib
-
-    class _NoStream:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def wait_stream(self, *args):
-            pass
-
-        def record_event(self, *args):
-            return _NoStream()
-
-        def synchronize(self):
-            pass
-
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.Stream = torch.cuda.Event = _NoStream
-    torch.cuda.current_stream = lambda *args, **kwargs: None
-    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
-    original = moe_utils.maybe_move_tensor_to_cpu
-
-    def to_cpu(tensor, as_numpy=False, record_stream=False):
-        if torch.is_tensor(tensor) and as_numpy:  # CPU split sizes must become numpy arrays too
-            return tensor.cpu().numpy()
-        return original(tensor, as_numpy=as_numpy, record_stream=False)
-
-    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
-        parallel_state._set_global_memory_buffer()  # the allgather dispatcher gathers into it
 
 
 def _six_steps(d, x, rmap, probs, w, b, apply_probs: bool):
@@ -57,7 +21,9 @@ def _six_steps(d, x, rmap, probs, w, b, apply_probs: bool):
 
 def megatron_worker(rank: int, world_size: int) -> list:
     """Megatron-core's MoEAlltoAllTokenDispatcher / MoEAllGatherTokenDispatcher vs ours, same input."""
-    _megatron_shims()
+    from tests.megatron_cpu import apply_cpu_shims
+
+    apply_cpu_shims()
     import warnings
 
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -83,7 +49,7 @@ def megatron_worker(rank: int, world_size: int) -> list:
                                    params_dtype=torch.bfloat16, expert_model_parallel_size=P)
             from moe_dispatch.dispatcher import dispatcher_from_megatron
 
-            built = dispatcher_from_megatron(pg, tc)  # TransformerConfig -> MoEConfig -> dispatcher
+            built = dispatcher_from_megatron(tc, pg)  # TransformerConfig -> MoEConfig -> dispatcher
             rec = dict(ep=ep, kind=kind, rank=rank,
                        built=(type(built).__name__, built.ep_size, built.local_expert_indices))
             for impl in ("megatron", "ours-experts", "ours-combine"):

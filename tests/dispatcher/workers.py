@@ -231,7 +231,7 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
         tight = config(capacity_factor=0.25, pad_to_capacity=True)  # capacity 1 < routed tokens
         out[f"{kind}_capacity_overflow"] = _outcome(lambda: DISPATCHERS[kind](tight, world).dispatch(x, rmap, probs))
     expt_tp = SimpleNamespace(ep=world, tp_ep=world, expt_tp=pair)
-    out["expert_tp"] = _outcome(lambda: dispatcher_from_megatron(expt_tp, cfg))
+    out["expert_tp"] = _outcome(lambda: dispatcher_from_megatron(cfg, expt_tp))
     # The group still works after all the errors, and an all-empty step works too.
     checks = {}
     for kind in DISPATCHERS:

@@ -1,9 +1,9 @@
 """Run Megatron-core's SequentialMLP on CPU beside ours, in a process of its own.
 
 Megatron needs torch.distributed and its parallel state initialised and
-``torch.cuda.current_device`` pointing at the CPU (shared/FACTS.md); a subprocess keeps that
-away from the other tests. Prints one JSON line per (activation, dtype): row-wise relative differences and
-bitwise flags.
+``torch.cuda.current_device`` pointing at the CPU (tests/megatron_cpu.py); a subprocess keeps that
+away from the other tests. Prints one JSON line per (activation, dtype): row-wise relative
+differences and bitwise flags.
 Usage: python -m tests.experts.megatron_worker PORT
 """
 from __future__ import annotations
@@ -14,17 +14,18 @@ import sys
 
 import torch
 
-torch.cuda.current_device = lambda: "cpu"  # Megatron asks for a device even with CPU init
-
 
 def main(port: str) -> None:
     import torch.distributed as dist
+
+    from tests.megatron_cpu import apply_cpu_shims
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    apply_cpu_shims()  # Megatron asks for a CUDA device even with CPU initialisation
     for activation in ("gelu", "relu", "swiglu"):
         for dtype in (torch.float32, torch.bfloat16):
             report = compare(activation, dtype)

@@ -78,13 +78,13 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_against_megatron_sequential_mlp():
-    """Megatron-core 0.16.1's SequentialMLP on CPU with our weights (sequential layout) and the
+    """Megatron-core's SequentialMLP on CPU with our weights (sequential layout) and the
     same tokens and probs: outputs and all gradients within twice our reference bound (each is
     within one bound of the exact result). On CPU bf16 outputs and input gradients have come out
     bitwise equal; the probs gradient differs (we sum with a fixed tree)."""
     pytest.importorskip("megatron.core")
     # One thread: the worker is small, and it then does not compete with a parallel test run.
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",  # CPU shims: no GPU in the worker
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "tests.experts.megatron_worker", str(_free_port())],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

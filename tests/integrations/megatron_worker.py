@@ -1,6 +1,6 @@
 """Code that runs on the spawned gloo ranks for the Megatron plug-in tests.
 
-megatron-core 0.16.1's MoELayer (SequentialMLP experts, no TE) on 2 CPU ranks, built with an
+megatron-core's MoELayer (0.16.1 through 0.19.2) (SequentialMLP experts, no TE) on 2 CPU ranks, built with an
 explicit ProcessGroupCollection so that one spawn holds an EP-2 layer (both ranks) and an EP-1
 layer (each rank alone) side by side. Every global expert's weights depend only on its id and the
 router's on a fixed seed, so the layers of every EP size and dispatcher are the same model.
@@ -23,7 +23,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _setup() -> None:
-    from moe_dispatch.integrations.megatron_cpu import apply_cpu_shims
+    from tests.megatron_cpu import apply_cpu_shims
 
     warnings.filterwarnings("ignore")
     apply_cpu_shims()
@@ -97,6 +97,8 @@ def _step(layer, x: torch.Tensor, dy: torch.Tensor) -> dict:
 def plugin_worker(rank: int, world_size: int) -> dict:
     assert world_size == 2
     _setup()
+    from moe_dispatch import MoEConfig
+    from moe_dispatch.dispatcher import build_dispatcher, dispatcher_from_megatron
     from moe_dispatch.integrations.megatron import install, is_installed
 
     singles = [dist.new_group([r]) for r in range(world_size)]
@@ -112,6 +114,13 @@ def plugin_worker(rank: int, world_size: int) -> dict:
             layer = _build(_config(kind, dtype, 2), pg2, ours_from_spec=False)
             rec["stock"] = _step(layer, full_x[mine], full_dy[mine])
             assert not is_installed(layer)
+            # Megatron's token_dispatcher replaced by hand: the probs must be applied once.
+            layer.token_dispatcher = dispatcher_from_megatron(layer.config, pg2)
+            rec["replaced"] = _step(layer, full_x[mine], full_dy[mine])
+            # Negative control: our default mode (probs in the combine) under Megatron's experts,
+            # which multiply the probs too: applied twice.
+            layer.token_dispatcher = build_dispatcher(MoEConfig.from_megatron(layer.config), world)
+            rec["twice"] = _step(layer, full_x[mine], full_dy[mine])
             # Dispatcher only: Megatron's own GEMMs, so results compare bitwise with its stock layer.
             assert install(layer, row_stable_gemms=False) is layer and is_installed(layer)
             rec["ours"] = _step(layer, full_x[mine], full_dy[mine])
@@ -208,5 +217,7 @@ def _extra_cases(rank: int, pg2, world, singles) -> dict:
 
     from moe_dispatch.integrations.megatron import deterministic_moe_spec
 
-    out["gpt_spec_mlp"] = deterministic_moe_spec(get_gpt_layer_local_spec(num_experts=E)).submodules.mlp.module.__name__
+    mlp = deterministic_moe_spec(get_gpt_layer_local_spec(num_experts=E)).submodules.mlp
+    # A ModuleSpec up to megatron-core 0.17, a functools.partial from 0.18 on.
+    out["gpt_spec_mlp"] = (mlp.module if hasattr(mlp, "module") else mlp.func).__name__
     return out

@@ -1,4 +1,6 @@
-"""`moe-dispatch check --megatron` end to end on 2 gloo ranks, and its error without megatron-core.
+"""`moe-dispatch check --megatron` end to end on 2 gloo ranks (through the test-only CPU launcher,
+check_megatron_cpu.py: the command itself needs CUDA), and its errors without megatron-core and,
+on CPU, without CUDA.
 
 Megatron's layer with our dispatcher installed (and its router / expert GEMMs made row-stable, the
 install default) must pass every check bitwise, in bf16 and in fp32. The stock-Megatron rows are
@@ -12,11 +14,13 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from moe_dispatch import check
 
+ROOT = Path(__file__).resolve().parents[2]
 HAVE_MEGATRON = (importlib.util.find_spec("megatron") is not None
                  and importlib.util.find_spec("megatron.core") is not None)
 
@@ -28,10 +32,10 @@ def _status(line: str) -> str:
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core")
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_check_megatron_end_to_end(dtype):
-    cmd = [sys.executable, "-m", "moe_dispatch.check", "--megatron", "--ranks", "2", "--ep-sizes", "1,2",
-           "--tokens", "96", "--dtype", dtype]
+    cmd = [sys.executable, "-m", "tests.integrations.check_megatron_cpu", "--megatron", "--ranks", "2",
+           "--ep-sizes", "1,2", "--tokens", "96", "--dtype", dtype]
     start = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     elapsed = time.time() - start
     out = proc.stdout
@@ -70,6 +74,19 @@ def test_check_megatron_without_megatron_core(monkeypatch, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--megatron needs megatron-core" in err and "pip install megatron-core" in err
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core")
+def test_check_megatron_needs_cuda(monkeypatch, capsys):
+    """On a machine without CUDA the command stops before spawning any rank and says why."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        check.main(["--megatron", "--ranks", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--megatron needs CUDA" in err and "test" in err
 
 
 @pytest.mark.gpu

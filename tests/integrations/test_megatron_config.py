@@ -1,5 +1,6 @@
-"""install() / check_supported() / dispatcher_config() on plain config objects: no processes, no
-megatron import (the real TransformerConfig cases run in test_megatron_plugin.py)."""
+"""install() / check_supported() / MoEConfig.from_megatron(megatron_layer=True) on plain config
+objects: no processes, no megatron import (the real TransformerConfig cases run in
+test_megatron_plugin.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -7,7 +8,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moe_dispatch.integrations.megatron import check_supported, dispatcher_config, install, is_installed
+from moe_dispatch import MoEConfig
+from moe_dispatch.integrations.megatron import (
+    TESTED_MEGATRON_CORE,
+    check_supported,
+    install,
+    is_installed,
+    warn_if_untested,
+)
+
+
+def dispatcher_config(tc) -> MoEConfig:
+    return MoEConfig.from_megatron(tc, megatron_layer=True)
 
 
 def megatron_config(**changes) -> SimpleNamespace:
@@ -32,6 +44,12 @@ def megatron_config(**changes) -> SimpleNamespace:
     (dict(moe_router_padding_for_quantization=True), "moe_router_padding_for_quantization=True"),
     (dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe_preprocess"]), "cuda_graph_impl="),
     (dict(cuda_graph_impl="local", cuda_graph_scope=[]), "cuda_graph_impl="),
+    # megatron-core 0.18+: cuda_graph_modules (cuda_graph_scope migrated into it), full_iteration
+    (dict(cuda_graph_impl="local", cuda_graph_scope=None, cuda_graph_modules=["moe_router", "moe_preprocess"]),
+     "cuda_graph_modules=['moe_router', 'moe_preprocess']"),
+    (dict(cuda_graph_impl="full_iteration", cuda_graph_scope=None, cuda_graph_modules=[]),
+     "cuda_graph_impl='full_iteration'"),
+    (dict(transformer_impl="inference_optimized"), "transformer_impl='inference_optimized'"),
     (dict(num_moe_experts=None), "num_moe_experts"),
 ])
 def test_unsupported_settings_raise(changes, field):
@@ -45,6 +63,9 @@ def test_unsupported_settings_raise(changes, field):
 def test_supported_settings_pass():
     for changes in (dict(), dict(moe_permute_fusion=True), dict(moe_token_dispatcher_type="allgather"),
                     dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn", "moe_router"]),
+                    dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=None,
+                         cuda_graph_modules=["moe_router"]),
+                    dict(transformer_impl="local"),
                     dict(expert_tensor_parallel_size=None, tensor_model_parallel_size=1)):
         check_supported(megatron_config(**changes))
 
@@ -62,4 +83,32 @@ def test_dispatcher_config():
     assert cfg.capacity_factor is None and not cfg.pad_to_capacity
     cfg = dispatcher_config(megatron_config(moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True))
     assert cfg.capacity_factor == 1.5 and cfg.pad_to_capacity
+    # Router features we do not implement are Megatron's business here: its router runs.
+    cfg = dispatcher_config(megatron_config(moe_router_load_balancing_type="sinkhorn", moe_input_jitter_eps=0.1,
+                                            activation_func=object()))
+    assert cfg.probs_in_experts and cfg.load_balancing_type == "none"
+    # ... but not for our whole layer, which would have to implement them.
+    with pytest.raises(ValueError, match="moe_input_jitter_eps"):
+        MoEConfig.from_megatron(megatron_config(moe_input_jitter_eps=0.1))
+    assert not MoEConfig.from_megatron(megatron_config()).probs_in_experts
+
+
+def test_one_translator_shares_the_dispatch_fields():
+    """Our whole layer and our dispatcher in Megatron's layer read the dispatch fields alike."""
+    tc = megatron_config(moe_router_dtype="fp64", moe_token_dispatcher_type="allgather", moe_router_topk=3)
+    whole, dispatch = MoEConfig.from_megatron(tc), dispatcher_config(tc)
+    for field in ("hidden_size", "num_experts", "topk", "ffn_hidden_size", "router_dtype", "dispatcher",
+                  "params_dtype", "pad_multiple"):
+        assert getattr(whole, field) == getattr(dispatch, field), field
+    with pytest.raises(ValueError, match="moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor"):
+        dispatcher_config(megatron_config(moe_pad_expert_input_to_capacity=True))
+
+
+def test_version_warning_names_the_tested_range():
+    low, high = TESTED_MEGATRON_CORE
+    for inside in (low, high, "0.18.0", f"{high}+27280d6"):
+        assert warn_if_untested(inside) is False
+    for outside in ("0.15.3", "0.20.0", "0.20.0rc1"):
+        with pytest.warns(UserWarning, match=f"tested with megatron-core {low} through {high}"):
+            assert warn_if_untested(outside) is True
 

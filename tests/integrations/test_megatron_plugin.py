@@ -16,7 +16,7 @@ What these tests prove, on CPU:
   ``mm`` per expert (CPU bf16 mm is row-stable; CPU fp32 mm only from 8 rows on, so the fp32
   cases assert that every expert got >= 8 rows), and its router's fp32 gating GEMM gave the same
   rows at M = 128 and M = 256 on this CPU. On CPU, Megatron's stock layer passes these checks too
-  (shared/FACTS.md); the mismatch the dispatcher removes shows on GPUs.
+  (BENCHMARKS.md); the mismatch the dispatcher removes shows on GPUs.
 """
 from __future__ import annotations
 
@@ -60,6 +60,27 @@ def test_equals_megatron_dispatcher(ranks, case):
     for e in ours:
         for i in range(2):
             _assert_equal(stock[e][i], ours[e][i], (case, "expert", e, i))
+
+
+def _rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
+    ref, got = ref.double(), got.double()
+    return float((ref - got).abs().max() / ref.abs().max())
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_replaced_token_dispatcher_applies_probs_once(ranks, case):
+    """Megatron's MoELayer with ``layer.token_dispatcher = dispatcher_from_megatron(config, pg)``
+    equals stock Megatron within rounding (outputs, input, router and expert weight grads). The
+    negative control, our combine-side probs under Megatron's experts, applies them twice."""
+    for r, rank in enumerate(ranks):
+        rec = rank[case]
+        for field in FIELDS:
+            _close(rec["stock"][field], rec["replaced"][field], case[0], (case, r, field))
+        assert _rel_err(rec["stock"]["out"], rec["twice"]["out"]) > 0.1, (case, r)
+    stock, replaced = _experts(ranks, case, "stock"), _experts(ranks, case, "replaced")
+    for e in stock:
+        for i in range(2):
+            _close(stock[e][i], replaced[e][i], case[0], (case, "expert", e, i))
 
 
 EXTRA = ("router-bf16", "router-fp64", "capacity-pad")
@@ -141,7 +162,7 @@ def test_truncation_keeps_first_tokens(ranks, case):
     for r, rank in enumerate(ranks):
         for field in ("out", "gx"):
             _assert_equal(rank[case]["trunc"][field][:TRUNC], rank[case]["ours"][field][:TRUNC], (case, r, field))
-        if case[0] == "fp32":  # CPU fp32 mm is row-stable from 8 rows on (shared/FACTS.md)
+        if case[0] == "fp32":  # CPU fp32 mm is row-stable from 8 rows on (tests/experts/test_row_stability.py)
             assert rank[case]["trunc"]["min_rows"] >= 8 and rank[case]["ours"]["min_rows"] >= 8
 
 

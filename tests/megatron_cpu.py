@@ -1,29 +1,27 @@
-"""Run megatron-core 0.16.1's MoELayer on CPU / gloo (tests, ``moe-dispatch check --megatron``).
+"""Test-only: run megatron-core's MoELayer (0.16.1 through 0.19.2) on CPU / gloo.
+
+The one copy of these shims, for the test suite's spawned ranks and for the scripts' CPU runs
+(scripts/train_moe_gpt.py, scripts/bench_ep.py --cpu-smoke). Not part of the moe_dispatch package:
+they patch torch.cuda process-wide, so a process that calls :func:`apply_cpu_shims` must never use
+a GPU (it raises where CUDA is visible).
 
 Megatron's MoE code asks for CUDA devices, streams and events even when every tensor is on the
-CPU. :func:`apply_cpu_shims` patches exactly those calls, process-wide, and is meant for CPU
-processes only (tests, demos): never call it in a process that trains on GPUs.
-
-What it patches (all idempotent):
+CPU. :func:`apply_cpu_shims` patches exactly those calls (all idempotent):
 
 - ``torch.cuda.current_device()`` returns ``"cpu"`` (the router and the experts place tensors on it);
 - ``torch.cuda.Stream`` / ``Event`` / ``current_stream`` / ``stream()`` become no-ops (Megatron's
   alltoall dispatcher copies split sizes on a side stream);
 - ``moe_utils.maybe_move_tensor_to_cpu`` (also imported into ``token_dispatcher``) returns numpy
   arrays for CPU split sizes too, as it already does for CUDA tensors;
-- Megatron's global memory buffer is allocated (its allgather dispatcher gathers into it);
-- :func:`disable_te_router_gemm` (below);
+- then ``moe_dispatch.integrations.megatron_build.prepare_megatron`` (Megatron's global memory
+  buffer, the TE-less fp32 router);
 - if megatron.core is not imported yet, it is imported with ``torch.compile`` replaced by a no-op
   decorator, so Megatron's ``jit_fuser`` functions run eagerly: this skips importing torch's
   compiler stack (about 4 s of CPU per process) and compiling C++ kernels on the first call.
 
-Not patched: the CUDA RNG tracker. Build the modules with ``use_cpu_initialization=True`` and do
-not call ``model_parallel_cuda_manual_seed`` or Megatron's activation checkpointing on the CPU.
-
-Without TransformerEngine, megatron-core 0.16.1 with ``moe_router_dtype='fp32'`` raises
-``NameError: te_general_gemm`` in the router (seen on CUDA and on CPU);
-:func:`disable_te_router_gemm` defines it as None, which selects Megatron's plain torch GEMM. It is
-safe on GPUs too, and a no-op when TransformerEngine provides the name.
+:func:`apply_cpu_rng` (for whole models: dropout and initialisation under Megatron's CUDA RNG
+tracker) maps the CUDA RNG state calls onto the CPU generator; the MoE layer alone needs none of it
+with ``use_cpu_initialization=True``.
 """
 from __future__ import annotations
 
@@ -74,10 +72,12 @@ def _import_megatron_without_compile() -> None:
         torch.compile = original
 
 
-def apply_cpu_shims() -> None:
+def apply_cpu_shims(prepare: bool = True) -> None:
     """Patch torch.cuda and megatron-core so that MoELayer runs on CPU tensors (see module doc).
 
-    Call it before building any Megatron module; it imports megatron.core."""
+    Call it before building any Megatron module; it imports megatron.core. ``prepare=False`` skips
+    ``prepare_megatron`` (call it after ``initialize_model_parallel``, which allocates Megatron's
+    global memory buffer itself and refuses one that exists)."""
     if torch.cuda.is_available():
         raise RuntimeError("apply_cpu_shims() is for CPU-only processes; this one sees a CUDA device")
     if not _APPLIED["cpu"]:
@@ -99,17 +99,24 @@ def apply_cpu_shims() -> None:
         moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
         _APPLIED["cpu"] = True
-    from megatron.core import parallel_state
+    if prepare:
+        from moe_dispatch.integrations.megatron_build import prepare_megatron
 
-    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
-        parallel_state._set_global_memory_buffer()
-    disable_te_router_gemm()
+        prepare_megatron(torch.device("cpu"))
 
 
-def disable_te_router_gemm() -> None:
-    """Let megatron-core 0.16.1 run an fp32 router without TransformerEngine (it raises NameError
-    on te_general_gemm otherwise): its router then uses the plain torch GEMM."""
-    from megatron.core.transformer.moe import moe_utils
+def apply_cpu_rng() -> None:
+    """Map the CUDA RNG state calls of Megatron's RNG tracker onto the CPU generator, so that
+    ``model_parallel_cuda_manual_seed`` and dropout under ``get_cuda_rng_tracker().fork()`` run on a
+    CPU process. Call after :func:`apply_cpu_shims`."""
+    if not _APPLIED["cpu"]:
+        raise RuntimeError("apply_cpu_rng() needs apply_cpu_shims() first")
+    if _APPLIED.get("rng"):
+        return
+    from megatron.core.tensor_parallel import random as megatron_random
 
-    if not hasattr(moe_utils, "te_general_gemm") or moe_utils.te_general_gemm is None:
-        moe_utils.te_general_gemm = None
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    torch.cuda.manual_seed = torch.manual_seed
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
+    _APPLIED["rng"] = True

@@ -1,0 +1,448 @@
+"""Train a small megatron-core GPTModel whose MLPs are MoE layers, with our dispatcher and beside
+stock Megatron, and check the bitwise claims of training.
+
+Model: megatron-core ``GPTModel`` (2 layers by default, local spec: Megatron's attention and
+SequentialMLP experts, no TransformerEngine) whose MoE layers come from
+``moe_dispatch.integrations.megatron.deterministic_moe_spec`` (``--stock``: also Megatron's own
+spec). Adam (torch) on a fixed synthetic token stream (a seeded random bigram chain), every run
+from the same initial weights. Every gradient is scaled by 1 / (data-parallel size) and summed over
+its data-parallel group (expert gradients over the expert-data-parallel group), as Megatron's DDP
+does.
+
+What it shows, per EP size, for each dispatcher (allgather, alltoall):
+- the loss curve (``--svg``: a plain SVG, one line per run);
+- that the loss, every expert weight gradient and every router weight gradient are bitwise
+  identical between allgather and alltoall at every step (our dispatcher: a claim that fails
+  the run; stock Megatron: shown for comparison);
+- with ``--data same`` (every rank reads the same tokens), that every rank reports the same loss.
+
+Where it runs:
+    python scripts/train_moe_gpt.py                     # CPU: 2 gloo ranks, EP 1 and 2
+    python scripts/train_moe_gpt.py --stock --svg BENCHMARKS_train_loss.svg
+    python scripts/train_moe_gpt.py --ep-sizes 1 --stock   # CUDA: one rank per GPU on NCCL
+    python scripts/train_moe_gpt.py --share-gpu 2 --ep-sizes 2   # 2 ranks on one GPU, over gloo
+CPU ranks use the test suite's CPU shims (tests/megatron_cpu.py), so run it from a checkout.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+import time
+import warnings
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+KINDS = ("allgather", "alltoall")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ep-sizes", default=None,
+                   help="comma-separated (default: 1,2 on CPU; powers of 2 up to the ranks)")
+    p.add_argument("--ranks", type=int, default=None, help="default: 2 on CPU, every GPU on CUDA")
+    p.add_argument("--share-gpu", type=int, default=0, metavar="N",
+                   help="N ranks on GPU 0 over gloo (EP > 1 on one GPU; gloo only moves bytes)")
+    p.add_argument("--cpu", action="store_true", help="CPU ranks on gloo even where CUDA is present")
+    p.add_argument("--stock", action="store_true", help="also train stock Megatron (its own dispatchers, same weights)")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--ffn", type=int, default=128)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--aux-loss", type=float, default=1e-2, help="moe_aux_loss_coeff (Megatron's aux_loss)")
+    p.add_argument("--data", choices=["split", "same"], default="split",
+                   help="split: each rank its own tokens; same: every rank the same tokens")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--svg", default=None, help="write the loss curves to this SVG file")
+    p.add_argument("--json", default=None,
+                   help="write every run's per-step losses and gradient digests to this JSON file")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: a fixed token stream
+# ---------------------------------------------------------------------------------------------
+def token_stream(vocab: int, length: int, seed: int) -> torch.Tensor:
+    """A seeded bigram chain [length] int64: each token has 4 successors with fixed probabilities,
+    so a model can learn it (the loss falls towards the chain's entropy)."""
+    gen = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, vocab, (vocab, 4), generator=gen)
+    weights = torch.tensor([0.55, 0.25, 0.15, 0.05])
+    choice = torch.multinomial(weights, length, replacement=True, generator=gen)
+    out = torch.empty(length, dtype=torch.int64)
+    out[0] = 0
+    for i in range(1, length):
+        out[i] = successors[out[i - 1], choice[i]]
+    return out
+
+
+def batch_at(stream: torch.Tensor, step: int, rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
+    """(tokens [B, S], labels [B, S]) of one rank at one step; a fixed slice of the stream."""
+    source = 0 if args.data == "same" else rank
+    span = args.seq + 1
+    starts = [((step * args.world + source) * args.batch + b) * span for b in range(args.batch)]
+    rows = torch.stack([stream[s % (len(stream) - span):][:span] for s in starts])
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank
+# ---------------------------------------------------------------------------------------------
+def transformer_config(args: argparse.Namespace, kind: str, ep: int):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = DTYPES[args.dtype]
+    return TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        ffn_hidden_size=args.ffn, moe_ffn_hidden_size=args.ffn, num_moe_experts=args.experts,
+        moe_router_topk=args.topk, moe_token_dispatcher_type=kind, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=args.aux_loss,
+        add_bias_linear=False, use_cpu_initialization=True, bias_activation_fusion=False,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, expert_model_parallel_size=ep)
+
+
+def build_model(args: argparse.Namespace, kind: str, ep: int, stock: bool, device: torch.device):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from moe_dispatch.integrations.megatron import deterministic_moe_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=args.experts)
+    if not stock:
+        spec = deterministic_moe_spec(spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = transformer_config(args, kind, ep)
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
+                         max_sequence_length=args.seq)
+        if config.bf16:  # as Megatron's training loop does: bf16 weights and activations, fp32 loss
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
+    return model.to(device).train()
+
+
+@torch.no_grad()
+def seed_weights(model, seed: int) -> None:
+    """Weights that depend only on the seed and the parameter, never on the EP size: each MoE
+    layer's router and experts by global expert id (``load_seeded_weights``), every other matrix
+    normal(0, 0.02) from its own generator (seeded by its name); norms and biases as built."""
+    from moe_dispatch.integrations.megatron_build import load_seeded_weights
+
+    moe = [m for m in model.modules() if hasattr(m, "router") and hasattr(m, "local_expert_indices")]
+    for i, layer in enumerate(moe):
+        load_seeded_weights(layer, seed + 7919 * (i + 1))
+    in_moe = {id(p) for layer in moe for p in layer.parameters()}
+    for name, p in model.named_parameters():
+        if p.dim() >= 2 and id(p) not in in_moe:
+            gen = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen))
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()[:20]
+
+
+def _grad_digests(model) -> dict:
+    """{name: sha of the gradient} for every expert weight (by global expert id) and router weight."""
+    out = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "router") and hasattr(module, "local_expert_indices"):
+            out[f"{name}.router"] = _digest(module.router.weight.grad)
+            for i, expert in enumerate(module.experts.local_experts):
+                e = module.local_expert_indices[i]
+                out[f"{name}.expert{e}.fc1"] = _digest(expert.linear_fc1.weight.grad)
+                out[f"{name}.expert{e}.fc2"] = _digest(expert.linear_fc2.weight.grad)
+    return out
+
+
+def _sync_grads(model) -> None:
+    """Gradients as Megatron's DDP makes them: every gradient scaled by 1 / (data-parallel size),
+    since each rank's loss is the mean over its own tokens, then summed over the data-parallel
+    group (dense parameters) or the expert-data-parallel group (expert parameters,
+    ``allreduce=False``: at EP > 1 an expert's gradient already sums the tokens of every EP rank)."""
+    from megatron.core import parallel_state
+
+    dense = parallel_state.get_data_parallel_group()
+    expert = parallel_state.get_expert_data_parallel_group()
+    scale = 1.0 / dist.get_world_size(dense)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        group = dense if getattr(p, "allreduce", True) else expert
+        p.grad.mul_(scale)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(p.grad, group=group)
+
+
+def train(args: argparse.Namespace, model, device: torch.device, stream: torch.Tensor) -> dict:
+    rank = dist.get_rank()
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device=device), 1)[None, None]
+    positions = torch.arange(args.seq, device=device)[None].expand(args.batch, -1)
+    losses, mean_losses, grads = [], [], []
+    start = time.perf_counter()
+    for step in range(args.steps):
+        tokens, labels = (t.to(device) for t in batch_at(stream, step, rank, args))
+        opt.zero_grad(set_to_none=True)
+        per_token = model(tokens, positions, mask, labels=labels)  # [B, S] fp32
+        loss = per_token.float().mean()
+        loss.backward()
+        _sync_grads(model)
+        grads.append(_grad_digests(model))
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(loss.item())
+        mean_losses.append(mean.item() / dist.get_world_size())
+    seconds = time.perf_counter() - start
+    dispatchers = sorted({type(m.token_dispatcher).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")})
+    return dict(losses=losses, mean_losses=mean_losses, grads=grads, seconds=seconds, dispatchers=dispatchers)
+
+
+def _rank_main(local_rank: int, world: int, port: int, ep: int, args: argparse.Namespace, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+    warnings.filterwarnings("ignore")
+    # megatron-core <= 0.17 logs "Unknown MLP type" for every layer built from our spec (README).
+    logging.getLogger("megatron.core.transformer.transformer_layer").setLevel(logging.ERROR)
+    args.world = world
+    if args.backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    elif args.share_gpu:
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+        sys.path.insert(0, str(ROOT))
+        from tests.megatron_cpu import apply_cpu_rng, apply_cpu_shims
+
+        apply_cpu_shims(prepare=False)
+    dist.init_process_group(args.backend, device_id=device if args.backend == "nccl" else None)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from moe_dispatch.integrations.megatron_build import prepare_megatron
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    prepare_megatron(device)
+    if device.type == "cpu":
+        apply_cpu_rng()
+    stream = token_stream(args.vocab, 1 << 16, args.seed)
+    runs = {}
+    for stock in ((False, True) if args.stock else (False,)):
+        for kind in KINDS:
+            torch.manual_seed(args.seed)
+            model_parallel_cuda_manual_seed(args.seed)
+            model = build_model(args, kind, ep, stock, device)
+            seed_weights(model, args.seed)  # every run, at every EP size, starts from the same weights
+            runs[f"{'stock' if stock else 'ours'}-{kind}"] = train(args, model, device, stream)
+    with open(os.path.join(out_dir, f"ep{ep}-rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(runs, f)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Claims and the plot
+# ---------------------------------------------------------------------------------------------
+def _first_difference(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), -1)
+
+
+def claims(ep: int, ranks: list[dict], data: str) -> list[tuple[str, bool, str, bool]]:
+    """(claim, holds, detail, counts) rows for one EP size; counts=False rows are stock references."""
+    rows = []
+    for variant in ("ours", "stock"):
+        ag, a2a = f"{variant}-allgather", f"{variant}-alltoall"
+        if ag not in ranks[0]:
+            continue
+        counts = variant == "ours"
+        label = f"EP {ep} {'moe-dispatch' if counts else 'stock Megatron'}"
+        step = max(_first_difference(r[ag]["losses"], r[a2a]["losses"]) for r in ranks)
+        rows.append((f"{label}: loss bitwise, allgather vs alltoall (every rank, every step)", step < 0,
+                     "" if step < 0 else f"first differs at step {step}", counts))
+        for what in ("expert", "router"):
+            total = differ = 0
+            for r in ranks:
+                for g1, g2 in zip(r[ag]["grads"], r[a2a]["grads"]):
+                    for key in g1:
+                        if (".expert" in key) == (what == "expert"):
+                            total += 1
+                            differ += g1[key] != g2[key]
+            rows.append((f"{label}: {what} weight grads bitwise, allgather vs alltoall", differ == 0,
+                         f"{total - differ}/{total} tensors x steps equal", counts))
+        if data == "same":
+            for kind in (ag, a2a):
+                same = all(r[kind]["losses"] == ranks[0][kind]["losses"] for r in ranks)
+                rows.append((f"{label}: identical data -> identical loss on every rank ({kind.split('-')[1]})",
+                             same, "", counts))
+    return rows
+
+
+def ep_claims(by_ep: dict) -> list[tuple[str, bool, str, bool]]:
+    """Across EP sizes (same weights, same tokens on each rank): the step-0 loss is the forward
+    contract (bitwise for ours); later steps also need the expert weight gradients, whose sum
+    over tokens is split differently (see the README), so they are shown, not claimed."""
+    rows = []
+    sizes = sorted(by_ep)
+    for variant, counts in (("ours", True), ("stock", False)):
+        for ep in sizes[1:]:
+            first, other = by_ep[sizes[0]], by_ep[ep]
+            for kind in KINDS:
+                name = f"{variant}-{kind}"
+                if name not in first[0]:
+                    continue
+                label = f"EP {sizes[0]} vs EP {ep} {'moe-dispatch' if counts else 'stock Megatron'} ({kind})"
+                same0 = all(a[name]["losses"][0] == b[name]["losses"][0] for a, b in zip(first, other))
+                rows.append((f"{label}: step-0 loss bitwise on every rank", same0, "", counts))
+                for what, counted in (("router", counts), ("expert", False)):
+                    total = equal = 0
+                    for a, b in zip(first, other):
+                        g1, g2 = a[name]["grads"][0], b[name]["grads"][0]
+                        for key in set(g1) & set(g2):
+                            if (".expert" in key) == (what == "expert"):
+                                total += 1
+                                equal += g1[key] == g2[key]
+                    rows.append((f"{label}: step-0 {what} weight grads bitwise", equal == total,
+                                 f"{equal}/{total} tensors equal", counted))
+                step = max(_first_difference(a[name]["losses"], b[name]["losses"]) for a, b in zip(first, other))
+                rows.append((f"{label}: loss bitwise at every step", step < 0,
+                             "" if step < 0 else f"first differs at step {step} (expert grads summed per rank)",
+                             False))
+    return rows
+
+
+def write_svg(path: str, series: dict, title: str) -> None:
+    """A plain SVG line plot of {label: [loss per step]}."""
+    width, height, left, right, top, bottom = 720, 420, 60, 220, 30, 45
+    values = [v for ys in series.values() for v in ys]
+    lo, hi = min(values), max(values)
+    hi = hi if hi > lo else lo + 1
+    steps = max(len(ys) for ys in series.values())
+    pw, ph = width - left - right, height - top - bottom
+
+    def xy(i: int, v: float) -> str:
+        return f"{left + pw * i / max(1, steps - 1):.1f},{top + ph * (hi - v) / (hi - lo):.1f}"
+
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+    dashes = ["", "6,3", "2,2", "8,2,2,2"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           f'font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{left}" y="18" font-size="14">{title}</text>',
+           f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>']
+    for k in range(5):
+        v = lo + (hi - lo) * k / 4
+        y = top + ph * (hi - v) / (hi - lo)
+        out.append(f'<line x1="{left - 4}" y1="{y:.1f}" x2="{left}" y2="{y:.1f}" stroke="#444"/>'
+                   f'<text x="{left - 8}" y="{y + 4:.1f}" text-anchor="end">{v:.2f}</text>')
+    for k in range(6):
+        i = round((steps - 1) * k / 5)
+        x = left + pw * i / max(1, steps - 1)
+        out.append(f'<line x1="{x:.1f}" y1="{top + ph}" x2="{x:.1f}" y2="{top + ph + 4}" stroke="#444"/>'
+                   f'<text x="{x:.1f}" y="{top + ph + 18}" text-anchor="middle">{i}</text>')
+    out.append(f'<text x="{left + pw / 2}" y="{height - 8}" text-anchor="middle">step</text>')
+    out.append(f'<text x="14" y="{top + ph / 2}" transform="rotate(-90 14 {top + ph / 2})" '
+               f'text-anchor="middle">loss (mean over ranks)</text>')
+    for n, (label, ys) in enumerate(series.items()):
+        color, dash = colors[n % len(colors)], dashes[(n // 2) % len(dashes)]
+        points = " ".join(xy(i, v) for i, v in enumerate(ys))
+        style = f' stroke-dasharray="{dash}"' if dash else ""
+        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5"{style} points="{points}"/>')
+        ly = top + 16 * n + 8
+        out.append(f'<line x1="{width - right + 12}" y1="{ly}" x2="{width - right + 40}" y2="{ly}" '
+                   f'stroke="{color}" stroke-width="2"{style}/>'
+                   f'<text x="{width - right + 46}" y="{ly + 4}">{label}</text>')
+    out.append("</svg>")
+    Path(path).write_text("\n".join(out) + "\n")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.cpu
+    if args.share_gpu and not cuda:
+        raise SystemExit("--share-gpu needs CUDA")
+    args.backend = "nccl" if cuda and not args.share_gpu else "gloo"
+    world = args.share_gpu or args.ranks or (torch.cuda.device_count() if cuda else 2)
+    if args.ep_sizes:
+        sizes = [int(s) for s in args.ep_sizes.split(",")]
+    else:
+        sizes = [s for s in (1, 2, 4, 8) if s <= world and world % s == 0 and args.experts % s == 0]
+    for s in sizes:
+        if s < 1 or world % s or args.experts % s:
+            raise SystemExit(f"--ep-sizes: {s} must divide the ranks ({world}) and --experts ({args.experts})")
+    if not cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU shims refuse a process that sees a GPU
+    import torch.multiprocessing as mp
+
+    where = f"{world} ranks, {args.backend}, " + ("GPU 0 shared" if args.share_gpu else "CUDA" if cuda else "CPU")
+    print(f"train_moe_gpt: GPTModel {args.layers} layers, H {args.hidden}, E {args.experts}, K {args.topk}, "
+          f"{args.dtype}, {args.batch}x{args.seq} tokens per rank per step, {args.steps} steps, Adam lr {args.lr}, "
+          f"data {args.data}; {where}", flush=True)
+    rows, series, dump, by_ep = [], {}, {}, {}
+    with tempfile.TemporaryDirectory() as out_dir:
+        for ep in sizes:
+            mp.spawn(_rank_main, args=(world, _free_port(), ep, args, out_dir), nprocs=world, join=True)
+            ranks = [json.loads(Path(out_dir, f"ep{ep}-rank{r}.json").read_text()) for r in range(world)]
+            rows += claims(ep, ranks, args.data)
+            by_ep[ep] = ranks
+            for name, run in ranks[0].items():
+                series[f"EP {ep} {name}"] = run["mean_losses"]
+                dump[f"EP {ep} {name}"] = dict(mean_losses=run["mean_losses"],
+                                               rank_losses=[r[name]["losses"] for r in ranks],
+                                               rank_grads=[r[name]["grads"] for r in ranks],
+                                               dispatchers=run["dispatchers"],
+                                               seconds=max(r[name]["seconds"] for r in ranks))
+    rows += ep_claims(by_ep)
+    last = f"loss step {args.steps - 1}"
+    print(f"\n{'run':<28} | loss step 0 | {last} | s per step")
+    for name, run in dump.items():
+        print(f"{name:<28} | {run['mean_losses'][0]:>11.5f} | {run['mean_losses'][-1]:>{len(last)}.5f} | "
+              f"{run['seconds'] / args.steps:.4f}")
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'claim':<{width}} | result | detail")
+    failed = 0
+    for claim, holds, detail, counts in rows:
+        status = "PASS" if holds else ("FAIL" if counts else "DIFF")
+        failed += counts and not holds
+        print(f"{claim:<{width}} | {status:<6} | {detail}")
+    if args.svg:
+        write_svg(args.svg, series, f"GPTModel {args.layers}x MoE (E {args.experts}, K {args.topk}), {args.dtype}, "
+                                    f"{where}")
+        print(f"wrote {args.svg}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dump, indent=1) + "\n")
+    print("ALL PASS" if not failed else f"{failed} FAIL", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
