@@ -2,8 +2,6 @@
 interpreter on CPU) against the torch twin, determinism, batch invariance, edge cases, bad input."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -26,7 +24,8 @@ def _run(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs=None, **kw):
     if permuted_probs is not None and g_perm_probs is not None:
         loss = loss + (permuted_probs.double() * g_perm_probs.double()).sum()
     loss.backward()
-    return {"permuted": permuted.detach(), "permuted_probs": None if permuted_probs is None else permuted_probs.detach(),
+    return {"permuted": permuted.detach(),
+            "permuted_probs": None if permuted_probs is None else permuted_probs.detach(),
             "slots": row_id_map.slots, "out": out.detach(), "grad_tokens": tokens.grad, "grad_rows": y.grad,
             "grad_probs": None if probs is None else probs_leaf.grad, "row_id_map": row_id_map}
 
