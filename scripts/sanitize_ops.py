@@ -13,6 +13,8 @@ max_experts_per_token below a token's expert count (forward and backward); NaN a
 permute and unpermute; slots naming rows past the buffers (kernels called directly); a gather
 index out of range. Each must give the CPU twin's ValueError (deferred on CUDA: see
 moe_dispatch/ops/guard.py), NaN in the poisoned results, and a correct result on the next call.
+Every case runs twice: with the default routes, and with LAUNCH's alternative routes
+(permute_fused_map, unpermute_bwd_per_token).
 """
 from __future__ import annotations
 
@@ -162,8 +164,12 @@ def case_int64_offsets() -> str:
         assert torch.equal(permuted[last[1 + j]], tokens[-1])
     out = unpermute(permuted, rmap, probs)
     acc = torch.zeros((64, H), device=DEVICE)
-    for e in range(E):
-        acc = acc + probs[-64:, e:e + 1] * tokens[-64:].float()
+    for e in range(E):  # ascending experts, fp32, multiply then add (or fused, as the kernel)
+        routed = routing_map[-64:, e:e + 1]
+        if TW.NUMERICS["unpermute_fma"]:
+            acc = torch.where(routed, TW.fma32(probs[-64:, e:e + 1], tokens[-64:].float(), acc), acc)
+        else:
+            acc = acc + probs[-64:, e:e + 1] * tokens[-64:].float()
     assert torch.equal(out[-64:], acc.to(torch.bfloat16))
     del permuted, out
     return f"N*H = {T * K * H:.3g} elements, last rows and tokens bitwise"
@@ -290,8 +296,15 @@ def main() -> None:
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU, Triton interpreter"
     print(f"# {name}, torch {torch.__version__}; "
           f"PYTORCH_NO_CUDA_MEMORY_CACHING={os.environ.get('PYTORCH_NO_CUDA_MEMORY_CACHING', '(unset)')}")
+    from moe_dispatch.ops import triton_kernels as KT
+
+    routes = [("", {}), ("[alt routes] ", {"permute_fused_map": True, "unpermute_bwd_per_token": True})]
+    cases = [(prefix + name, case, knobs) for prefix, knobs in routes for name, case in cases
+             if not (knobs and name == "int64 offsets")]
     failed = []
-    for name, case in cases:
+    for name, case, knobs in cases:
+        saved = dict(KT.LAUNCH)
+        KT.LAUNCH.update(knobs)
         try:
             detail = case()
             synchronize()
@@ -304,6 +317,8 @@ def main() -> None:
                 check_device_errors()  # clear what the failed case left
             except ValueError:
                 pass
+        finally:
+            KT.LAUNCH.update(saved)
     print(f"\n{len(cases) - len(failed)} of {len(cases)} cases passed"
           + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     sys.exit(1 if failed else 0)

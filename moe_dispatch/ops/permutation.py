@@ -355,6 +355,41 @@ def _poll() -> None:
         guard.poll()
 
 
+def _fused_route(tokens: torch.Tensor):
+    """The Triton module when LAUNCH["permute_fused_map"] selects the fused route (two launches
+    instead of three; same bits), else None. Not under torch.compile (the registered ops trace)."""
+    impl = _impl(tokens)
+    if impl is torch_twin or torch.compiler.is_compiling() or not impl.LAUNCH["permute_fused_map"]:
+        return None
+    return impl
+
+
+class _PermutePlanned(torch.autograd.Function):
+    """The fused route's copy with the backward of permute_rows (the slots it writes drive it)."""
+
+    @staticmethod
+    def forward(ctx, tokens, probs, routing_map, plan, num_out, zero_fill):
+        from . import triton_kernels
+        out, out_probs, slots = triton_kernels.permute_planned(tokens, routing_map, plan, probs, num_out, zero_fill)
+        ctx.save_for_backward(slots)
+        ctx.has_probs = probs is not None
+        ctx.probs_dtype = probs.dtype if probs is not None else torch.float32
+        ctx.mark_non_differentiable(slots)
+        if probs is None:
+            ctx.mark_non_differentiable(out_probs)
+        return out, out_probs, slots
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_out_probs, _grad_slots):
+        (slots,) = ctx.saved_tensors
+        grad_probs = None
+        if ctx.has_probs:
+            grad_probs = grad_out_probs if grad_out_probs is not None else torch.zeros(
+                grad_out.shape[0], dtype=ctx.probs_dtype, device=grad_out.device)
+        grad_tokens, grad_token_probs = _permute_bwd_op(grad_out.contiguous(), slots, grad_probs, ctx.probs_dtype)
+        return grad_tokens, (grad_token_probs if ctx.has_probs else None), None, None, None, None
+
+
 def permute(
     tokens: torch.Tensor,
     routing_map: torch.Tensor,
@@ -416,7 +451,11 @@ def permute(
     given = _host_counts(tokens_per_expert, E) if tokens_per_expert is not None else None
     given_max = None if max_experts_per_token is None else min(max_experts_per_token, E)
 
-    slots, stats = make_slots_checked(routing_map.contiguous(), pad_multiple, probs, given, given_max)
+    fused = _fused_route(tokens)
+    if fused is not None:  # one count-and-scan launch now, the copy (which writes the slots) below
+        plan, stats = fused.count_scan(routing_map.contiguous(), pad_multiple, probs, given, given_max)
+    else:
+        slots, stats = make_slots_checked(routing_map.contiguous(), pad_multiple, probs, given, given_max)
     counts = stats[:E]
     padded = counts if pad_multiple == 1 else round_up(counts, pad_multiple)  # no kernels when unpadded
     if given is not None:
@@ -437,7 +476,11 @@ def permute(
         raise ValueError(f"the routing map needs {num_out_tokens} rows, more than the 2^31 - 1 that int32 "
                          f"row ids address (split the batch)")
     has_pad_rows = num_out_tokens > routed
-    permuted, permuted_probs = permute_rows(tokens, slots, probs, num_out_tokens, has_pad_rows)
+    if fused is not None:
+        permuted, permuted_probs, slots = _PermutePlanned.apply(tokens, probs, routing_map.contiguous(), plan,
+                                                               num_out_tokens, has_pad_rows)
+    else:
+        permuted, permuted_probs = permute_rows(tokens, slots, probs, num_out_tokens, has_pad_rows)
     row_id_map = RowIdMap(slots, counts, padded, num_out_tokens, has_pad_rows, most)
     return permuted, (permuted_probs if probs is not None else None), row_id_map
 

@@ -9,6 +9,12 @@ import torch
 
 from . import guard
 
+# Numerics choices that change values (the same on both backends, so the contract holds with
+# either): "unpermute_fma": the unpermute forward's fp32 sum as acc = fma(p, y, acc), one rounding
+# per term as on the GPU with FMA contraction, instead of a rounded product then an add (the twin
+# emulates the fused step exactly, fma32). The fp64-probs path always multiplies then adds.
+NUMERICS: dict = {"unpermute_fma": False}
+
 # One H-block size per H, so the order of the H reduction is a function of H alone; the kernels
 # (triton_kernels.py) use the same constant. Defined here so the CPU path needs no Triton.
 MAX_BLOCK_H = 1024
@@ -128,6 +134,32 @@ def _acc_dtype(probs: torch.Tensor | None) -> torch.dtype:
     return torch.float64 if probs is not None and probs.dtype == torch.float64 else torch.float32
 
 
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a * b + c for fp32 tensors (broadcasting), rounded once to fp32: what the GPU's fma computes.
+
+    The product is exact in fp64 and the sum is rounded once in fp64; rounding that to fp32 is the
+    correct rounding of a * b + c except where the fp64 sum lands exactly on a midpoint between
+    two fp32 numbers (or in fp32's subnormal range) while being inexact. Only there the sum is
+    rounded to odd instead (TwoSum gives its exact error; Boldo and Melquiond, "Emulation of FMA
+    and correctly rounded sums": round-to-odd at p >= q + 2 bits, then to nearest at q bits, is
+    the correct rounding at q bits)."""
+    x = a.double() * b.double()
+    z = c.double()
+    s = x + z
+    low = s.view(torch.int64) & 0x1FFFFFFF  # the 29 fp64 mantissa bits below fp32's last
+    suspect = (low == 0x10000000) | (s.abs() < 2.0 ** -125)
+    if bool(suspect.any()):
+        xs, zs, ss = (v.expand_as(s)[suspect] for v in (x, z, s))
+        bb = ss - xs
+        err = (xs - (ss - bb)) + (zs - bb)
+        even = (ss.view(torch.int64) & 1) == 0
+        bump = (err != 0) & even & torch.isfinite(ss)
+        toward = torch.where(err > 0, torch.inf, -torch.inf).to(torch.float64)
+        s = s.clone()
+        s[suspect] = torch.where(bump, torch.nextafter(ss, toward), ss)
+    return s.float()
+
+
 def check_probs_finite(probs: torch.Tensor, op: str) -> None:
     """Raise guard's ValueError when probs hold a NaN or inf (CPU: no synchronisation involved)."""
     if not bool(torch.isfinite(probs).all()):
@@ -143,11 +175,15 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
     acc_dtype = _acc_dtype(probs)
     acc = torch.zeros((T, rows.shape[1]), dtype=acc_dtype, device=rows.device)
     arange_t = torch.arange(T, device=rows.device)
+    fma = probs is not None and acc_dtype == torch.float32 and NUMERICS["unpermute_fma"]
     for j in range(_max_slots(slots)):
         valid, row, expert_valid, expert = _slot(slots, j, rows.shape[0])
         term = rows[row].to(acc_dtype)
         if probs is not None:
             p = torch.where(expert_valid, probs[arange_t, expert].to(acc_dtype), 0.0)
+            if fma:
+                acc = torch.where(valid[:, None], fma32(p[:, None], term, acc), acc)
+                continue
             term = p[:, None] * term
         acc = acc + torch.where(valid[:, None], term, 0.0)
     return acc.to(torch.float32).to(rows.dtype)
