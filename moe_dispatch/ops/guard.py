@@ -41,6 +41,7 @@ HASH_MUL1, HASH_MUL2 = 0x1E3779B97F4A7C15, 0x3F58476D1CE4E5B9
 _status: dict[torch.device, torch.Tensor] = {}
 # (event, pinned snapshot, given counts, given max): permute calls whose check is still in flight.
 _pending: collections.deque = collections.deque()
+_free_pinned: dict[int, list[torch.Tensor]] = {}  # pinned snapshot buffers whose copy has arrived
 
 
 def status(device: torch.device) -> torch.Tensor:
@@ -124,10 +125,12 @@ def check_snapshot(snapshot: Sequence[int], num_experts: int, given_counts: Opti
 def queue(stats: torch.Tensor, num_experts: int, given_counts: Optional[Sequence[int]],
           given_max: Optional[int]) -> None:
     """CUDA: copy ``stats`` (make_slots' stats buffer) to pinned memory without waiting, to be
-    checked by a later ``poll``. Nothing is queued under graph capture."""
+    checked by a later ``poll``. Nothing is queued under graph capture. Called after the op's
+    kernels are queued, so the copy does not hold them back."""
     if torch.cuda.is_current_stream_capturing():
         return
-    pinned = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+    free = _free_pinned.setdefault(stats.numel(), [])
+    pinned = free.pop() if free else torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
     pinned.copy_(stats, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
@@ -144,7 +147,9 @@ def poll() -> None:
         if not event.query():
             return
         _pending.popleft()
-        check_snapshot(pinned.tolist(), E, given_counts, given_max, device)
+        values = pinned.tolist()
+        _free_pinned.setdefault(pinned.numel(), []).append(pinned)  # its copy is done: reusable
+        check_snapshot(values, E, given_counts, given_max, device)
 
 
 def check_device_errors() -> None:

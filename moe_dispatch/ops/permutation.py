@@ -481,6 +481,8 @@ def permute(
                                                                num_out_tokens, has_pad_rows)
     else:
         permuted, permuted_probs = permute_rows(tokens, slots, probs, num_out_tokens, has_pad_rows)
+    if given is not None and stats.is_cuda and not torch.compiler.is_compiling():
+        guard.queue(stats, E, given, given_max)  # after the copy is queued: the check never delays it
     row_id_map = RowIdMap(slots, counts, padded, num_out_tokens, has_pad_rows, most)
     return permuted, (permuted_probs if probs is not None else None), row_id_map
 

@@ -282,14 +282,12 @@ def make_slots_checked(routing_map: torch.Tensor, pad_multiple: int, probs: torc
     """make_slots with permute's device-side checks (guard.py): probs [T, E] finite, and the
     caller's tokens_per_expert / max_experts_per_token (when given) against the routing map.
     Returns (slots, stats int64 [E + 1 + STATUS_WORDS]: make_slots' stats, then the status words).
-    On CPU it raises at once; on CUDA, with given counts, it queues the status check (guard.queue);
-    without them the caller reads stats at its synchronisation and checks there."""
+    On CPU it raises at once; on CUDA the caller checks stats: at its synchronisation, or through
+    guard.queue once its own kernels are queued."""
     E = routing_map.shape[1]
     slots, stats = _make_slots(routing_map, pad_multiple, probs, given_counts, given_max, snapshot=True)
     if stats.device.type == "cpu":
         guard.check_snapshot(stats.tolist(), E, given_counts, given_max, stats.device)
-    elif given_counts is not None:
-        guard.queue(stats, E, given_counts, given_max)
     return slots, stats
 
 
@@ -455,8 +453,6 @@ def count_scan(routing_map: torch.Tensor, pad_multiple: int, probs: torch.Tensor
     plan, stats = _count_scan(routing_map, pad_multiple, probs, given_counts, given_max)
     if stats.device.type == "cpu":
         guard.check_snapshot(stats.tolist(), E, given_counts, given_max, stats.device)
-    elif given_counts is not None:
-        guard.queue(stats, E, given_counts, given_max)
     return plan, stats
 
 
