@@ -206,7 +206,7 @@ def _slots_kernel(
                 wide = tl.where(valid_e, total.to(tl.int64), 0)
                 bad = ((tl.sum(wide, axis=0) != given_routed) | (most_of_all > given_max)
                        | (tl.sum(wide * _expert_weights(offs_e), axis=0) != given_hash))
-                words = tl.where((offs_s == SIZES_WORD) & bad, 1, words)
+                words = tl.where(offs_s == SIZES_WORD, tl.where(bad, 1, words), words)
                 tl.store(status_ptr + offs_s, words)
             tl.store(stats_ptr + E + 1 + offs_s, words.to(tl.int64))
     width = 2 * E + 1
@@ -438,7 +438,7 @@ def _count_scan_kernel(
             wide = tl.where(valid_e, counts_total, 0)
             bad = ((tl.sum(wide, axis=0) != given_routed) | (most_of_all > given_max)
                    | (tl.sum(wide * _expert_weights(offs_e), axis=0) != given_hash))
-            words = tl.where((offs_s == SIZES_WORD) & bad, 1, words)
+            words = tl.where(offs_s == SIZES_WORD, tl.where(bad, 1, words), words)
             tl.store(status_ptr + offs_s, words)
         tl.store(stats_ptr + E + 1 + offs_s, words.to(tl.int64))
         tl.store(ticket_ptr + tl.arange(0, 1), tl.zeros([1], tl.int32))
@@ -643,7 +643,7 @@ def _unpermute_kernel(
             e = tl.load(slot_row + 1 + E + j)
             p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=(e >= 0) & (e < E), other=0.0).to(acc_ty)
             if FMA:
-                acc = tl.fma(p, y, acc)
+                acc = tl.fma(tl.broadcast_to(p, (BLOCK_H,)), y, acc)
             else:
                 acc += p * y
         else:
