@@ -105,9 +105,7 @@ def fail(found: list[str], device: Optional[torch.device] = None) -> None:
     """Raise the ValueError for ``found`` (if any), after clearing the status and queued checks."""
     if not found:
         return
-    if device is not None and torch.device(device) in _status:
-        _status[torch.device(device)].zero_()
-    for word in _status.values():
+    for word in _status.values():  # every device: the error ends the step everywhere
         word.zero_()
     _pending.clear()
     raise ValueError("; ".join(found))
@@ -131,9 +129,9 @@ def queue(stats: torch.Tensor, num_experts: int, given_counts: Optional[Sequence
         return
     free = _free_pinned.setdefault(stats.numel(), [])
     pinned = free.pop() if free else torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-    pinned.copy_(stats, non_blocking=True)
+    pinned.copy_(stats, non_blocking=True)  # on the current stream of stats' device
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(stats.device))
     _pending.append((event, pinned, num_experts,
                      None if given_counts is None else list(given_counts), given_max, stats.device))
 
