@@ -5,7 +5,9 @@ Run on a CUDA machine:  python scripts/bench_ops.py [--shapes T,E,H,K ...] [--no
 
 Each pass is timed with triton.testing.do_bench (median). The floor of a pass is the bytes it
 must move (every input read once, every output written once) over the device-to-device copy
-bandwidth measured in the same run (bytes read plus written).
+bandwidth measured in the same run (bytes read plus written). The alternative routes of
+moe_dispatch/ops/triton_kernels.py's LAUNCH ("fused map route": permute_fused_map, "per-token
+route": unpermute_bwd_per_token; same bits) are timed beside the defaults in the same run.
 """
 from __future__ import annotations
 
@@ -76,6 +78,20 @@ def time_host_calls(calls: dict, warmup: int = 20, iters: int = 200) -> list[tup
     return out
 
 
+def with_launch(fn, **knobs):
+    """fn with triton_kernels.LAUNCH overridden during the call (also while a CUDA graph captures it)."""
+    from moe_dispatch.ops import triton_kernels as KT
+
+    def call():
+        saved = {k: KT.LAUNCH[k] for k in knobs}
+        KT.LAUNCH.update(knobs)
+        try:
+            return fn()
+        finally:
+            KT.LAUNCH.update(saved)
+    return call
+
+
 def megatron_fns():
     try:
         from megatron.core.transformer.moe import moe_utils
@@ -119,6 +135,16 @@ def passes(T: int, E: int, H: int, K: int) -> tuple[dict, dict, dict, dict]:
              "map only (make_slots)": (lambda: KT.make_slots(routing_map, 1), T * E + T * (2 * E + 1) * 4),
              "rows only (permute kernel)": (lambda: KT.permute_rows(tokens, slots, probs, N, False),
                                             floors["permute (map + rows)"] - T * E)}
+    # The alternative routes (LAUNCH knobs, same bits) beside the defaults above, in the same run.
+    extra["permute, counts known, fused map route"] = (
+        with_launch(lambda: permute(tokens, routing_map, probs, tokens_per_expert=counts, max_experts_per_token=K),
+                    permute_fused_map=True), floors["permute (map + rows)"])
+    extra["permute (syncs), fused map route"] = (
+        with_launch(lambda: permute(tokens, routing_map, probs), permute_fused_map=True),
+        floors["permute (map + rows)"])
+    extra["unpermute bwd, probs grad, per-token route"] = (
+        with_launch(lambda: P._unpermute_bwd_op(g_out, y, slots, probs, False, K), unpermute_bwd_per_token=True),
+        floors["unpermute bwd, probs grad"])
     for block, warps in [(2048, 8), (4096, 16)]:  # a copy: block size is free to tune
         if block <= triton.next_power_of_2(H):
             extra[f"rows only, block {block}/{warps} warps"] = (
@@ -171,8 +197,11 @@ def _copy_kernel(src_ptr, dst_ptr, numel, BLOCK: tl.constexpr):
     tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
 
 
-SWEEP_PASSES = {"permute, counts known (no sync)": "permute incl. map", "unpermute fwd, probs": "unpermute fwd",
-                "permute bwd": "permute bwd", "unpermute bwd, probs grad": "unpermute bwd"}
+SWEEP_PASSES = {"permute, counts known (no sync)": "permute incl. map",
+                "permute, counts known, fused map route": "permute incl. map, fused route",
+                "unpermute fwd, probs": "unpermute fwd", "permute bwd": "permute bwd",
+                "unpermute bwd, probs grad": "unpermute bwd",
+                "unpermute bwd, probs grad, per-token route": "unpermute bwd, per-token route"}
 
 
 def sweep(E: int, H: int, K: int, token_counts: list[int]) -> dict[str, list[tuple[int, float]]]:
@@ -213,7 +242,7 @@ def write_svg(path: str, series: dict[str, list[tuple[int, float]]], title: str)
     def py(y: float) -> float:
         return height - bottom - y / y_hi * (height - top - bottom)
 
-    colors = ["#555555", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"]
+    colors = ["#555555", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
            'font-size="12">', f'<text x="{left}" y="20" font-size="14">{title}</text>']
     for tick in range(int(y_hi) + 1):
@@ -256,6 +285,8 @@ def host_overhead() -> list[tuple[str, float]]:
         "triton launches: make_slots": lambda: K.make_slots(routing_map, 1),
         "API: permute, counts known": lambda: permute(tokens, routing_map, probs, tokens_per_expert=counts),
         "API: permute (syncs)": lambda: permute(tokens, routing_map, probs),
+        "API: permute, counts known, fused map route": with_launch(
+            lambda: permute(tokens, routing_map, probs, tokens_per_expert=counts), permute_fused_map=True),
     }
     return time_host_calls(calls)
 

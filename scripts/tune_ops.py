@@ -6,7 +6,8 @@ Knobs (none changes a value: tests/ops/test_permutation.py::test_launch_tuning_c
 program order (token-major or chunk-major), warps, rows per 2-D store and the cache hint of the
 row stores (write-back or streaming) in the permute kernel, the H-block of the kernels whose sums
 run per element (the unpermute backward's block is fixed: it sets the probs-gradient chunking),
-and with --passes map, make_slots' chunks, tokens per tile and warps. Prints
+and with --passes map, make_slots' chunks, tokens per tile and warps; with --passes routes, the
+alternative routes of LAUNCH (permute fused with its map, the unpermute backward per token). Prints
 CUDA-graph replay medians (do_bench_cudagraph, GPU time only) over each pass's byte floor, and the
 best setting per pass and shape. The defaults in moe_dispatch/ops/triton_kernels.py come from here.
 """
@@ -44,7 +45,8 @@ def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> N
         "unpermute fwd, probs": ((N * H + T * H) * b + T * E * 4,
                                  lambda blk: (lambda: KT.unpermute_rows(y, slots, probs, blk)), True),
         "permute bwd": ((N * H + T * H) * b,
-                        lambda blk: (lambda: KT.permute_rows_backward(g_perm, slots, None, torch.float32, blk)), True),
+                        lambda blk: (lambda: KT.permute_rows_backward(g_perm, slots, None, torch.float32, blk)),
+                        True),
         "unpermute bwd, probs grad": ((T * H + 2 * N * H) * b + 2 * T * E * 4,
                                       lambda blk: (lambda: KT.unpermute_rows_backward(g_out, y, slots, probs,
                                                                                       False, K)),
@@ -97,6 +99,48 @@ def sweep_map(T: int, E: int, K: int) -> None:
           + ", ".join(f"{r[0]:.1f} ({r[1]}/{r[2]}/{r[3]})" for r in results[:5]) + " |", flush=True)
 
 
+def sweep_routes(T: int, E: int, H: int, K: int, bw: float) -> None:
+    """The alternative routes (LAUNCH knobs, same bits): permute fused with its map (count-and-scan,
+    then the copy computing each row's slot) over its prefix tile, chunks, rows per store and warps;
+    the unpermute backward per token over warps. Each beside the default route, over the floor."""
+    dt, b = torch.bfloat16, 2
+    tokens = torch.randn((T, H), device="cuda", dtype=dt)
+    routing_map, probs = routing(T, E, K)
+    _, _, rmap = permute(tokens, routing_map, probs)
+    counts, N = rmap.tokens_per_expert.tolist(), rmap.num_out_tokens
+    y = torch.randn((N, H), device="cuda", dtype=dt)
+    g_out = torch.randn((T, H), device="cuda", dtype=dt)
+    defaults = dict(KT.LAUNCH)
+    routes = {
+        "permute incl. map, fused route": (
+            (T * H + N * H) * b + T * E * 5 + N * 4,
+            lambda: permute(tokens, routing_map, probs, tokens_per_expert=counts, max_experts_per_token=K),
+            {"permute_fused_map": [True]}, itertools.product([8, 16, 32], [64, 128, 256], [4, 8], [None, 4, 8]),
+            ("fused_prefix_t", "map_chunks", "rows_per_store", "warps")),
+        "unpermute bwd, per-token route": (
+            (T * H + 2 * N * H) * b + 2 * T * E * 4,
+            lambda: KT.unpermute_rows_backward(g_out, y, rmap.slots, probs, False, K),
+            {"unpermute_bwd_per_token": [True]}, itertools.product([None, 2, 4, 8, 16]), ("warps",)),
+    }
+    for name, (nbytes, fn, route, grid, keys) in routes.items():
+        floor = nbytes / bw * 1e3
+        default = graph_ms(fn)
+        results = []
+        for values in grid:
+            KT.LAUNCH.update({k: v[0] for k, v in route.items()})
+            KT.LAUNCH.update(dict(zip(keys, values)))
+            try:
+                results.append((graph_ms(fn) / floor, values))
+            except Exception as exc:  # e.g. too many registers for a block/warps pair
+                print(f"# {name} {values}: {type(exc).__name__}", file=sys.stderr)
+            KT.LAUNCH.update(defaults)
+        results.sort()
+        best = results[0]
+        print(f"| {T},{E},{H},{K} | {name} | {default / floor:.3f}x (default route) | {best[0]:.3f}x | "
+              + ", ".join(f"{k} {v}" for k, v in zip(keys, best[1])) + " | "
+              + ", ".join(f"{r[0]:.3f}" for r in results[:5]) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=None, help="T,E,H,K tuples")
@@ -110,8 +154,10 @@ def main() -> None:
     for shape in shapes:
         if not args.passes or "map" in args.passes:
             sweep_map(shape[0], shape[1], shape[3])
-        if not args.passes or set(args.passes) - {"map"}:
-            sweep_shape(*shape, bw, args.passes)
+        if not args.passes or set(args.passes) - {"map", "routes"}:
+            sweep_shape(*shape, bw, [p for p in args.passes if p not in ("map", "routes")])
+        if not args.passes or "routes" in args.passes:
+            sweep_routes(*shape, bw)
         torch.cuda.empty_cache()
 
 

@@ -5,17 +5,22 @@ within an expert). ``unpermute`` sums a token's rows back, weighted by its proba
 ascending expert order in fp32 (fp64 for fp64 probabilities) and rounds once. Results are
 bitwise reproducible and do not depend on other tokens. CUDA tensors run the Triton kernels, CPU
 tensors the torch twin (``set_backend('triton')`` runs the kernels on CPU under TRITON_INTERPRET).
+
+Bad input raises ValueError/TypeError naming the argument; the checks that need device data
+(host-supplied sizes against the routing map, finite probs) are described in guard.py: on CPU they
+raise before the op returns, on CUDA they poison the results with NaN and raise at a later call.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
 
-from . import torch_twin
+from . import guard, torch_twin
 from .torch_twin import round_up
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -56,6 +61,20 @@ def _(routing_map, pad_multiple):
     T, E = routing_map.shape
     return (routing_map.new_empty((T, 2 * E + 1), dtype=torch.int32),
             routing_map.new_empty((E + 1,), dtype=torch.int64))
+
+
+@torch.library.custom_op("moe_dispatch::make_slots_checked", mutates_args=())
+def _make_slots_checked_op(routing_map: torch.Tensor, pad_multiple: int, probs: Optional[torch.Tensor],
+                           given_counts: Optional[list[int]],
+                           given_max: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(routing_map).make_slots_checked(routing_map, pad_multiple, probs, given_counts, given_max)
+
+
+@_make_slots_checked_op.register_fake
+def _(routing_map, pad_multiple, probs, given_counts, given_max):
+    T, E = routing_map.shape
+    return (routing_map.new_empty((T, 2 * E + 1), dtype=torch.int32),
+            routing_map.new_empty((E + 1 + guard.STATUS_WORDS,), dtype=torch.int64))
 
 
 @torch.library.custom_op("moe_dispatch::permute_rows", mutates_args=())
@@ -189,6 +208,16 @@ def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tens
     return _make_slots_op(routing_map, pad_multiple)
 
 
+def make_slots_checked(routing_map: torch.Tensor, pad_multiple: int, probs: Optional[torch.Tensor],
+                       given_counts: Optional[list[int]],
+                       given_max: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """make_slots with permute's device-side checks (guard.py): (slots, stats int64
+    [E + 1 + STATUS_WORDS]: make_slots' stats, then the device's status words)."""
+    if _direct():
+        return _impl(routing_map).make_slots_checked(routing_map, pad_multiple, probs, given_counts, given_max)
+    return _make_slots_checked_op(routing_map, pad_multiple, probs, given_counts, given_max)
+
+
 def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: Optional[torch.Tensor], num_out: int,
                  zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The permute_rows op: tokens [T, H] -> ([num_out, H], row probs [num_out] or a placeholder)."""
@@ -215,6 +244,9 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse_index: torch.Tenso
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
+INT32_ROWS = 2 ** 31  # slots hold rows as int32: every row index must stay below this
+
+
 @dataclass(frozen=True)
 class RowIdMap:
     """Where every (token, expert) pair sits in the permuted rows. Made by ``permute``.
@@ -229,6 +261,10 @@ class RowIdMap:
         has_pad_rows: True when some permuted rows belong to no token (padding or extra rows).
         max_experts_per_token: an upper bound on n_t (None means E); sizes the backward's buffer
             of partial probability gradients.
+
+    Construction checks the fields' types and shapes (host-side, no synchronisation) and raises
+    ValueError/TypeError naming the field. The contents of ``slots`` are not checked: the kernels
+    touch only rows in [0, N) and experts in [0, E), whatever they hold.
     """
 
     slots: torch.Tensor
@@ -237,6 +273,27 @@ class RowIdMap:
     num_out_tokens: int
     has_pad_rows: bool
     max_experts_per_token: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        slots = self.slots
+        if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int32 or slots.dim() != 2 \
+                or slots.shape[1] < 3 or slots.shape[1] % 2 != 1:
+            got = f"{slots.dtype} {list(slots.shape)}" if isinstance(slots, torch.Tensor) else type(slots).__name__
+            raise ValueError(f"RowIdMap.slots must be an int32 tensor [T, 2E + 1] with E >= 1, got {got}")
+        E = self.num_experts
+        for name in ("tokens_per_expert", "padded_tokens_per_expert"):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != (E,):
+                got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"RowIdMap.{name} must be a tensor [E] = [{E}], got {got}")
+        N = self.num_out_tokens
+        if not isinstance(N, int) or isinstance(N, bool) or not 0 <= N < INT32_ROWS:
+            raise ValueError(f"RowIdMap.num_out_tokens must be an int in [0, 2^31), got {N!r}")
+        if not isinstance(self.has_pad_rows, bool):
+            raise TypeError(f"RowIdMap.has_pad_rows must be a bool, got {type(self.has_pad_rows).__name__}")
+        most = self.max_experts_per_token
+        if most is not None and (not isinstance(most, int) or isinstance(most, bool) or not 0 <= most <= E):
+            raise ValueError(f"RowIdMap.max_experts_per_token must be None or an int in [0, E = {E}], got {most!r}")
 
     @property
     def num_tokens(self) -> int:
@@ -267,10 +324,70 @@ def _check_probs(probs: torch.Tensor, num_tokens: int, num_experts: int, device:
         raise ValueError(f"probs is on {probs.device}, expected {device} like the tokens")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _host_counts(tokens_per_expert, num_experts: int) -> list[int]:
+    values = (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
+              else list(tokens_per_expert))
+    if len(values) != num_experts:
+        raise ValueError(f"tokens_per_expert must have E = {num_experts} entries, got {len(values)}")
+    if not all(_is_int(c) and c >= 0 for c in values):
+        raise ValueError(f"tokens_per_expert must hold ints >= 0, got {values}")
+    return values
+
+
+def check_device_errors() -> None:
+    """Raise the ValueError of a bad input that the kernels found on CUDA and that has not been
+    raised yet (see permute's docstring). Waits for the GPU: call it where the host waits anyway."""
+    guard.check_device_errors()
+
+
 def expert_row_counts(routing_map: torch.Tensor, pad_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows per expert without and with padding: ([E] int64, [E] int64), on the map's device."""
     counts = routing_map.sum(0, dtype=torch.int64)
     return counts, round_up(counts, pad_multiple)
+
+
+def _poll() -> None:
+    if not torch.compiler.is_compiling():
+        guard.poll()
+
+
+def _fused_route(tokens: torch.Tensor):
+    """The Triton module when LAUNCH["permute_fused_map"] selects the fused route (two launches
+    instead of three; same bits), else None. Not under torch.compile (the registered ops trace)."""
+    impl = _impl(tokens)
+    if impl is torch_twin or torch.compiler.is_compiling() or not impl.LAUNCH["permute_fused_map"]:
+        return None
+    return impl
+
+
+class _PermutePlanned(torch.autograd.Function):
+    """The fused route's copy with the backward of permute_rows (the slots it writes drive it)."""
+
+    @staticmethod
+    def forward(ctx, tokens, probs, routing_map, plan, num_out, zero_fill):
+        from . import triton_kernels
+        out, out_probs, slots = triton_kernels.permute_planned(tokens, routing_map, plan, probs, num_out, zero_fill)
+        ctx.save_for_backward(slots)
+        ctx.has_probs = probs is not None
+        ctx.probs_dtype = probs.dtype if probs is not None else torch.float32
+        ctx.mark_non_differentiable(slots)
+        if probs is None:
+            ctx.mark_non_differentiable(out_probs)
+        return out, out_probs, slots
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_out_probs, _grad_slots):
+        (slots,) = ctx.saved_tensors
+        grad_probs = None
+        if ctx.has_probs:
+            grad_probs = grad_out_probs if grad_out_probs is not None else torch.zeros(
+                grad_out.shape[0], dtype=ctx.probs_dtype, device=grad_out.device)
+        grad_tokens, grad_token_probs = _permute_bwd_op(grad_out.contiguous(), slots, grad_probs, ctx.probs_dtype)
+        return grad_tokens, (grad_token_probs if ctx.has_probs else None), None, None, None, None
 
 
 def permute(
@@ -288,19 +405,30 @@ def permute(
     Args:
         tokens: [T, H] float32, float16 or bfloat16.
         routing_map: [T, E] bool.
-        probs: optional [T, E] float32 or float64; permuted with the tokens, dtype kept.
+        probs: optional [T, E] float32 or float64; permuted with the tokens, dtype kept. Must be
+            finite (NaN or inf: ValueError); negative values are accepted.
         num_out_tokens: N, the rows to allocate. Default: the (padded) number of routed pairs.
             Smaller than that raises ValueError; extra rows are zero.
         pad_multiple: pad each expert's block of rows to a multiple of this (pad rows are zero).
         tokens_per_expert: optional host-side per-expert counts (unpadded, length E) the caller
             already knows; then no device-to-host synchronisation happens here.
-        max_experts_per_token: with tokens_per_expert, an upper bound on experts per token (e.g.
-            top-k); it sizes a backward buffer. Default E. Measured on the device otherwise.
+        max_experts_per_token: an upper bound on experts per token (e.g. top-k); with
+            tokens_per_expert it sizes a backward buffer (default E). Checked in both cases.
+
+    Errors: every argument is checked on the host first (ValueError/TypeError naming it). The
+    checks that need device data (tokens_per_expert and max_experts_per_token against
+    routing_map, probs finite) raise ValueError before returning on CPU, and on CUDA when the
+    call synchronises anyway (no tokens_per_expert). On CUDA with tokens_per_expert the same
+    ValueError is raised by the first later permute/unpermute call that finds the check's result
+    on the host (never waiting for it), or by ``check_device_errors()``; meanwhile every kernel of
+    these ops writes NaN, so no result of the bad call, or after it, looks valid. Rows are never
+    written outside the tensors allocated, whatever the sizes given.
 
     Returns:
         permuted_tokens [N, H] in tokens.dtype, expert-major, ascending token within an expert;
         permuted_probs [N] in probs.dtype (None without probs); the RowIdMap for ``unpermute``.
     """
+    _poll()
     _check_tokens("tokens", tokens)
     if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool:
         got = routing_map.dtype if isinstance(routing_map, torch.Tensor) else type(routing_map).__name__
@@ -314,20 +442,28 @@ def permute(
         raise ValueError("routing_map must have at least one expert column")
     if probs is not None:
         _check_probs(probs, T, E, tokens.device)
-    if not isinstance(pad_multiple, int) or pad_multiple < 1:
+    if not _is_int(pad_multiple) or pad_multiple < 1:
         raise ValueError(f"pad_multiple must be an int >= 1, got {pad_multiple!r}")
+    if max_experts_per_token is not None and (not _is_int(max_experts_per_token) or max_experts_per_token < 0):
+        raise ValueError(f"max_experts_per_token must be None or an int >= 0, got {max_experts_per_token!r}")
+    if num_out_tokens is not None and (not _is_int(num_out_tokens) or not 0 <= num_out_tokens < INT32_ROWS):
+        raise ValueError(f"num_out_tokens must be None or an int in [0, 2^31), got {num_out_tokens!r}")
+    given = _host_counts(tokens_per_expert, E) if tokens_per_expert is not None else None
+    given_max = None if max_experts_per_token is None else min(max_experts_per_token, E)
 
-    slots, stats = make_slots(routing_map.contiguous(), pad_multiple)
+    fused = _fused_route(tokens)
+    if fused is not None:  # one count-and-scan launch now, the copy (which writes the slots) below
+        plan, stats = fused.count_scan(routing_map.contiguous(), pad_multiple, probs, given, given_max)
+    else:
+        slots, stats = make_slots_checked(routing_map.contiguous(), pad_multiple, probs, given, given_max)
     counts = stats[:E]
     padded = counts if pad_multiple == 1 else round_up(counts, pad_multiple)  # no kernels when unpadded
-    if tokens_per_expert is not None:
-        host_counts = (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
-                       else [int(c) for c in tokens_per_expert])
-        if len(host_counts) != E:
-            raise ValueError(f"tokens_per_expert must have E = {E} entries, got {len(host_counts)}")
-        most = E if max_experts_per_token is None else int(max_experts_per_token)
+    if given is not None:
+        host_counts = given
+        most = E if given_max is None else given_max
     else:
         host_stats = stats.tolist()  # the one host synchronisation: sizes decide allocation
+        guard.check_snapshot(host_stats, E, None, given_max, stats.device)
         host_counts, most = host_stats[:E], host_stats[E]
     routed = sum(host_counts)
     needed = sum(round_up(c, pad_multiple) for c in host_counts)
@@ -336,8 +472,17 @@ def permute(
     elif num_out_tokens < needed:
         raise ValueError(f"num_out_tokens={num_out_tokens} is smaller than the {needed} rows the routing map "
                          f"needs (routed pairs {routed}, pad_multiple {pad_multiple})")
+    if num_out_tokens >= INT32_ROWS:
+        raise ValueError(f"the routing map needs {num_out_tokens} rows, more than the 2^31 - 1 that int32 "
+                         f"row ids address (split the batch)")
     has_pad_rows = num_out_tokens > routed
-    permuted, permuted_probs = permute_rows(tokens, slots, probs, num_out_tokens, has_pad_rows)
+    if fused is not None:
+        permuted, permuted_probs, slots = _PermutePlanned.apply(tokens, probs, routing_map.contiguous(), plan,
+                                                               num_out_tokens, has_pad_rows)
+    else:
+        permuted, permuted_probs = permute_rows(tokens, slots, probs, num_out_tokens, has_pad_rows)
+    if given is not None and stats.is_cuda and not torch.compiler.is_compiling():
+        guard.queue(stats, E, given, given_max)  # after the copy is queued: the check never delays it
     row_id_map = RowIdMap(slots, counts, padded, num_out_tokens, has_pad_rows, most)
     return permuted, (permuted_probs if probs is not None else None), row_id_map
 
@@ -357,12 +502,19 @@ def unpermute(
     Args:
         permuted_tokens: [N, H] float32, float16 or bfloat16 (N = row_id_map.num_out_tokens).
         row_id_map: from ``permute``.
-        probs: optional [T, E] float32 or float64.
+        probs: optional [T, E] float32 or float64 (T, E of the map); must be finite (NaN or inf:
+            ValueError, raised on CUDA as permute's device checks are); negative values are accepted.
         restore_shape: optional shape for the output (e.g. [S, B, H]); T*H elements.
+
+    What is checked about the map: its type and fields (at construction), T and E against probs,
+    N against permuted_tokens, T * H against restore_shape, the device. Not detectable: a map from
+    another permute call with the same T, E and N (the rows carry no identity); its result is then
+    wrong without an error.
 
     Returns:
         [T, H] (or restore_shape) in permuted_tokens.dtype. Tokens routed nowhere give zero rows.
     """
+    _poll()
     _check_tokens("permuted_tokens", permuted_tokens)
     if not isinstance(row_id_map, RowIdMap):
         raise TypeError(f"row_id_map must be the RowIdMap returned by permute, got {type(row_id_map).__name__}")
@@ -373,6 +525,12 @@ def unpermute(
         raise ValueError(f"permuted_tokens is on {permuted_tokens.device}, row_id_map on {row_id_map.slots.device}")
     if probs is not None:
         _check_probs(probs, row_id_map.num_tokens, row_id_map.num_experts, permuted_tokens.device)
+    if restore_shape is not None:
+        shape = [int(d) for d in restore_shape]
+        want = row_id_map.num_tokens * permuted_tokens.shape[1]
+        if math.prod(shape) != want or (shape and shape[-1] != permuted_tokens.shape[1]):
+            raise ValueError(f"restore_shape {shape} must hold T * H = {row_id_map.num_tokens} * "
+                             f"{permuted_tokens.shape[1]} elements with H last (T from row_id_map)")
     most = row_id_map.max_experts_per_token
     out = unpermute_rows(permuted_tokens, row_id_map.slots, probs, row_id_map.has_pad_rows,
                          row_id_map.num_experts if most is None else most)

@@ -7,6 +7,14 @@ from __future__ import annotations
 
 import torch
 
+from . import guard
+
+# Numerics choices that change values (the same on both backends, so the contract holds with
+# either): "unpermute_fma": the unpermute forward's fp32 sum as acc = fma(p, y, acc), one rounding
+# per term as on the GPU with FMA contraction, instead of a rounded product then an add (the twin
+# emulates the fused step exactly, fma32). The fp64-probs path always multiplies then adds.
+NUMERICS: dict = {"unpermute_fma": False}
+
 # One H-block size per H, so the order of the H reduction is a function of H alone; the kernels
 # (triton_kernels.py) use the same constant. Defined here so the CPU path needs no Triton.
 MAX_BLOCK_H = 1024
@@ -26,8 +34,18 @@ def _num_experts(slots: torch.Tensor) -> int:
     return (slots.shape[1] - 1) // 2
 
 
+def _counts(slots: torch.Tensor) -> torch.Tensor:
+    """[T] int64 n_t clamped to [0, E], as the kernels read it."""
+    return slots[:, 0].to(torch.int64).clamp(0, _num_experts(slots))
+
+
 def _max_slots(slots: torch.Tensor) -> int:
-    return int(slots[:, 0].max()) if slots.shape[0] else 0
+    return int(_counts(slots).max()) if slots.shape[0] else 0
+
+
+def max_slots_bound(max_slots: int, num_experts: int) -> int:
+    """The slots per token the unpermute backward keeps partial probability gradients for."""
+    return max(1, min(max_slots, num_experts))
 
 
 def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,28 +68,47 @@ def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tens
     return slots, torch.cat([tokens_per_expert, most])
 
 
-def _slot(slots: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(valid [T] bool, row [T] int64 clamped to >= 0, expert [T] int64 clamped) of slot j."""
+def make_slots_checked(routing_map: torch.Tensor, pad_multiple: int, probs: torch.Tensor | None,
+                       given_counts: list[int] | None,
+                       given_max: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """make_slots, then permute's checks (guard.py), raising at once: probs [T, E] finite, and the
+    caller's tokens_per_expert / max_experts_per_token (when given) against the routing map.
+    Returns (slots, stats int64 [E + 1 + STATUS_WORDS]: make_slots' stats, then status words)."""
+    E = routing_map.shape[1]
+    slots, stats = make_slots(routing_map, pad_multiple)
+    words = [0] * guard.STATUS_WORDS
+    if probs is not None and not bool(torch.isfinite(probs).all()):
+        words[guard.PROBS_PERMUTE] = 1
+    host = stats.tolist()
+    guard.fail(guard.problems(host[:E], host[E], words, given_counts, given_max))
+    return slots, torch.cat([stats, torch.tensor(words, dtype=torch.int64, device=stats.device)])
+
+
+def _slot(slots: torch.Tensor, j: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(valid [T] bool, row [T] int64 clamped into [0, num_rows), expert_valid [T] bool, expert [T]
+    int64 clamped into [0, E)) of slot j: exactly what the kernels touch. A slot is valid for
+    j < n_t with its row in [0, num_rows); its probability is used when its expert is in [0, E)."""
     E = _num_experts(slots)
     row = slots[:, 1 + j].to(torch.int64)
     expert = slots[:, 1 + E + j].to(torch.int64)
-    valid = row >= 0
-    return valid, row.clamp(min=0), expert.clamp(min=0)
+    valid = (j < _counts(slots)) & (row >= 0) & (row < num_rows)
+    expert_valid = valid & (expert >= 0) & (expert < E)
+    return valid, row.clamp(0, max(num_rows - 1, 0)), expert_valid, expert.clamp(0, E - 1)
 
 
 def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None,
                  num_out: int, zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """out[row(t, e)] = tokens[t]; out_probs[row(t, e)] = probs[t, e]. Other rows are zero."""
     H = tokens.shape[1]
-    E = _num_experts(slots)
     out = tokens.new_zeros((num_out, H))
     out_probs = (probs.new_zeros((num_out,)) if probs is not None
                  else torch.empty(0, dtype=torch.float32, device=tokens.device))
-    t_idx, j_idx = (slots[:, 1:1 + E] >= 0).nonzero(as_tuple=True)
-    rows = slots[t_idx, 1 + j_idx].to(torch.int64)
-    out[rows] = tokens[t_idx]
-    if probs is not None:
-        out_probs[rows] = probs[t_idx, slots[t_idx, 1 + E + j_idx].to(torch.int64)]
+    arange_t = torch.arange(slots.shape[0], device=tokens.device)
+    for j in range(_max_slots(slots)):
+        valid, row, expert_valid, expert = _slot(slots, j, num_out)
+        out[row[valid]] = tokens[valid]
+        if probs is not None:
+            out_probs[row[expert_valid]] = probs[arange_t[expert_valid], expert[expert_valid]]
     return out, out_probs
 
 
@@ -85,10 +122,11 @@ def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: t
                         else torch.empty(0, dtype=probs_dtype, device=grad.device))
     arange_t = torch.arange(T, device=grad.device)
     for j in range(_max_slots(slots)):
-        valid, row, expert = _slot(slots, j)
+        valid, row, expert_valid, expert = _slot(slots, j, grad.shape[0])
         acc = acc + torch.where(valid[:, None], grad[row].to(torch.float32), 0.0)
         if grad_probs is not None:
-            grad_token_probs[arange_t[valid], expert[valid]] = grad_probs[row[valid]].to(probs_dtype)
+            picked = expert_valid
+            grad_token_probs[arange_t[picked], expert[picked]] = grad_probs[row[picked]].to(probs_dtype)
     return acc.to(grad.dtype), grad_token_probs
 
 
@@ -96,17 +134,57 @@ def _acc_dtype(probs: torch.Tensor | None) -> torch.dtype:
     return torch.float64 if probs is not None and probs.dtype == torch.float64 else torch.float32
 
 
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a * b + c for fp32 tensors (broadcasting), rounded once to fp32: what the GPU's fma computes.
+
+    The product is exact in fp64 and the sum is rounded once in fp64; rounding that to fp32 is the
+    correct rounding of a * b + c except where the fp64 sum lands exactly on a midpoint between
+    two fp32 numbers (or in fp32's subnormal range) while being inexact. Only there the sum is
+    rounded to odd instead (TwoSum gives its exact error; Boldo and Melquiond, "Emulation of FMA
+    and correctly rounded sums": round-to-odd at p >= q + 2 bits, then to nearest at q bits, is
+    the correct rounding at q bits)."""
+    x = a.double() * b.double()
+    z = c.double()
+    s = x + z
+    low = s.view(torch.int64) & 0x1FFFFFFF  # the 29 fp64 mantissa bits below fp32's last
+    suspect = (low == 0x10000000) | (s.abs() < 2.0 ** -125)
+    if bool(suspect.any()):
+        xs, zs, ss = (v.expand_as(s)[suspect] for v in (x, z, s))
+        bb = ss - xs
+        err = (xs - (ss - bb)) + (zs - bb)
+        even = (ss.view(torch.int64) & 1) == 0
+        bump = (err != 0) & even & torch.isfinite(ss)
+        toward = torch.where(err > 0, torch.inf, -torch.inf).to(torch.float64)
+        s = s.clone()
+        s[suspect] = torch.where(bump, torch.nextafter(ss, toward), ss)
+    return s.float()
+
+
+def check_probs_finite(probs: torch.Tensor, op: str) -> None:
+    """Raise guard's ValueError when probs hold a NaN or inf (CPU: no synchronisation involved)."""
+    if not bool(torch.isfinite(probs).all()):
+        guard.fail([guard.probs_message(op)])
+
+
 def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
-    """out[t] = sum over slots j (ascending expert) of probs[t, e_j] * rows[row_j], fp32, rounded once."""
+    """out[t] = sum over slots j (ascending expert) of probs[t, e_j] * rows[row_j], fp32, rounded once.
+    Raises ValueError for NaN or inf in probs."""
+    if probs is not None:
+        check_probs_finite(probs, "unpermute")
     T = slots.shape[0]
     acc_dtype = _acc_dtype(probs)
     acc = torch.zeros((T, rows.shape[1]), dtype=acc_dtype, device=rows.device)
     arange_t = torch.arange(T, device=rows.device)
+    fma = probs is not None and acc_dtype == torch.float32 and NUMERICS["unpermute_fma"]
     for j in range(_max_slots(slots)):
-        valid, row, expert = _slot(slots, j)
+        valid, row, expert_valid, expert = _slot(slots, j, rows.shape[0])
         term = rows[row].to(acc_dtype)
         if probs is not None:
-            term = probs[arange_t, expert].to(acc_dtype)[:, None] * term
+            p = torch.where(expert_valid, probs[arange_t, expert].to(acc_dtype), 0.0)
+            if fma:
+                acc = torch.where(valid[:, None], fma32(p[:, None], term, acc), acc)
+                continue
+            term = p[:, None] * term
         acc = acc + torch.where(valid[:, None], term, 0.0)
     return acc.to(torch.float32).to(rows.dtype)
 
@@ -135,7 +213,9 @@ def blocked_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
                             probs: torch.Tensor | None, zero_fill: bool,
                             max_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """grad_rows[row_j] = grad[t] * p_j (fp32, rounded once); grad_probs[t, e_j] = <rows[row_j], grad[t]>."""
+    """grad_rows[row_j] = grad[t] * p_j (fp32, rounded once); grad_probs[t, e_j] = <rows[row_j], grad[t]>.
+    A token with more than max_slots_bound(max_slots, E) experts gets a NaN probs-gradient row (the
+    kernel keeps partial sums for that many slots only)."""
     T = slots.shape[0]
     E = _num_experts(slots)
     acc_dtype = _acc_dtype(probs)
@@ -144,15 +224,19 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
                   else torch.empty(0, dtype=torch.float32, device=rows.device))
     arange_t = torch.arange(T, device=rows.device)
     for j in range(_max_slots(slots)):
-        valid, row, expert = _slot(slots, j)
-        t, row, expert = arange_t[valid], row[valid], expert[valid]
+        valid, row, expert_valid, expert = _slot(slots, j, rows.shape[0])
+        t, row_v = arange_t[valid], row[valid]
         if probs is None:
-            grad_rows[row] = grad[t].to(rows.dtype)
+            grad_rows[row_v] = grad[t].to(rows.dtype)
             continue
         g = grad[t].to(acc_dtype)
-        p = probs[t, expert].to(acc_dtype)
-        grad_rows[row] = (g * p[:, None]).to(torch.float32).to(rows.dtype)
-        grad_probs[t, expert] = blocked_dot(rows[row].to(acc_dtype), g).to(probs.dtype)
+        p = torch.where(expert_valid, probs[arange_t, expert].to(acc_dtype), 0.0)[valid]
+        grad_rows[row_v] = (g * p[:, None]).to(torch.float32).to(rows.dtype)
+        picked = expert_valid[valid]
+        dots = blocked_dot(rows[row_v].to(acc_dtype), g).to(probs.dtype)
+        grad_probs[t[picked], expert[valid][picked]] = dots[picked]
+    if probs is not None:
+        grad_probs[_counts(slots) > max_slots_bound(max_slots, E)] = float("nan")
     return grad_rows, grad_probs
 
 

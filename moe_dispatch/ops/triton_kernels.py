@@ -16,6 +16,11 @@ Rules that make results exact and reproducible:
   probabilities) accumulator and are rounded once;
 - launches pass ``enable_fp_fusion=False`` so ``acc + p * y`` is a multiply then an add, exactly
   as the torch twin computes it, rather than an FMA.
+
+Rules that keep every access in bounds whatever the input (host sizes, hand-made slots):
+- every row read or written is masked against the rows of its tensor ([0, N)), every expert id
+  against [0, E), n_t clamped to [0, E], partial sums against the backward's bound; offsets int64;
+- the kernels read the device's status words (guard.py) and write NaN once a bad input was seen.
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .torch_twin import block_h
+from . import guard
+from .torch_twin import NUMERICS, block_h, max_slots_bound
 
 # Launch tuning. None of these changes a result: each program owns whole (token, H-chunk)
 # elements. LAUNCH["token_major"]: consecutive programs take consecutive tokens of one H-chunk
@@ -35,8 +41,15 @@ from .torch_twin import block_h
 # "map_chunks", "map_block_t", "map_warps": make_slots' token chunks (about that many programs),
 # tokens per tile (None: 4096 / E rounded to a power of two, at most 128) and warps (None:
 # Triton's default). scripts/tune_ops.py sweeps them.
+# Alternative routes (same bits; scripts/bench_ops.py --compare times both):
+# "unpermute_bwd_per_token": the unpermute backward as one program per token (_unpermute_bwd_token_kernel)
+# instead of one per (token, H-chunk) plus the probs-gradient launch.
+# "permute_fused_map": permute as a count-and-scan launch then a copy that computes each row's
+# slot itself (_count_scan_kernel, _permute_map_kernel) instead of make_slots + the permute kernel;
+# "fused_prefix_t": tokens per prefix tile of that route.
 LAUNCH: dict = {"token_major": False, "warps": None, "rows_per_store": 8, "permute_store_cache": ".cs",
-                "map_chunks": 128, "map_block_t": None, "map_warps": None}
+                "map_chunks": 128, "map_block_t": None, "map_warps": None,
+                "unpermute_bwd_per_token": False, "permute_fused_map": False, "fused_prefix_t": 16}
 
 
 def _num_warps(block: int) -> int:
@@ -46,8 +59,12 @@ def _num_warps(block: int) -> int:
 
 
 def _row_grid(T: int, H: int, block: int) -> tuple:
-    """1-D grid over (token, H-chunk) programs (no 65535 limit on T)."""
-    return (T * triton.cdiv(H, block),)
+    """1-D grid over (token, H-chunk) programs (no 65535 limit on T; at most 2^31 - 1 programs)."""
+    programs = T * triton.cdiv(H, block)
+    if programs >= 2 ** 31:
+        raise ValueError(f"{T} rows of H = {H} need {programs} programs of {block} columns, more than one launch "
+                         f"takes (2^31 - 1): split the batch")
+    return (programs,)
 
 
 @triton.jit
@@ -71,7 +88,15 @@ def _token_slots(slots_ptr, T, H, E, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.cons
     t, c = _token_and_chunk(T, H, BLOCK_H, TOKEN_MAJOR)
     offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
     slot_row = slots_ptr + t * (2 * E + 1)
-    return t, c, offs_h, offs_h < H, slot_row, tl.load(slot_row)
+    # n_t clamped to [0, E]: a hand-made slots tensor can never send a loop past its row.
+    return t, c, offs_h, offs_h < H, slot_row, tl.minimum(tl.maximum(tl.load(slot_row), 0), E)
+
+
+@triton.jit
+def _row_in(row, N, H):
+    """The columns of a row to touch: H for a row in [0, N), else 0 (masks every load and store of
+    a row outside the allocation, e.g. after host-supplied sizes that were too small)."""
+    return tl.where((row >= 0) & (row < N), H, 0)
 
 
 def _launch_opts() -> dict:
@@ -89,16 +114,34 @@ def _probs_args(probs: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
 # Row-id map: per-chunk expert counts, then slot lists. Two launches, no torch ops between.
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _expert_weights(offs_e):
+    """guard.expert_weight for a vector of expert ids (int64, wrapping; arithmetic shifts)."""
+    w = (offs_e.to(tl.int64) + 1) * 0x1E3779B97F4A7C15
+    w = w ^ (w >> 29)
+    w = w * 0x3F58476D1CE4E5B9
+    return w ^ (w >> 32)
+
+
+@triton.jit
+def _poisoned(status_ptr):
+    """True once the device's status records a bad input (guard.py): results become NaN."""
+    return tl.max(tl.load(status_ptr + tl.arange(0, 4)), axis=0) != 0
+
+
+@triton.jit
 def _chunk_counts_kernel(
-    map_ptr, counts_ptr, chunk_max_ptr, T, E, stride_mt, stride_me,
-    CHUNK_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    map_ptr, counts_ptr, chunk_max_ptr, probs_ptr, status_ptr, T, E, stride_mt, stride_me, stride_pt, stride_pe,
+    CHUNK_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHECK_PROBS: tl.constexpr,
+    PROBS_WORD: tl.constexpr,
 ):
     """counts[c, e] = number of tokens of chunk c (rows c*CHUNK_T ...) routed to expert e;
-    chunk_max[c] = the most experts any token of chunk c is routed to."""
+    chunk_max[c] = the most experts any token of chunk c is routed to. With CHECK_PROBS, a NaN or
+    inf anywhere in the chunk's probs rows sets the status word PROBS_WORD (a plain store of 1)."""
     pid = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     total = tl.zeros([BLOCK_E], dtype=tl.int32)
     most = tl.zeros([BLOCK_T], dtype=tl.int32)
+    nonfinite = tl.zeros([BLOCK_E], dtype=tl.int32)
     for t0 in range(0, CHUNK_T, BLOCK_T):
         offs_t = pid * CHUNK_T + t0 + tl.arange(0, BLOCK_T)
         mask = (offs_t[:, None] < T) & (offs_e[None, :] < E)
@@ -106,21 +149,32 @@ def _chunk_counts_kernel(
                          mask=mask, other=0).to(tl.int32)
         total += tl.sum(routed, axis=0)
         most = tl.maximum(most, tl.sum(routed, axis=1))
+        if CHECK_PROBS:
+            p = tl.load(probs_ptr + offs_t[:, None].to(tl.int64) * stride_pt + offs_e[None, :] * stride_pe,
+                        mask=mask, other=0.0)
+            nonfinite += tl.sum(tl.where(tl.abs(p) < float("inf"), 0, 1), axis=0)
     tl.store(counts_ptr + pid * E + offs_e, total, mask=offs_e < E)
     tl.store(chunk_max_ptr + pid, tl.max(most, axis=0))
+    if CHECK_PROBS:
+        flag = tl.arange(0, 1)
+        tl.store(status_ptr + PROBS_WORD + flag, flag + 1, mask=(flag + tl.max(nonfinite, axis=0)) > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["given_routed", "given_hash", "given_max"])
 def _slots_kernel(
-    map_ptr, counts_ptr, chunk_max_ptr, slots_ptr, stats_ptr, T, E, num_chunks, pad_multiple,
-    stride_mt, stride_me,
+    map_ptr, counts_ptr, chunk_max_ptr, slots_ptr, stats_ptr, status_ptr, T, E, num_chunks, pad_multiple,
+    stride_mt, stride_me, given_routed, given_hash, given_max,
     CHUNK_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    SNAPSHOT: tl.constexpr, CHECK_SIZES: tl.constexpr, SIZES_WORD: tl.constexpr,
 ):
     """Fill slots for the tokens of one chunk.
 
     Every program re-reads the small [num_chunks, E] count table to get its own prefix and the
     expert totals, so the scan needs no extra launch. The row of (t, e) is
-    expert_start[e] + (tokens before t routed to e).
+    expert_start[e] + (tokens before t routed to e). Program 0 writes stats: the [E] totals, the
+    most experts of a token, and with SNAPSHOT the device's status words after this call's own
+    check (CHECK_SIZES: the routed total and the most experts of a token against the caller's,
+    exactly, and the split through guard.counts_hash).
     """
     pid = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
@@ -133,7 +187,9 @@ def _slots_kernel(
                          mask=(offs_c[:, None] < num_chunks) & valid_e[None, :], other=0)
         total += tl.sum(counts, axis=0)
         prefix += tl.sum(tl.where(offs_c[:, None] < pid, counts, 0), axis=0)
-    padded = (total + pad_multiple - 1) // pad_multiple * pad_multiple
+    padded = ((total + pad_multiple - 1) // pad_multiple * pad_multiple).to(tl.int64)
+    # int64: the rows of all experts together may pass 2^31 (the host then refuses the sizes, and
+    # the kernels drop every row outside the output).
     running = tl.cumsum(padded, axis=0) - padded + prefix
     if pid == 0:
         tl.store(stats_ptr + offs_e, total.to(tl.int64), mask=valid_e)
@@ -141,7 +197,18 @@ def _slots_kernel(
         for c0 in range(0, num_chunks, BLOCK_C):
             offs_c = c0 + tl.arange(0, BLOCK_C)
             most = tl.maximum(most, tl.load(chunk_max_ptr + offs_c, mask=offs_c < num_chunks, other=0))
-        tl.store(stats_ptr + E, tl.max(most, axis=0).to(tl.int64))
+        most_of_all = tl.max(most, axis=0)
+        tl.store(stats_ptr + E, most_of_all.to(tl.int64))
+        if SNAPSHOT:
+            offs_s = tl.arange(0, 4)
+            words = tl.load(status_ptr + offs_s)
+            if CHECK_SIZES:
+                wide = tl.where(valid_e, total.to(tl.int64), 0)
+                bad = ((tl.sum(wide, axis=0) != given_routed) | (most_of_all > given_max)
+                       | (tl.sum(wide * _expert_weights(offs_e), axis=0) != given_hash))
+                words = tl.where(offs_s == SIZES_WORD, tl.where(bad, 1, words), words)
+                tl.store(status_ptr + offs_s, words)
+            tl.store(stats_ptr + E + 1 + offs_s, words.to(tl.int64))
     width = 2 * E + 1
     for t0 in range(0, CHUNK_T, BLOCK_T):
         offs_t = pid * CHUNK_T + t0 + tl.arange(0, BLOCK_T)
@@ -160,18 +227,23 @@ def _slots_kernel(
         # The -1 fill and the scatter below touch the same addresses from different threads.
         tl.debug_barrier()
         hit = mask & (routed != 0)
-        tl.store(base + 1 + slot, rows, mask=hit)
+        tl.store(base + 1 + slot, rows.to(tl.int32), mask=hit)
         tl.store(base + 1 + E + slot, offs_e[None, :] + tl.zeros([BLOCK_T, BLOCK_E], tl.int32), mask=hit)
 
 
-def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher. routing_map [T, E] bool -> (slots [T, 2E+1] int32, stats int64 [E + 1]):
-    stats[:E] = tokens per expert, stats[E] = the most experts of any token (one host copy)."""
+def _make_slots(routing_map: torch.Tensor, pad_multiple: int, probs: torch.Tensor | None,
+                given_counts: list[int] | None, given_max: int | None,
+                snapshot: bool) -> tuple[torch.Tensor, torch.Tensor]:
     T, E = routing_map.shape
     device = routing_map.device
     slots = torch.empty((T, 2 * E + 1), dtype=torch.int32, device=device)
+    status = guard.status(device)
+    stats_len = E + 1 + (guard.STATUS_WORDS if snapshot else 0)
     if T == 0:
-        return slots, torch.zeros(E + 1, dtype=torch.int64, device=device)
+        stats = torch.zeros(stats_len, dtype=torch.int64, device=device)
+        if snapshot:
+            stats[E + 1:] = status
+        return slots, stats
     block_e = triton.next_power_of_2(E)
     block_t = LAUNCH["map_block_t"] or max(1, min(128, 4096 // block_e))
     # About 128 chunks: enough programs to fill the GPU, a count table small enough to re-read.
@@ -180,42 +252,75 @@ def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tens
     routed = routing_map.view(torch.uint8)
     counts = torch.empty((num_chunks, E), dtype=torch.int32, device=device)
     chunk_max = torch.empty(num_chunks, dtype=torch.int32, device=device)
-    stats = torch.empty(E + 1, dtype=torch.int64, device=device)
+    stats = torch.empty(stats_len, dtype=torch.int64, device=device)
     warps = {"num_warps": LAUNCH["map_warps"]} if LAUNCH["map_warps"] else {}
-    _chunk_counts_kernel[(num_chunks,)](routed, counts, chunk_max, T, E, routed.stride(0), routed.stride(1),
-                                        CHUNK_T=chunk_t, BLOCK_T=block_t, BLOCK_E=block_e, **warps)
-    _slots_kernel[(num_chunks,)](routed, counts, chunk_max, slots, stats, T, E, num_chunks, pad_multiple,
-                                 routed.stride(0), routed.stride(1),
+    p, *p_strides = _probs_args(probs, counts)
+    _chunk_counts_kernel[(num_chunks,)](routed, counts, chunk_max, p, status, T, E, routed.stride(0),
+                                        routed.stride(1), *p_strides, CHUNK_T=chunk_t, BLOCK_T=block_t,
+                                        BLOCK_E=block_e, CHECK_PROBS=probs is not None,
+                                        PROBS_WORD=guard.PROBS_PERMUTE, **warps)
+    check = given_counts is not None
+    given = ((sum(given_counts), guard.counts_hash(given_counts), E if given_max is None else given_max)
+             if check else (0, 0, 0))
+    _slots_kernel[(num_chunks,)](routed, counts, chunk_max, slots, stats, status, T, E, num_chunks, pad_multiple,
+                                 routed.stride(0), routed.stride(1), *given,
                                  CHUNK_T=chunk_t, BLOCK_T=block_t, BLOCK_E=block_e,
-                                 BLOCK_C=max(1, min(32, 8192 // block_e)), **warps)
+                                 BLOCK_C=max(1, min(32, 8192 // block_e)), SNAPSHOT=snapshot, CHECK_SIZES=check,
+                                 SIZES_WORD=guard.SIZES, **warps)
+    return slots, stats
+
+
+def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher. routing_map [T, E] bool -> (slots [T, 2E+1] int32, stats int64 [E + 1]):
+    stats[:E] = tokens per expert, stats[E] = the most experts of any token (one host copy)."""
+    return _make_slots(routing_map, pad_multiple, None, None, None, snapshot=False)
+
+
+def make_slots_checked(routing_map: torch.Tensor, pad_multiple: int, probs: torch.Tensor | None,
+                       given_counts: list[int] | None,
+                       given_max: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """make_slots with permute's device-side checks (guard.py): probs [T, E] finite, and the
+    caller's tokens_per_expert / max_experts_per_token (when given) against the routing map.
+    Returns (slots, stats int64 [E + 1 + STATUS_WORDS]: make_slots' stats, then the status words).
+    On CPU it raises at once; on CUDA the caller checks stats: at its synchronisation, or through
+    guard.queue once its own kernels are queued."""
+    E = routing_map.shape[1]
+    slots, stats = _make_slots(routing_map, pad_multiple, probs, given_counts, given_max, snapshot=True)
+    if stats.device.type == "cpu":
+        guard.check_snapshot(stats.tolist(), E, given_counts, given_max, stats.device)
     return slots, stats
 
 
 # --------------------------------------------------------------------------------------------
 # Permute: copy each token to its rows; backward sums the rows back in slot order.
+# Every kernel below masks each row it reads or writes against the rows allocated, and writes NaN
+# once the device's status records a bad input (guard.py).
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _permute_kernel(
-    tokens_ptr, slots_ptr, probs_ptr, out_ptr, out_probs_ptr,
-    T, H, E, stride_tt, stride_th, stride_pt, stride_pe,
+    tokens_ptr, slots_ptr, probs_ptr, out_ptr, out_probs_ptr, status_ptr,
+    T, H, E, N, stride_tt, stride_th, stride_pt, stride_pe,
     HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr, BLOCK_K: tl.constexpr,
     STORE_CM: tl.constexpr,
 ):
     """Program (t, c): copy token t's H-chunk c to its n_t rows, BLOCK_K rows per 2-D store (a
-    pure copy: no value depends on how the stores are grouped)."""
+    pure copy: no value depends on how the stores are grouped). Rows outside [0, N) are skipped."""
     t, pid_h, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
+    poisoned = _poisoned(status_ptr)
     x = tl.load(tokens_ptr + t * stride_tt + offs_h * stride_th, mask=mask_h)
+    x = tl.where(poisoned, float("nan"), x.to(tl.float32)).to(x.dtype)
     offs_k = tl.arange(0, BLOCK_K)
     for j0 in range(0, n, BLOCK_K):
-        mask_k = j0 + offs_k < n
-        rows = tl.load(slot_row + 1 + j0 + offs_k, mask=mask_k, other=0).to(tl.int64)
+        rows = tl.load(slot_row + 1 + j0 + offs_k, mask=j0 + offs_k < n, other=-1).to(tl.int64)
+        mask_k = (rows >= 0) & (rows < N)
         tl.store(out_ptr + rows[:, None] * H + offs_h[None, :], tl.broadcast_to(x[None, :], (BLOCK_K, BLOCK_H)),
                  mask=mask_k[:, None] & mask_h[None, :], cache_modifier=STORE_CM)
         if HAS_PROBS:
             if pid_h == 0:
                 e = tl.load(slot_row + 1 + E + j0 + offs_k, mask=mask_k, other=0)
-                p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=mask_k)
-                tl.store(out_probs_ptr + rows, p, mask=mask_k)
+                ok = mask_k & (e >= 0) & (e < E)
+                p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=ok)
+                tl.store(out_probs_ptr + rows, tl.where(poisoned, float("nan"), p), mask=ok)
 
 
 def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None,
@@ -235,28 +340,252 @@ def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
     bh = block or block_h(H)  # a copy: the block size does not change any value
     p, *p_strides = _probs_args(probs, out_probs)
     _permute_kernel[_row_grid(T, H, bh)](
-        tokens, slots, p, out, out_probs, T, H, E, tokens.stride(0), tokens.stride(1), *p_strides,
+        tokens, slots, p, out, out_probs, guard.status(tokens.device), T, H, E, num_out,
+        tokens.stride(0), tokens.stride(1), *p_strides,
         HAS_PROBS=probs is not None, BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"],
         BLOCK_K=LAUNCH["rows_per_store"], STORE_CM=LAUNCH["permute_store_cache"],
         num_warps=num_warps or _num_warps(bh), **_launch_opts())
     return out, out_probs
 
 
+# --------------------------------------------------------------------------------------------
+# The fused route (LAUNCH["permute_fused_map"]): one count-and-scan launch, then one copy whose
+# programs compute their token's rows and write its slots. Same slots, same rows, same bits as
+# make_slots + _permute_kernel.
+# --------------------------------------------------------------------------------------------
+_TICKETS: dict = {}
+
+
+def _ticket(device: torch.device) -> torch.Tensor:
+    """int32 [1], zero between launches: _count_scan_kernel's arrival counter (its last program
+    sets it back to 0). One per device, allocated once: launches on one stream never overlap."""
+    t = _TICKETS.get(device)
+    if t is None:
+        t = _TICKETS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
+@triton.jit(do_not_specialize=["given_routed", "given_hash", "given_max"])
+def _count_scan_kernel(
+    map_ptr, probs_ptr, tile_prefix_ptr, chunk_counts_ptr, chunk_max_ptr, chunk_base_ptr, stats_ptr, status_ptr,
+    ticket_ptr, T, E, num_chunks, pad_multiple, stride_mt, stride_me, stride_pt, stride_pe,
+    given_routed, given_hash, given_max,
+    CHUNK_T: tl.constexpr, TILE_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    CHECK_PROBS: tl.constexpr, CHECK_SIZES: tl.constexpr, PROBS_WORD: tl.constexpr, SIZES_WORD: tl.constexpr,
+):
+    """Program c counts chunk c (CHUNK_T tokens) per expert, storing for each of its tiles of
+    TILE_T tokens the tokens routed to each expert before that tile within the chunk
+    (tile_prefix). The last program to arrive (an acq_rel ticket) scans the chunk counts:
+    chunk_base[c, e] = start of expert e's block + rows of e from chunks before c; it writes
+    stats (counts, most experts of a token, status words after this call's checks, as
+    _slots_kernel does) and resets the ticket. The scan runs in one program in a fixed order, so
+    its result does not depend on which program arrives last."""
+    pid = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    valid_e = offs_e < E
+    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    most = tl.zeros([TILE_T], dtype=tl.int32)
+    nonfinite = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for t0 in range(0, CHUNK_T, TILE_T):
+        start = pid * CHUNK_T + t0
+        offs_t = start + tl.arange(0, TILE_T)
+        mask = (offs_t[:, None] < T) & valid_e[None, :]
+        routed = tl.load(map_ptr + offs_t[:, None].to(tl.int64) * stride_mt + offs_e[None, :] * stride_me,
+                         mask=mask, other=0).to(tl.int32)
+        tl.store(tile_prefix_ptr + (start // TILE_T).to(tl.int64) * E + offs_e, total,
+                 mask=valid_e & ((offs_e * 0 + start) < T))
+        total += tl.sum(routed, axis=0)
+        most = tl.maximum(most, tl.sum(routed, axis=1))
+        if CHECK_PROBS:
+            p = tl.load(probs_ptr + offs_t[:, None].to(tl.int64) * stride_pt + offs_e[None, :] * stride_pe,
+                        mask=mask, other=0.0)
+            nonfinite += tl.sum(tl.where(tl.abs(p) < float("inf"), 0, 1), axis=0)
+    tl.store(chunk_counts_ptr + pid * E + offs_e, total, mask=valid_e)
+    tl.store(chunk_max_ptr + pid, tl.max(most, axis=0))
+    if CHECK_PROBS:
+        flag = tl.arange(0, 1)
+        tl.store(status_ptr + PROBS_WORD + flag, flag + 1, mask=(flag + tl.max(nonfinite, axis=0)) > 0)
+    # Every thread's stores above happen before the release of the ticket (barrier, then acq_rel).
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    if ticket == num_chunks - 1:
+        tl.debug_barrier()
+        counts_total = tl.zeros([BLOCK_E], dtype=tl.int64)
+        most_c = tl.zeros([BLOCK_C], dtype=tl.int32)
+        for c0 in range(0, num_chunks, BLOCK_C):
+            offs_c = c0 + tl.arange(0, BLOCK_C)
+            counts = tl.load(chunk_counts_ptr + offs_c[:, None] * E + offs_e[None, :],
+                             mask=(offs_c[:, None] < num_chunks) & valid_e[None, :], other=0, cache_modifier=".cg")
+            counts_total += tl.sum(counts, axis=0).to(tl.int64)
+            most_c = tl.maximum(most_c, tl.load(chunk_max_ptr + offs_c, mask=offs_c < num_chunks, other=0,
+                                                cache_modifier=".cg"))
+        padded = (counts_total + pad_multiple - 1) // pad_multiple * pad_multiple
+        running = tl.cumsum(padded, axis=0) - padded
+        for c0 in range(0, num_chunks, BLOCK_C):
+            offs_c = c0 + tl.arange(0, BLOCK_C)
+            cmask = (offs_c[:, None] < num_chunks) & valid_e[None, :]
+            counts = tl.load(chunk_counts_ptr + offs_c[:, None] * E + offs_e[None, :], mask=cmask, other=0,
+                             cache_modifier=".cg").to(tl.int64)
+            tl.store(chunk_base_ptr + offs_c[:, None] * E + offs_e[None, :],
+                     running[None, :] + tl.cumsum(counts, axis=0) - counts, mask=cmask)
+            running += tl.sum(counts, axis=0)
+        most_of_all = tl.max(most_c, axis=0)
+        tl.store(stats_ptr + offs_e, counts_total, mask=valid_e)
+        tl.store(stats_ptr + E, most_of_all.to(tl.int64))
+        offs_s = tl.arange(0, 4)
+        words = tl.load(status_ptr + offs_s, cache_modifier=".cg")
+        if CHECK_SIZES:
+            wide = tl.where(valid_e, counts_total, 0)
+            bad = ((tl.sum(wide, axis=0) != given_routed) | (most_of_all > given_max)
+                   | (tl.sum(wide * _expert_weights(offs_e), axis=0) != given_hash))
+            words = tl.where(offs_s == SIZES_WORD, tl.where(bad, 1, words), words)
+            tl.store(status_ptr + offs_s, words)
+        tl.store(stats_ptr + E + 1 + offs_s, words.to(tl.int64))
+        tl.store(ticket_ptr + tl.arange(0, 1), tl.zeros([1], tl.int32))
+
+
+def count_scan(routing_map: torch.Tensor, pad_multiple: int, probs: torch.Tensor | None,
+               given_counts: list[int] | None, given_max: int | None) -> tuple[tuple, torch.Tensor]:
+    """Launcher of the fused route's first launch. routing_map [T, E] bool -> (plan for
+    permute_planned, stats int64 [E + 1 + STATUS_WORDS] as make_slots_checked returns, with the
+    same checks and the same error behaviour)."""
+    E = routing_map.shape[1]
+    plan, stats = _count_scan(routing_map, pad_multiple, probs, given_counts, given_max)
+    if stats.device.type == "cpu":
+        guard.check_snapshot(stats.tolist(), E, given_counts, given_max, stats.device)
+    return plan, stats
+
+
+def _count_scan(routing_map: torch.Tensor, pad_multiple: int, probs: torch.Tensor | None,
+                given_counts: list[int] | None, given_max: int | None) -> tuple[tuple, torch.Tensor]:
+    T, E = routing_map.shape
+    device = routing_map.device
+    status = guard.status(device)
+    tile_t = LAUNCH["fused_prefix_t"]
+    chunk_t = tile_t * max(1, triton.cdiv(triton.cdiv(max(T, 1), LAUNCH["map_chunks"]), tile_t))
+    num_chunks = triton.cdiv(T, chunk_t)
+    tile_prefix = torch.empty((triton.cdiv(T, tile_t), E), dtype=torch.int32, device=device)
+    chunk_base = torch.empty((num_chunks, E), dtype=torch.int64, device=device)
+    if T == 0:
+        stats = torch.zeros(E + 1 + guard.STATUS_WORDS, dtype=torch.int64, device=device)
+        stats[E + 1:] = status
+    else:
+        stats = torch.empty(E + 1 + guard.STATUS_WORDS, dtype=torch.int64, device=device)
+        block_e = triton.next_power_of_2(E)
+        routed = routing_map.view(torch.uint8)
+        chunk_counts = torch.empty((num_chunks, E), dtype=torch.int32, device=device)
+        chunk_max = torch.empty(num_chunks, dtype=torch.int32, device=device)
+        p, *p_strides = _probs_args(probs, chunk_counts)
+        check = given_counts is not None
+        given = ((sum(given_counts), guard.counts_hash(given_counts), E if given_max is None else given_max)
+                 if check else (0, 0, 0))
+        warps = {"num_warps": LAUNCH["map_warps"]} if LAUNCH["map_warps"] else {}
+        _count_scan_kernel[(num_chunks,)](
+            routed, p, tile_prefix, chunk_counts, chunk_max, chunk_base, stats, status, _ticket(device), T, E,
+            num_chunks, pad_multiple, routed.stride(0), routed.stride(1), *p_strides, *given,
+            CHUNK_T=chunk_t, TILE_T=tile_t, BLOCK_E=block_e, BLOCK_C=max(1, min(32, 8192 // block_e)),
+            CHECK_PROBS=probs is not None, CHECK_SIZES=check, PROBS_WORD=guard.PROBS_PERMUTE,
+            SIZES_WORD=guard.SIZES, **warps)
+    return (tile_prefix, chunk_base, chunk_t, tile_t), stats
+
+
+@triton.jit
+def _permute_map_kernel(
+    tokens_ptr, map_ptr, probs_ptr, tile_prefix_ptr, chunk_base_ptr, out_ptr, out_probs_ptr, slots_ptr, status_ptr,
+    T, H, E, N, stride_tt, stride_th, stride_mt, stride_me, stride_pt, stride_pe,
+    CHUNK_T: tl.constexpr, TILE_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_PROBS: tl.constexpr, STORE_CM: tl.constexpr,
+):
+    """Program t: token t's rows, row(t, e) = chunk_base[chunk, e] + tile_prefix[tile, e] + tokens
+    of its tile before t routed to e (the same value as make_slots'); its slots row (the -1 fill
+    and the entries are disjoint stores); then its H-chunks copied to its rows, BLOCK_K rows per
+    2-D store. Rows outside [0, N) are skipped; NaN once the status is set."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    valid_e = offs_e < E
+    poisoned = _poisoned(status_ptr)
+    routed = tl.load(map_ptr + t * stride_mt + offs_e * stride_me, mask=valid_e, other=0).to(tl.int32)
+    n = tl.sum(routed, axis=0)
+    tile = t // TILE_T
+    offs_u = tile * TILE_T + tl.arange(0, TILE_T)
+    earlier = tl.load(map_ptr + offs_u[:, None] * stride_mt + offs_e[None, :] * stride_me,
+                      mask=(offs_u[:, None] < t) & valid_e[None, :], other=0).to(tl.int32)
+    rows_e = (tl.load(chunk_base_ptr + (t // CHUNK_T) * E + offs_e, mask=valid_e, other=0)
+              + tl.load(tile_prefix_ptr + tile * E + offs_e, mask=valid_e, other=0) + tl.sum(earlier, axis=0))
+    slot_e = tl.cumsum(routed, axis=0) - 1
+    hit = valid_e & (routed != 0)
+    unused = valid_e & (offs_e >= n)
+    slot_row = slots_ptr + t * (2 * E + 1)
+    tl.store(slot_row + tl.arange(0, 1), n + tl.zeros([1], tl.int32))
+    tl.store(slot_row + 1 + offs_e, tl.full([BLOCK_E], -1, tl.int32), mask=unused)
+    tl.store(slot_row + 1 + E + offs_e, tl.full([BLOCK_E], -1, tl.int32), mask=unused)
+    tl.store(slot_row + 1 + slot_e, rows_e.to(tl.int32), mask=hit)
+    tl.store(slot_row + 1 + E + slot_e, offs_e, mask=hit)
+    offs_k = tl.arange(0, BLOCK_K)
+    for j0 in range(0, n, BLOCK_K):
+        sel = hit[None, :] & (slot_e[None, :] == (j0 + offs_k)[:, None])
+        rows = tl.sum(tl.where(sel, rows_e[None, :], 0), axis=1)
+        mask_k = (j0 + offs_k < n) & (rows >= 0) & (rows < N)
+        if HAS_PROBS:
+            e = tl.sum(tl.where(sel, offs_e[None, :], 0), axis=1)
+            p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=mask_k)
+            tl.store(out_probs_ptr + rows, tl.where(poisoned, float("nan"), p), mask=mask_k)
+        for c in range(0, tl.cdiv(H, BLOCK_H)):
+            offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < H
+            x = tl.load(tokens_ptr + t * stride_tt + offs_h * stride_th, mask=mask_h)
+            x = tl.where(poisoned, float("nan"), x.to(tl.float32)).to(x.dtype)
+            tl.store(out_ptr + rows[:, None] * H + offs_h[None, :], tl.broadcast_to(x[None, :], (BLOCK_K, BLOCK_H)),
+                     mask=mask_k[:, None] & mask_h[None, :], cache_modifier=STORE_CM)
+
+
+def permute_planned(tokens: torch.Tensor, routing_map: torch.Tensor, plan: tuple, probs: torch.Tensor | None,
+                    num_out: int, zero_fill: bool,
+                    block: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launcher of the fused route's copy. tokens [T, H], routing_map [T, E], probs [T, E] ->
+    (out [num_out, H], out_probs [num_out] or [0], slots int32 [T, 2E + 1])."""
+    T, H = tokens.shape
+    E = routing_map.shape[1]
+    tile_prefix, chunk_base, chunk_t, tile_t = plan
+    alloc = torch.zeros if zero_fill else torch.empty
+    out = alloc((num_out, H), dtype=tokens.dtype, device=tokens.device)
+    out_probs = (alloc((num_out,), dtype=probs.dtype, device=tokens.device) if probs is not None
+                 else torch.empty(0, dtype=torch.float32, device=tokens.device))
+    slots = torch.empty((T, 2 * E + 1), dtype=torch.int32, device=tokens.device)
+    if T == 0:
+        return out, out_probs, slots
+    bh = block or block_h(max(H, 1))  # a copy: the block size does not change any value
+    routed = routing_map.view(torch.uint8)
+    p, *p_strides = _probs_args(probs, out_probs)
+    _permute_map_kernel[(T,)](
+        tokens, routed, p, tile_prefix, chunk_base, out, out_probs, slots, guard.status(tokens.device),
+        T, H, E, num_out, tokens.stride(0), tokens.stride(1), routed.stride(0), routed.stride(1), *p_strides,
+        CHUNK_T=chunk_t, TILE_T=tile_t, BLOCK_E=triton.next_power_of_2(E), BLOCK_H=bh,
+        BLOCK_K=LAUNCH["rows_per_store"], HAS_PROBS=probs is not None, STORE_CM=LAUNCH["permute_store_cache"],
+        num_warps=LAUNCH["warps"] or _num_warps(bh), **_launch_opts())
+    return out, out_probs, slots
+
+
 @triton.jit
 def _permute_bwd_kernel(
-    grad_ptr, slots_ptr, grad_probs_ptr, grad_tokens_ptr, grad_token_probs_ptr,
-    T, H, E, stride_gn, stride_gh,
+    grad_ptr, slots_ptr, grad_probs_ptr, grad_tokens_ptr, grad_token_probs_ptr, status_ptr,
+    T, H, E, N, stride_gn, stride_gh,
     HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
 ):
     t, pid_h, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
+    poisoned = _poisoned(status_ptr)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in range(0, n):
         row = tl.load(slot_row + 1 + j).to(tl.int64)
-        acc += tl.load(grad_ptr + row * stride_gn + offs_h * stride_gh, mask=mask_h, other=0.0).to(tl.float32)
+        acc += tl.load(grad_ptr + row * stride_gn + offs_h * stride_gh, mask=offs_h < _row_in(row, N, H),
+                       other=0.0).to(tl.float32)
         if HAS_PROBS:
             if pid_h == 0:
                 e = tl.load(slot_row + 1 + E + j)
-                tl.store(grad_token_probs_ptr + t * E + e, tl.load(grad_probs_ptr + row))
+                ok = (row >= 0) & (row < N) & (e >= 0) & (e < E)
+                g = tl.load(grad_probs_ptr + row, mask=ok, other=0.0)
+                tl.store(grad_token_probs_ptr + t * E + e, tl.where(poisoned, float("nan"), g), mask=ok)
+    acc = tl.where(poisoned, float("nan"), acc)
     tl.store(grad_tokens_ptr + t * H + offs_h, acc.to(grad_tokens_ptr.dtype.element_ty), mask=mask_h)
 
 
@@ -265,7 +594,7 @@ def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: t
     """Launcher. grad [N, H], grad_probs [N] -> (grad_tokens [T, H], grad_token_probs [T, E] or [0])."""
     T = slots.shape[0]
     E = (slots.shape[1] - 1) // 2
-    H = grad.shape[1]
+    N, H = grad.shape
     grad_tokens = torch.empty((T, H), dtype=grad.dtype, device=grad.device)
     if grad_probs is None:
         grad_token_probs = torch.empty(0, dtype=probs_dtype, device=grad.device)
@@ -276,7 +605,8 @@ def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: t
     bh = block or block_h(H)  # sums over a token's rows per element: the block size changes no value
     gp = grad_probs.to(probs_dtype).contiguous() if grad_probs is not None else grad_token_probs
     _permute_bwd_kernel[_row_grid(T, H, bh)](
-        grad, slots, gp, grad_tokens, grad_token_probs, T, H, E, grad.stride(0), grad.stride(1),
+        grad, slots, gp, grad_tokens, grad_token_probs, guard.status(grad.device), T, H, E, N,
+        grad.stride(0), grad.stride(1),
         HAS_PROBS=grad_probs is not None, BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"],
         num_warps=_num_warps(bh), **_launch_opts())
     return grad_tokens, grad_token_probs
@@ -287,32 +617,49 @@ def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: t
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _unpermute_kernel(
-    rows_ptr, slots_ptr, probs_ptr, out_ptr,
-    T, H, E, stride_rn, stride_rh, stride_pt, stride_pe,
+    rows_ptr, slots_ptr, probs_ptr, out_ptr, status_ptr,
+    T, H, E, N, stride_rn, stride_rh, stride_pt, stride_pe,
     HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
+    BLOCK_E: tl.constexpr, PROBS_WORD: tl.constexpr, FMA: tl.constexpr,
 ):
+    """Program (t, c): out[t, chunk c] (FMA: torch_twin.NUMERICS["unpermute_fma"]). With probs, the
+    programs of chunk 0 also check token t's whole probs row and set the status word PROBS_WORD on
+    a NaN or inf (a plain store of 1)."""
     t, pid_h, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
     acc_ty = tl.float64 if ACC_FP64 else tl.float32
     acc = tl.zeros([BLOCK_H], dtype=acc_ty)
+    if HAS_PROBS:
+        if pid_h == 0:
+            offs_e = tl.arange(0, BLOCK_E)
+            row_p = tl.load(probs_ptr + t * stride_pt + offs_e * stride_pe, mask=offs_e < E, other=0.0)
+            nonfinite = tl.max(tl.where(tl.abs(row_p) < float("inf"), 0, 1), axis=0)
+            flag = tl.arange(0, 1)
+            tl.store(status_ptr + PROBS_WORD + flag, flag + 1, mask=(flag + nonfinite) > 0)
     for j in range(0, n):
         row = tl.load(slot_row + 1 + j).to(tl.int64)
-        y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_h, other=0.0).to(acc_ty)
+        y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=offs_h < _row_in(row, N, H),
+                    other=0.0).to(acc_ty)
         if HAS_PROBS:
             e = tl.load(slot_row + 1 + E + j)
-            p = tl.load(probs_ptr + t * stride_pt + e * stride_pe).to(acc_ty)
-            acc += p * y
+            p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=(e >= 0) & (e < E), other=0.0).to(acc_ty)
+            if FMA:
+                acc = tl.fma(tl.broadcast_to(p, (BLOCK_H,)), y, acc)
+            else:
+                acc += p * y
         else:
             acc += y
     # fp64 results go through fp32 as torch's own fp64 -> half conversion does (same on CPU and GPU).
-    tl.store(out_ptr + t * H + offs_h, acc.to(tl.float32).to(out_ptr.dtype.element_ty), mask=mask_h)
+    out = tl.where(_poisoned(status_ptr), float("nan"), acc.to(tl.float32))
+    tl.store(out_ptr + t * H + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
 def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None,
                    block: int | None = None) -> torch.Tensor:
-    """Launcher. rows [N, H], probs [T, E] -> out [T, H] in rows.dtype."""
+    """Launcher. rows [N, H], probs [T, E] -> out [T, H] in rows.dtype. On CPU (the interpreter),
+    NaN or inf in probs raises at once; on CUDA it sets the status (guard.py)."""
     T = slots.shape[0]
     E = (slots.shape[1] - 1) // 2
-    H = rows.shape[1]
+    N, H = rows.shape
     out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
     if T == 0 or H == 0:
         return out
@@ -320,57 +667,72 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
     # 2-4% faster than 1024 on H200 (scripts/tune_ops.py; BENCHMARKS.md).
     bh = block or max(16, min(2048, triton.next_power_of_2(H)))
     p, *p_strides = _probs_args(probs, out)
+    status = guard.status(rows.device)
     _unpermute_kernel[_row_grid(T, H, bh)](
-        rows, slots, p, out, T, H, E, rows.stride(0), rows.stride(1), *p_strides,
+        rows, slots, p, out, status, T, H, E, N, rows.stride(0), rows.stride(1), *p_strides,
         HAS_PROBS=probs is not None, ACC_FP64=probs is not None and probs.dtype == torch.float64,
-        BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], num_warps=LAUNCH["warps"] or 4, **_launch_opts())
+        BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], BLOCK_E=triton.next_power_of_2(E),
+        PROBS_WORD=guard.PROBS_UNPERMUTE,
+        FMA=probs is not None and probs.dtype == torch.float32 and NUMERICS["unpermute_fma"],
+        num_warps=LAUNCH["warps"] or 4, **_launch_opts())
+    if probs is not None and rows.device.type == "cpu":
+        words = status.tolist()
+        guard.fail(guard.problems([], 0, words, None, None), rows.device)
     return out
 
 
 @triton.jit
 def _unpermute_bwd_kernel(
-    grad_ptr, rows_ptr, slots_ptr, probs_ptr, grad_rows_ptr, partial_ptr,
-    T, H, E, max_slots, num_chunks, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
+    grad_ptr, rows_ptr, slots_ptr, probs_ptr, grad_rows_ptr, partial_ptr, status_ptr,
+    T, H, E, N, max_slots, num_chunks, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
     HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
 ):
     """Program (t, c): rows' gradient g * p over H-chunk c, and the chunk's partial dot
-    <y_row, g> per slot into partial[t, j, c] (summed in chunk order by _probs_grad_kernel).
+    <y_row, g> per slot into partial[t, j, c] (summed in chunk order by _probs_grad_kernel);
+    slots j >= max_slots have no partial (their token's probs gradient is NaN there).
 
     The in-chunk sum is tl.sum: its order is fixed for a compiled kernel (so results are
     deterministic and independent of T and of other tokens) but it is not the twin's order, so
     the probability gradient matches the twin within rounding, not bitwise. A halving tree that
     the twin could reproduce cost 8x the memory floor here."""
     t, c, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
+    poisoned = _poisoned(status_ptr)
     acc_ty = tl.float64 if ACC_FP64 else tl.float32
     g = tl.load(grad_ptr + t * stride_gt + offs_h * stride_gh, mask=mask_h, other=0.0)
+    g = tl.where(poisoned, float("nan"), g.to(tl.float32)).to(g.dtype)
     for j in range(0, n):
         row = tl.load(slot_row + 1 + j).to(tl.int64)
+        mask_row = offs_h < _row_in(row, N, H)
         if HAS_PROBS:
             e = tl.load(slot_row + 1 + E + j)
-            p = tl.load(probs_ptr + t * stride_pt + e * stride_pe).to(acc_ty)
+            p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=(e >= 0) & (e < E), other=0.0).to(acc_ty)
             g_acc = g.to(acc_ty)
-            y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_h, other=0.0).to(acc_ty)
+            y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_row, other=0.0).to(acc_ty)
             tl.store(grad_rows_ptr + row * H + offs_h, (g_acc * p).to(tl.float32).to(grad_rows_ptr.dtype.element_ty),
-                     mask=mask_h)
-            tl.store(partial_ptr + (t * max_slots + j) * num_chunks + c, tl.sum(y * g_acc, axis=0))
+                     mask=mask_row)
+            at = tl.arange(0, 1)
+            tl.store(partial_ptr + (t * max_slots + j) * num_chunks + c + at,
+                     tl.sum(y * g_acc, axis=0) + tl.zeros([1], acc_ty), mask=(at + j) < max_slots)
         else:
-            tl.store(grad_rows_ptr + row * H + offs_h, g.to(grad_rows_ptr.dtype.element_ty), mask=mask_h)
+            tl.store(grad_rows_ptr + row * H + offs_h, g.to(grad_rows_ptr.dtype.element_ty), mask=mask_row)
 
 
 @triton.jit
-def _probs_grad_kernel(partial_ptr, slots_ptr, grad_probs_ptr, E, max_slots, num_chunks,
+def _probs_grad_kernel(partial_ptr, slots_ptr, grad_probs_ptr, status_ptr, E, max_slots, num_chunks,
                        BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
     """grad_probs[t, e_j] = sum over chunks c, in order, of partial[t, j, c]; 0 for the experts t
-    is not routed to. Writes the whole dense row (no separate zero-fill pass over [T, E])."""
+    is not routed to. Writes the whole dense row (no separate zero-fill pass over [T, E]). A token
+    with more than max_slots experts (a max_experts_per_token too small) gets a NaN row."""
     t = tl.program_id(0).to(tl.int64)
     slot_row = slots_ptr + t * (2 * E + 1)
-    n = tl.load(slot_row)
+    n = tl.minimum(tl.maximum(tl.load(slot_row), 0), E)
     offs_j = tl.arange(0, BLOCK_J)
-    mask_j = offs_j < n
+    mask_j = (offs_j < n) & (offs_j < max_slots)
     acc = tl.zeros([BLOCK_J], dtype=partial_ptr.dtype.element_ty)
     for c in range(0, num_chunks):
         acc += tl.load(partial_ptr + (t * max_slots + offs_j) * num_chunks + c, mask=mask_j, other=0.0)
-    e = tl.load(slot_row + 1 + E + offs_j, mask=mask_j, other=-1)
+    e = tl.load(slot_row + 1 + E + offs_j, mask=offs_j < n, other=-1)
+    bad = _poisoned(status_ptr) | (n > max_slots)
     for e0 in range(0, E, BLOCK_E):
         offs_e = e0 + tl.arange(0, BLOCK_E)
         # Each expert id appears at most once among a token's slots: a select (x + 0s; only the
@@ -379,7 +741,59 @@ def _probs_grad_kernel(partial_ptr, slots_ptr, grad_probs_ptr, E, max_slots, num
         picked = tl.max(tl.where(hit, 1, 0), axis=0) > 0
         value = tl.sum(tl.where(hit, acc[:, None], 0.0), axis=0)
         value = tl.where(picked, value, 0.0)
+        value = tl.where(bad, float("nan"), value)
         tl.store(grad_probs_ptr + t * E + offs_e, value.to(grad_probs_ptr.dtype.element_ty), mask=offs_e < E)
+
+
+@triton.jit
+def _unpermute_bwd_token_kernel(
+    grad_ptr, rows_ptr, slots_ptr, probs_ptr, grad_rows_ptr, grad_probs_ptr, status_ptr,
+    T, H, E, N, max_slots, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
+    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """LAUNCH["unpermute_bwd_per_token"]: one program per token walks its H-chunks in order, so the
+    per-slot dots stay in registers and the probs gradient is written here (no partial buffer, no
+    second launch). Same arithmetic in the same order as _unpermute_bwd_kernel followed by
+    _probs_grad_kernel (per chunk the same tl.sum over BLOCK_H, chunk sums added in chunk order
+    starting from 0), hence the same bits."""
+    t = tl.program_id(0).to(tl.int64)
+    slot_row = slots_ptr + t * (2 * E + 1)
+    n = tl.minimum(tl.maximum(tl.load(slot_row), 0), E)
+    poisoned = _poisoned(status_ptr)
+    acc_ty = tl.float64 if ACC_FP64 else tl.float32
+    offs_j = tl.arange(0, BLOCK_J)
+    dots = tl.zeros([BLOCK_J], dtype=acc_ty)
+    for c in range(0, tl.cdiv(H, BLOCK_H)):
+        offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        g = tl.load(grad_ptr + t * stride_gt + offs_h * stride_gh, mask=mask_h, other=0.0)
+        g = tl.where(poisoned, float("nan"), g.to(tl.float32)).to(g.dtype)
+        for j in range(0, n):
+            row = tl.load(slot_row + 1 + j).to(tl.int64)
+            mask_row = offs_h < _row_in(row, N, H)
+            if HAS_PROBS:
+                e = tl.load(slot_row + 1 + E + j)
+                p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=(e >= 0) & (e < E),
+                            other=0.0).to(acc_ty)
+                g_acc = g.to(acc_ty)
+                y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_row, other=0.0).to(acc_ty)
+                tl.store(grad_rows_ptr + row * H + offs_h,
+                         (g_acc * p).to(tl.float32).to(grad_rows_ptr.dtype.element_ty), mask=mask_row)
+                dots = tl.where(offs_j == j, dots + tl.sum(y * g_acc, axis=0), dots)
+            else:
+                tl.store(grad_rows_ptr + row * H + offs_h, g.to(grad_rows_ptr.dtype.element_ty), mask=mask_row)
+    if HAS_PROBS:
+        e = tl.load(slot_row + 1 + E + offs_j, mask=offs_j < n, other=-1)
+        bad = poisoned | (n > max_slots)
+        for e0 in range(0, E, BLOCK_E):
+            offs_e = e0 + tl.arange(0, BLOCK_E)
+            hit = e[:, None] == offs_e[None, :]
+            picked = tl.max(tl.where(hit, 1, 0), axis=0) > 0
+            value = tl.sum(tl.where(hit, dots[:, None], 0.0), axis=0)
+            value = tl.where(picked, value, 0.0)
+            value = tl.where(bad, float("nan"), value)
+            tl.store(grad_probs_ptr + t * E + offs_e, value.to(grad_probs_ptr.dtype.element_ty), mask=offs_e < E)
 
 
 def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
@@ -401,44 +815,54 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
         return grad_rows, grad_probs.zero_()
     bh = block_h(H)
     num_chunks = triton.cdiv(H, bh)
-    max_slots = max(1, min(max_slots, E))
+    max_slots = max_slots_bound(max_slots, E)
     acc_dtype = torch.float64 if probs is not None and probs.dtype == torch.float64 else torch.float32
+    p, *p_strides = _probs_args(probs, grad_probs)
+    status = guard.status(rows.device)
+    if LAUNCH["unpermute_bwd_per_token"]:
+        _unpermute_bwd_token_kernel[(T,)](
+            grad, rows, slots, p, grad_rows, grad_probs, status, T, H, E, N, max_slots,
+            grad.stride(0), grad.stride(1), rows.stride(0), rows.stride(1), *p_strides,
+            HAS_PROBS=probs is not None, ACC_FP64=acc_dtype == torch.float64, BLOCK_H=bh,
+            BLOCK_J=triton.next_power_of_2(max_slots), BLOCK_E=min(256, triton.next_power_of_2(E)),
+            num_warps=_num_warps(bh), **_launch_opts())
+        return grad_rows, grad_probs
     partial = torch.empty((T, max_slots, num_chunks) if probs is not None else (0,), dtype=acc_dtype,
                           device=rows.device)
-    p, *p_strides = _probs_args(probs, grad_probs)
     _unpermute_bwd_kernel[_row_grid(T, H, bh)](
-        grad, rows, slots, p, grad_rows, partial, T, H, E, max_slots, num_chunks, grad.stride(0), grad.stride(1),
-        rows.stride(0), rows.stride(1), *p_strides,
+        grad, rows, slots, p, grad_rows, partial, status, T, H, E, N, max_slots, num_chunks,
+        grad.stride(0), grad.stride(1), rows.stride(0), rows.stride(1), *p_strides,
         HAS_PROBS=probs is not None, ACC_FP64=acc_dtype == torch.float64,
         BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], num_warps=_num_warps(bh), **_launch_opts())
     if probs is not None:
-        _probs_grad_kernel[(T,)](partial, slots, grad_probs, E, max_slots, num_chunks,
+        _probs_grad_kernel[(T,)](partial, slots, grad_probs, status, E, max_slots, num_chunks,
                                  BLOCK_J=triton.next_power_of_2(max_slots),
                                  BLOCK_E=min(256, triton.next_power_of_2(E)), **_launch_opts())
     return grad_rows, grad_probs
 
 
 # --------------------------------------------------------------------------------------------
-# Row gather, for sort_chunks: out[r] = x[index[r]].
+# Row gather, for sort_chunks: out[r] = x[index[r]] (an index outside [0, N) reads nothing).
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, M, H, stride_xn, stride_xh, BLOCK_H: tl.constexpr,
+def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, M, N, H, stride_xn, stride_xh, BLOCK_H: tl.constexpr,
                         TOKEN_MAJOR: tl.constexpr):
     r, c = _token_and_chunk(M, H, BLOCK_H, TOKEN_MAJOR)
     offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     src = tl.load(index_ptr + r).to(tl.int64)
-    tl.store(out_ptr + r * H + offs_h, tl.load(x_ptr + src * stride_xn + offs_h * stride_xh, mask=mask_h), mask=mask_h)
+    x = tl.load(x_ptr + src * stride_xn + offs_h * stride_xh, mask=offs_h < _row_in(src, N, H), other=0.0)
+    tl.store(out_ptr + r * H + offs_h, x, mask=mask_h)
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """Launcher. x [N, H], index [M] int64 -> x[index] [M, H]."""
     M = index.shape[0]
-    H = x.shape[1]
+    N, H = x.shape
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     if M == 0 or H == 0:
         return out
     bh = block or block_h(H)  # a copy: the block size does not change any value
-    _gather_rows_kernel[_row_grid(M, H, bh)](x, index, out, M, H, x.stride(0), x.stride(1), BLOCK_H=bh,
+    _gather_rows_kernel[_row_grid(M, H, bh)](x, index, out, M, N, H, x.stride(0), x.stride(1), BLOCK_H=bh,
                                              TOKEN_MAJOR=LAUNCH["token_major"], num_warps=_num_warps(bh))
     return out

@@ -150,11 +150,15 @@ def _ulp_close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool((diff <= 2 * half_ulp(torch.maximum(a.double().abs(), b.double().abs()), dtype)).all())
 
 
-@pytest.mark.parametrize("token_major,warps,rows_per_store,store_cache,map_tiling",
-                         [(True, 2, 1, "", (2, 4, 2)), (False, 1, 2, ".wb", (64, 1, 1))])
-def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_per_store, store_cache, map_tiling):
-    """The launch knobs (program order, warps, store cache hint, the map's chunking, and the block
-    size of the kernels whose sums run per element) are free to tune: the interpreted kernels give
+@pytest.mark.parametrize("token_major,warps,rows_per_store,store_cache,map_tiling,routes",
+                         [(True, 2, 1, "", (2, 4, 2), (False, False, 16)),
+                          (False, 1, 2, ".wb", (64, 1, 1), (True, True, 4)),
+                          (False, 4, 8, ".cs", (3, None, None), (True, True, 16))])
+def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_per_store, store_cache, map_tiling,
+                                        routes):
+    """The launch knobs (program order, warps, store cache hint, the map's chunking, the block
+    size of the kernels whose sums run per element, and the alternative routes: the unpermute
+    backward per token, permute fused with its map) are free to tune: the interpreted kernels give
     the same bits with any of them."""
     from moe_dispatch.ops import triton_kernels as K
 
@@ -169,6 +173,8 @@ def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_pe
         monkeypatch.setitem(K.LAUNCH, "permute_store_cache", store_cache)
         for key, value in zip(("map_chunks", "map_block_t", "map_warps"), map_tiling):
             monkeypatch.setitem(K.LAUNCH, key, value)  # 23 tokens: 2 chunks of 12, or 23 chunks of 1
+        for key, value in zip(("unpermute_bwd_per_token", "permute_fused_map", "fused_prefix_t"), routes):
+            monkeypatch.setitem(K.LAUNCH, key, value)
         tuned = _run(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs)
         slots, N = reference["row_id_map"].slots, reference["permuted"].shape[0]
         for block in (16, 32):
@@ -185,7 +191,8 @@ def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_pe
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("probs_dtype,pad_multiple", [(torch.float32, 1), (torch.float64, 1), (torch.float32, 4)])
-def test_triton_interpreter_matches_torch_twin(dtype, probs_dtype, pad_multiple):
+@pytest.mark.parametrize("routes", [False, True], ids=["default", "alt_routes"])
+def test_triton_interpreter_matches_torch_twin(monkeypatch, dtype, probs_dtype, pad_multiple, routes):
     routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(23, 8, 3, 40, dtype, probs_dtype, seed=5,
                                                                        pad_multiple=pad_multiple)
     routing_map[4] = False  # a token routed nowhere
@@ -194,6 +201,11 @@ def test_triton_interpreter_matches_torch_twin(dtype, probs_dtype, pad_multiple)
     counts, padded = expert_row_counts(routing_map, pad_multiple)
     N = int(padded.sum())
     y, g_perm, g_perm_probs = y[:N], g_perm[:N], g_perm_probs[:N]
+    if routes:
+        from moe_dispatch.ops import triton_kernels as K
+        monkeypatch.setitem(K.LAUNCH, "unpermute_bwd_per_token", True)
+        monkeypatch.setitem(K.LAUNCH, "permute_fused_map", True)
+        monkeypatch.setitem(K.LAUNCH, "map_chunks", 3)
     a, b = _both_backends(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs, pad_multiple=pad_multiple)
     for key in ["slots", "permuted", "permuted_probs"]:
         assert torch.equal(a[key], b[key]), key
@@ -481,10 +493,15 @@ def test_cuda_int64_offsets():
     for j in range(int(last[0])):
         assert torch.equal(permuted[int(last[1 + j])], tokens[-1])
     out = unpermute(permuted, rmap, probs)
-    # Same fixed order (ascending expert, multiply then add in fp32): bitwise.
+    # Same fixed order (ascending expert, multiply then add in fp32, or fused): bitwise.
+    from moe_dispatch.ops import torch_twin as TW
     acc = torch.zeros((64, H), device="cuda")
     for e in range(E):
-        acc = acc + probs[-64:, e:e + 1] * tokens[-64:].float()
+        routed = routing_map[-64:, e:e + 1]
+        if TW.NUMERICS["unpermute_fma"]:
+            acc = torch.where(routed, TW.fma32(probs[-64:, e:e + 1], tokens[-64:].float(), acc), acc)
+        else:
+            acc = acc + probs[-64:, e:e + 1] * tokens[-64:].float()
     assert torch.equal(out[-64:], acc.to(torch.bfloat16))
     del permuted, out
     torch.cuda.empty_cache()
@@ -497,3 +514,26 @@ def test_triton_interpreter_many_experts_per_token_and_several_h_chunks():
     for key in ["slots", "permuted", "permuted_probs", "out", "grad_tokens", "grad_rows"]:
         assert torch.equal(a[key], b[key]), key
     _probs_grad_close(a["grad_probs"], b["grad_probs"], y, g_out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K,H", [(2048, 64, 6, 1000), (1000, 256, 8, 2100), (4096, 16, 4, 2048)])
+def test_cuda_alternative_routes_are_bitwise_equal(monkeypatch, T, E, K, H):
+    """LAUNCH's alternative routes on CUDA (permute fused with its map: the last-arriving program's
+    scan; the unpermute backward per token) give the default routes' bits, with and without counts."""
+    from moe_dispatch.ops import triton_kernels as KT
+
+    routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(T, E, K, H, torch.bfloat16, seed=8,
+                                                                       pad_multiple=8)
+    args = [a.cuda() for a in (tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs)]
+    counts = routing_map.sum(0).tolist()
+    base = _run(*args, pad_multiple=8)
+    for chunks in (128, 7):
+        monkeypatch.setitem(KT.LAUNCH, "map_chunks", chunks)
+        monkeypatch.setitem(KT.LAUNCH, "permute_fused_map", True)
+        monkeypatch.setitem(KT.LAUNCH, "unpermute_bwd_per_token", True)
+        for kw in ({}, {"tokens_per_expert": counts, "max_experts_per_token": K}):
+            alt = _run(*args, pad_multiple=8, **kw)
+            for key in ["slots", "permuted", "permuted_probs", "out", "grad_tokens", "grad_rows", "grad_probs"]:
+                assert torch.equal(base[key], alt[key]), (chunks, kw, key)
+    assert int(KT._ticket(torch.device("cuda", torch.cuda.current_device()))) == 0

@@ -1,0 +1,83 @@
+"""Compile every Triton kernel of moe_dispatch.ops for sm_90 (H100/H200) without a GPU: the real
+compiler path (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the bundled ptxas), which the CPU
+interpreter skips. Run as a script with TRITON_INTERPRET unset; prints one line per kernel variant
+and exits 1 on the first failure (tests/ops/test_compile.py runs it)."""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from moe_dispatch.ops import triton_kernels as K  # noqa: E402
+
+POINTERS = {
+    "map_ptr": "*u8", "probs_ptr": "*fp32", "tokens_ptr": "*bf16", "slots_ptr": "*i32", "stats_ptr": "*i64",
+    "status_ptr": "*i32", "counts_ptr": "*i32", "chunk_max_ptr": "*i32", "chunk_counts_ptr": "*i32",
+    "chunk_base_ptr": "*i64", "tile_prefix_ptr": "*i32", "ticket_ptr": "*i32", "out_ptr": "*bf16",
+    "out_probs_ptr": "*fp32", "grad_ptr": "*bf16", "grad_probs_ptr": "*fp32", "grad_tokens_ptr": "*bf16",
+    "grad_token_probs_ptr": "*fp32", "rows_ptr": "*bf16", "grad_rows_ptr": "*bf16", "partial_ptr": "*fp32",
+    "x_ptr": "*bf16", "index_ptr": "*i64",
+}
+WIDE = {"given_hash": "i64"}
+
+
+def variants():
+    """(kernel, constexprs, pointer overrides) covering each constexpr branch."""
+    common = dict(CHUNK_T=256, BLOCK_E=64, PROBS_WORD=1, SIZES_WORD=0)
+    yield K._chunk_counts_kernel, dict(CHUNK_T=256, BLOCK_T=64, BLOCK_E=64, CHECK_PROBS=True, PROBS_WORD=1), {}
+    for snap, check in ((False, False), (True, True)):
+        yield K._slots_kernel, dict(common, BLOCK_T=64, BLOCK_C=32, SNAPSHOT=snap, CHECK_SIZES=check), {}
+    yield K._count_scan_kernel, dict(common, TILE_T=16, BLOCK_C=32, CHECK_PROBS=True, CHECK_SIZES=True), {}
+    yield K._count_scan_kernel, dict(common, TILE_T=16, BLOCK_C=32, CHECK_PROBS=False, CHECK_SIZES=False), {}
+    for has_probs in (True, False):
+        yield K._permute_kernel, dict(HAS_PROBS=has_probs, BLOCK_H=1024, TOKEN_MAJOR=False, BLOCK_K=8,
+                                      STORE_CM=".cs"), {}
+        yield K._permute_map_kernel, dict(CHUNK_T=256, TILE_T=16, BLOCK_E=256, BLOCK_H=1024, BLOCK_K=8,
+                                          HAS_PROBS=has_probs, STORE_CM=".cs"), {}
+        yield K._permute_bwd_kernel, dict(HAS_PROBS=has_probs, BLOCK_H=1024, TOKEN_MAJOR=True), {}
+    for has_probs, fp64, fma in ((True, False, False), (True, False, True), (True, True, False), (False, False, False)):
+        probs = {"probs_ptr": "*fp64", "partial_ptr": "*fp64", "grad_probs_ptr": "*fp64"} if fp64 else {}
+        yield K._unpermute_kernel, dict(HAS_PROBS=has_probs, ACC_FP64=fp64, BLOCK_H=2048, TOKEN_MAJOR=False,
+                                        BLOCK_E=64, PROBS_WORD=2, FMA=fma), probs
+        if fma:
+            continue
+        yield K._unpermute_bwd_kernel, dict(HAS_PROBS=has_probs, ACC_FP64=fp64, BLOCK_H=1024,
+                                            TOKEN_MAJOR=False), probs
+        yield K._unpermute_bwd_token_kernel, dict(HAS_PROBS=has_probs, ACC_FP64=fp64, BLOCK_H=1024, BLOCK_J=8,
+                                                  BLOCK_E=64), probs
+    yield K._probs_grad_kernel, dict(BLOCK_J=8, BLOCK_E=64), {}
+    yield K._gather_rows_kernel, dict(BLOCK_H=1024, TOKEN_MAJOR=False), {}
+
+
+def main() -> int:
+    target = GPUTarget("cuda", 90, 32)
+    for kernel, constexprs, overrides in variants():
+        signature = {}
+        for name in kernel.arg_names:
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                signature[name] = overrides.get(name, POINTERS[name])
+            else:
+                signature[name] = WIDE.get(name, "i32")
+        constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
+        what = f"{kernel.fn.__name__} {constexprs}"
+        try:
+            triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
+                           options={"enable_fp_fusion": False})
+        except Exception:
+            print(f"FAIL {what}", flush=True)
+            traceback.print_exc()
+            return 1
+        print(f"ok   {what}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
