@@ -9,8 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_dispatch.ops import RowIdMap, check_device_errors, permute, set_backend, unpermute
-from moe_dispatch.ops import guard
+from moe_dispatch.ops import RowIdMap, check_device_errors, guard, permute, set_backend, unpermute
 from moe_dispatch.ops import torch_twin as TW
 from moe_dispatch.ops.triton_kernels import _expert_weights
 from tests.ops.oracle import random_routing
