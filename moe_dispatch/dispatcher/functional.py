@@ -317,7 +317,7 @@ def _reuse(previous: DispatchHandle, hidden: Any, routing_map: Any, probs: Any,
 
     Host checks: shapes, dtypes and device equal to the first dispatch's (at EP 1 a mismatch
     raises; at EP > 1 it is latched, like a differing routing). Device check: routing_map equals
-    the handle's, elementwise; if not, the probs become NaN (so every output of the step is NaN)
+    the handle's, elementwise; if not, the tokens become NaN (so every output of the step is NaN)
     and the next size exchange on the group raises on every rank."""
     plan = previous.plan
     T, E = plan.routing_map.shape
@@ -333,12 +333,15 @@ def _reuse(previous: DispatchHandle, hidden: Any, routing_map: Any, probs: Any,
                              f"[T, H] = [{T}, {H}] {plan.hidden_dtype}, [T, E] = [{T}, {E}] bool and float, on "
                              f"{plan.routing_map.device}")
         latch_error(plan.group, 101, device=plan.routing_map.device)
-        nan = torch.full((T, E), float("nan"), dtype=plan.probs_dtype, device=plan.routing_map.device)
-        return torch.zeros((T, H), dtype=plan.hidden_dtype, device=nan.device), nan
+        device = plan.routing_map.device
+        nan = torch.full((T, H), float("nan"), dtype=plan.hidden_dtype, device=device)
+        return nan, torch.zeros((T, E), dtype=plan.probs_dtype, device=device)
     mismatch = (routing_map != plan.routing_map).any()
     latch_error(plan.group, mismatch.long() * 101)
-    wire = probs.to(plan.probs_dtype)
-    return hidden.reshape(T, H), torch.where(mismatch, float("nan"), wire)
+    # The tokens carry the poison, not the probs: the ops reject non-finite probs themselves.
+    x = hidden.reshape(T, H)
+    return torch.where(mismatch, torch.full((), float("nan"), dtype=x.dtype, device=x.device), x), probs.to(
+        plan.probs_dtype)
 
 
 def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, config: Any,
