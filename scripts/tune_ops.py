@@ -115,7 +115,7 @@ def sweep_routes(T: int, E: int, H: int, K: int, bw: float) -> None:
         "permute incl. map, fused route": (
             (T * H + N * H) * b + T * E * 5 + N * 4,
             lambda: permute(tokens, routing_map, probs, tokens_per_expert=counts, max_experts_per_token=K),
-            {"permute_fused_map": [True]}, itertools.product([8, 16, 32], [64, 128, 256], [4, 8], [None, 4, 8]),
+            {"permute_fused_map": [True]}, itertools.product([4, 8, 16, 32], [64, 128, 256], [4, 8], [None, 4, 8]),
             ("fused_prefix_t", "map_chunks", "rows_per_store", "warps")),
         "unpermute bwd, per-token route": (
             (T * H + 2 * N * H) * b + 2 * T * E * 4,

@@ -101,7 +101,7 @@ def probs_message(op: str) -> str:
             f"(negative values are accepted)")
 
 
-def fail(found: list[str], device: Optional[torch.device] = None) -> None:
+def fail(found: list[str]) -> None:
     """Raise the ValueError for ``found`` (if any), after clearing the status and queued checks."""
     if not found:
         return
@@ -112,12 +112,11 @@ def fail(found: list[str], device: Optional[torch.device] = None) -> None:
 
 
 def check_snapshot(snapshot: Sequence[int], num_experts: int, given_counts: Optional[Sequence[int]],
-                   given_max: Optional[int], device: torch.device) -> None:
+                   given_max: Optional[int]) -> None:
     """Raise for a host copy of make_slots' stats buffer: [E] counts, the most experts of a token,
     then the STATUS_WORDS status words."""
     E = num_experts
-    fail(problems(snapshot[:E], snapshot[E], snapshot[E + 1:E + 1 + STATUS_WORDS], given_counts, given_max),
-         device)
+    fail(problems(snapshot[:E], snapshot[E], snapshot[E + 1:E + 1 + STATUS_WORDS], given_counts, given_max))
 
 
 def queue(stats: torch.Tensor, num_experts: int, given_counts: Optional[Sequence[int]],
@@ -132,8 +131,7 @@ def queue(stats: torch.Tensor, num_experts: int, given_counts: Optional[Sequence
     pinned.copy_(stats, non_blocking=True)  # on the current stream of stats' device
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(stats.device))
-    _pending.append((event, pinned, num_experts,
-                     None if given_counts is None else list(given_counts), given_max, stats.device))
+    _pending.append((event, pinned, num_experts, None if given_counts is None else list(given_counts), given_max))
 
 
 def poll() -> None:
@@ -141,13 +139,13 @@ def poll() -> None:
     while _pending:
         if torch.cuda.is_current_stream_capturing():
             return
-        event, pinned, E, given_counts, given_max, device = _pending[0]
+        event, pinned, E, given_counts, given_max = _pending[0]
         if not event.query():
             return
         _pending.popleft()
         values = pinned.tolist()
         _free_pinned.setdefault(pinned.numel(), []).append(pinned)  # its copy is done: reusable
-        check_snapshot(values, E, given_counts, given_max, device)
+        check_snapshot(values, E, given_counts, given_max)
 
 
 def check_device_errors() -> None:
@@ -156,6 +154,6 @@ def check_device_errors() -> None:
     while _pending:
         _pending[0][0].synchronize()
         poll()
-    for device, word in list(_status.items()):
-        fail(problems([], 0, word.tolist(), None, None), device)
+    for word in list(_status.values()):
+        fail(problems([], 0, word.tolist(), None, None))
 

@@ -463,7 +463,7 @@ def permute(
         most = E if given_max is None else given_max
     else:
         host_stats = stats.tolist()  # the one host synchronisation: sizes decide allocation
-        guard.check_snapshot(host_stats, E, None, given_max, stats.device)
+        guard.check_snapshot(host_stats, E, None, given_max)
         host_counts, most = host_stats[:E], host_stats[E]
     routed = sum(host_counts)
     needed = sum(round_up(c, pad_multiple) for c in host_counts)

@@ -287,7 +287,7 @@ def make_slots_checked(routing_map: torch.Tensor, pad_multiple: int, probs: torc
     E = routing_map.shape[1]
     slots, stats = _make_slots(routing_map, pad_multiple, probs, given_counts, given_max, snapshot=True)
     if stats.device.type == "cpu":
-        guard.check_snapshot(stats.tolist(), E, given_counts, given_max, stats.device)
+        guard.check_snapshot(stats.tolist(), E, given_counts, given_max)
     return slots, stats
 
 
@@ -452,7 +452,7 @@ def count_scan(routing_map: torch.Tensor, pad_multiple: int, probs: torch.Tensor
     E = routing_map.shape[1]
     plan, stats = _count_scan(routing_map, pad_multiple, probs, given_counts, given_max)
     if stats.device.type == "cpu":
-        guard.check_snapshot(stats.tolist(), E, given_counts, given_max, stats.device)
+        guard.check_snapshot(stats.tolist(), E, given_counts, given_max)
     return plan, stats
 
 
@@ -677,7 +677,7 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
         num_warps=LAUNCH["warps"] or 4, **_launch_opts())
     if probs is not None and rows.device.type == "cpu":
         words = status.tolist()
-        guard.fail(guard.problems([], 0, words, None, None), rows.device)
+        guard.fail(guard.problems([], 0, words, None, None))
     return out
 
 
