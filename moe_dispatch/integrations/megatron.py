@@ -289,7 +289,8 @@ def check_inputs_together(moe_layer: Any) -> Any:
 
     def forward(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         intermediate = kwargs.get("intermediate_tensors", args[0] if args else None)
-        if intermediate is not None:  # CUDA-graph partial replay: not the layer's entry
+        # CUDA-graph partial replay (not the layer's entry), or a dispatcher swapped back by hand
+        if intermediate is not None or not is_installed(self):
             return megatron_forward(hidden_states, *args, **kwargs)
         dispatcher = self.token_dispatcher
         device = self.router.weight.device

@@ -35,8 +35,7 @@ ROUTER_BUFFERS = ("local_tokens_per_expert", "global_tokens_per_expert", "ga_ste
 
 
 def _layer(kind: str, pg):
-    from moe_dispatch.integrations.megatron_build import (build_moe_layer, load_seeded_weights,
-                                                          moe_transformer_config)
+    from moe_dispatch.integrations.megatron_build import build_moe_layer, load_seeded_weights, moe_transformer_config
 
     cfg = moe_transformer_config(H, FFN, E, K, kind, torch.float32, 2, context_parallel_size=2,
                                  moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
