@@ -64,6 +64,10 @@ Not supported (``install`` / ``DeterministicMoELayer`` raise ``ValueError`` nami
 - ``transformer_impl='inference_optimized'`` (0.17+): its MoELayer swaps Megatron's inference
   dispatcher in at every forward.
 Megatron's inference helper that toggles ``drop_and_pad`` on live dispatchers does not reach ours.
+
+A bad ``hidden_states`` on one EP rank (shape, dtype, device, not a tensor) raises the same
+ValueError on every EP rank, with every collective before the dispatcher still matched
+(``check_inputs_together``, which ``install`` applies to the layer's forward).
 """
 from __future__ import annotations
 
@@ -268,13 +272,12 @@ def check_inputs_together(moe_layer: Any) -> Any:
     of 2 or 3 dims with the hidden size on the layer's device type) does not stop: it runs
     Megatron's forward on zeros of its input's leading shape [S, B] (for a non-tensor input, or one
     whose dims differ from the last good input's: that input's [S, B]; with neither, [1, 1]), so
-    every one of those collectives gets the tensors
-    it gets on its peers, and its dispatcher then takes part in the size exchange with the problem
-    instead of the data: every EP rank raises the same ValueError, naming hidden_states, the
-    expected value and the rank. On the good path this adds no collective and no host
-    synchronisation: one host-side check of the input's shape and dtype, and a device copy of the
-    router's in-place buffers (at most five [E] tensors, only those the config has), which every
-    rank puts back when the forward raises.
+    every one of those collectives gets the tensors it gets on its peers, and its dispatcher then
+    takes part in the size exchange with the problem instead of the data: every EP rank raises the
+    same ValueError, naming hidden_states, the expected value and the rank. On the good path this
+    adds no collective and no host synchronisation: one host-side check of the input's shape and
+    dtype, and a device copy of the router's in-place buffers (at most five [E] tensors, only those
+    the config has), which every rank puts back when the forward raises.
 
     NaN or inf in hidden_states is a float input like any other for Megatron: it reaches the
     router, whose probs turn NaN, and the dispatcher's exchange rejects those on every rank
@@ -285,9 +288,9 @@ def check_inputs_together(moe_layer: Any) -> Any:
 
     if getattr(moe_layer, "_moe_dispatch_checks_inputs", False):
         return moe_layer
-    megatron_forward = moe_layer.forward  # the class's forward, bound
 
     def forward(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        megatron_forward = type(self).forward.__get__(self)  # looked up per call: a deepcopy wraps its own
         intermediate = kwargs.get("intermediate_tensors", args[0] if args else None)
         # CUDA-graph partial replay (not the layer's entry), or a dispatcher swapped back by hand
         if intermediate is not None or not is_installed(self):
