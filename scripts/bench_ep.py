@@ -230,23 +230,15 @@ def bench_layer(args, world: int, rank: int) -> None:
 
 
 def host_waits(fn, steps: int = 3) -> str:
-    """'syncs / copies' per call of fn: CUDA runtime calls that make the host wait for the GPU, and
-    host<->device copies (torch.profiler, after a warm-up); 'n/a' on the CPU."""
+    """'syncs / copies' per call of fn: synchronisations torch makes the host wait for, and
+    host<->device copies (tests/cuda_host_waits.py); 'n/a' on the CPU."""
     if DEVICE.type != "cuda":
         return "n/a"
-    from torch.profiler import ProfilerActivity, profile
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.cuda_host_waits import host_waits as count
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()  # the profiler's own wait, subtracted
-    counts = {e.key: e.count for e in prof.key_averages()}
-    syncs = sum(counts.get(k, 0) for k in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                           "cudaEventSynchronize", "cudaMemcpy")) - 1
-    copies = sum(counts.get(k, 0) for k in ("cudaMemcpyAsync", "cudaMemcpy"))
-    return f"{syncs / steps:g} / {copies / steps:g}"
+    counts = count(fn, steps, warmup=1)
+    return f"{counts['syncs']:g} / {counts['copies']:g}"
 
 
 def bench_layer_ep1(args, single) -> None:

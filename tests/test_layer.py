@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_dispatch import MoEConfig, MoELayer
+from tests.cuda_host_waits import host_waits
 
 
 def _reference(layer: MoELayer, x: torch.Tensor, probs64: torch.Tensor, routing_map: torch.Tensor):
@@ -119,32 +120,13 @@ def test_check_help_lists_options():
         assert option in proc.stdout
 
 
-_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
-_COPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy")
-
-
 def host_calls_per_step(layer: MoELayer, x: torch.Tensor, steps: int = 3) -> dict:
-    """CUDA runtime calls that make the host wait (synchronisations) or copy between host and
-    device, per layer step (forward + backward), counted with torch.profiler after a warm-up."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """Host syncs and host<->device copies per layer step (forward + backward); see host_waits."""
     def step():
         layer.zero_grad(set_to_none=True)
-        xx = x.detach().requires_grad_()
-        layer(xx).sum().backward()
+        layer(x.detach().requires_grad_()).sum().backward()
 
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()  # the profiler's own wait: subtracted below
-    counts = {e.key: e.count for e in prof.key_averages()}
-    syncs = sum(counts.get(name, 0) for name in _SYNC_CALLS) - 1
-    copies = sum(counts.get(name, 0) for name in _COPY_CALLS)
-    detail = {k: counts.get(k, 0) for k in _SYNC_CALLS + _COPY_CALLS}
-    return dict(syncs=syncs / steps, copies=copies / steps, detail=detail)
+    return host_waits(step, steps)
 
 
 @pytest.mark.gpu
