@@ -26,7 +26,8 @@ def host_waits(step: Callable[[], None], steps: int = 3, warmup: int = 2) -> dic
                 step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message).splitlines()[0] for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
+    syncs = [str(w.message).splitlines()[0] for w in caught
+             if "called a synchronizing CUDA operation" in str(w.message)]
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
