@@ -116,7 +116,7 @@ def main() -> None:
         try:
             from megatron.core.transformer.moe import moe_utils as mu
 
-            mu.te_general_gemm = None  # 0.16.1 without TE raises NameError otherwise (FACTS.md)
+            mu.te_general_gemm = None  # 0.16.1 without TE, fp32 router on CUDA: NameError te_general_gemm
         except Exception as exc:  # optional
             print(f"# megatron-core not importable ({exc}); skipping it", file=sys.stderr)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")

@@ -67,7 +67,8 @@ def grouped_mm_row_stable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` is known row-stable (tests/experts prove each entry).
 
     CPU bf16/fp16 (oneDNN kernel per group, row-stable at every M tried); CUDA bf16 (CUTLASS,
-    FACTS.md and tests/experts/test_gpu.py). CPU fp32 is not: it loops plain MKL sgemm.
+    measured on H200: BENCHMARKS.md "Row stability of GEMMs"; tests/experts/test_gpu.py checks it).
+    CPU fp32 is not: it loops plain MKL sgemm.
     """
     if device.type == "cpu":
         return dtype in (torch.bfloat16, torch.float16)
