@@ -109,14 +109,21 @@ def _permute_setup(ctx, inputs, output):
     ctx.probs_dtype = probs.dtype if probs is not None else torch.float32
 
 
-def _permute_backward(ctx, grad_out, grad_out_probs):
+def _permute_grads(ctx, grad_out, grad_out_probs):
+    """(grad tokens [T, H], grad probs [T, E] or None) of a permute whose ctx saved its slots,
+    has_probs and probs_dtype (the registered op's and the fused route's backward)."""
     (slots,) = ctx.saved_tensors
     grad_probs = None
     if ctx.has_probs:
         grad_probs = grad_out_probs if grad_out_probs is not None else torch.zeros(
             grad_out.shape[0], dtype=ctx.probs_dtype, device=grad_out.device)
     grad_tokens, grad_token_probs = _permute_bwd_op(grad_out.contiguous(), slots, grad_probs, ctx.probs_dtype)
-    return grad_tokens, None, grad_token_probs if ctx.has_probs else None, None, None
+    return grad_tokens, (grad_token_probs if ctx.has_probs else None)
+
+
+def _permute_backward(ctx, grad_out, grad_out_probs):
+    grad_tokens, grad_token_probs = _permute_grads(ctx, grad_out, grad_out_probs)
+    return grad_tokens, None, grad_token_probs, None, None
 
 
 _permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
@@ -381,13 +388,8 @@ class _PermutePlanned(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_out_probs, _grad_slots):
-        (slots,) = ctx.saved_tensors
-        grad_probs = None
-        if ctx.has_probs:
-            grad_probs = grad_out_probs if grad_out_probs is not None else torch.zeros(
-                grad_out.shape[0], dtype=ctx.probs_dtype, device=grad_out.device)
-        grad_tokens, grad_token_probs = _permute_bwd_op(grad_out.contiguous(), slots, grad_probs, ctx.probs_dtype)
-        return grad_tokens, (grad_token_probs if ctx.has_probs else None), None, None, None, None
+        grad_tokens, grad_token_probs = _permute_grads(ctx, grad_out, grad_out_probs)
+        return grad_tokens, grad_token_probs, None, None, None, None
 
 
 def permute(
