@@ -1,9 +1,12 @@
-"""Count, per call of a CUDA step, the host synchronisations torch makes and the host<->device
-copies the GPU runs. Shared by the GPU tests and scripts/bench_ep.py."""
+"""Count what a layer step makes the host do: on CUDA, the host synchronisations torch makes and
+the host<->device copies the GPU runs (``host_waits``, shared by the GPU tests and
+scripts/bench_ep.py); anywhere, the dispatcher's own host reads and table uploads
+(``count_host_transfers``, the CPU stand-in)."""
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -37,3 +40,25 @@ def host_waits(step: Callable[[], None], steps: int = 3, warmup: int = 2) -> dic
     copies = {kind: sum(1 for n in names if n.startswith(f"Memcpy {kind}")) for kind in ("HtoD", "DtoH", "DtoD")}
     return dict(syncs=len(syncs) / steps, copies=(copies["HtoD"] + copies["DtoH"]) / steps,
                 detail=dict(copies, sync_warnings=sorted(set(syncs))))
+
+
+@contextlib.contextmanager
+def count_host_transfers() -> Iterator[dict]:
+    """Count, while the block runs, the dispatcher's host reads (``read_host``: each one host sync
+    on CUDA) and host-to-device table copies (``to_device``); yields the live counts."""
+    from moe_dispatch.dispatcher import comm, functional, layout
+
+    counts = {"read_host": 0, "to_device": 0}
+
+    def counted(name, real):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+    saved = layout.read_host, layout.to_device, functional.to_device
+    layout.read_host = counted("read_host", comm.read_host)
+    layout.to_device = functional.to_device = counted("to_device", comm.to_device)
+    try:
+        yield counts
+    finally:
+        layout.read_host, layout.to_device, functional.to_device = saved

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_dispatch import MoEConfig, MoELayer
-from tests.cuda_host_waits import host_waits
+from tests.cuda_host_waits import count_host_transfers, host_waits
 
 
 def _reference(layer: MoELayer, x: torch.Tensor, probs64: torch.Tensor, routing_map: torch.Tensor):
@@ -152,33 +152,22 @@ def test_gpu_check_gloo_ranks_share_the_gpu():
     assert "ranks on gloo (cuda)" in proc.stdout and "ALL PASS" in proc.stdout, proc.stdout
 
 
-def count_host_transfers(monkeypatch, fn) -> dict:
-    """Calls of the dispatcher's host reads (read_host: each one host sync on CUDA) and host-to-
-    device table copies (to_device) while fn runs: the CPU stand-in for the GPU count above."""
-    from moe_dispatch.dispatcher import comm, functional, layout
-
-    counts = {"read_host": 0, "to_device": 0}
-
-    def counted(name, real):
-        def wrapper(*args, **kwargs):
-            counts[name] += 1
-            return real(*args, **kwargs)
-        return wrapper
-    monkeypatch.setattr(layout, "read_host", counted("read_host", comm.read_host))
-    monkeypatch.setattr(layout, "to_device", counted("to_device", comm.to_device))
-    monkeypatch.setattr(functional, "to_device", counted("to_device", comm.to_device))
-    fn()
+def count_host_transfers_of(fn) -> dict:
+    """The dispatcher's host reads and table copies while fn runs: the CPU stand-in for the GPU
+    count above."""
+    with count_host_transfers() as counts:
+        fn()
     return counts
 
 
 @pytest.mark.parametrize("pad_multiple", [1, 4])
-def test_layer_step_reads_the_host_once(monkeypatch, pad_multiple):
+def test_layer_step_reads_the_host_once(pad_multiple):
     """EP 1, forward + backward: one host read (the routing counts), and no table copied to the
     device unless padding moves rows (then one)."""
     config = MoEConfig(hidden_size=32, num_experts=8, topk=2, ffn_hidden_size=16, pad_multiple=pad_multiple)
     layer = MoELayer(config)
     x = torch.randn(20, 32, requires_grad=True)
-    counts = count_host_transfers(monkeypatch, lambda: layer(x).sum().backward())
+    counts = count_host_transfers_of(lambda: layer(x).sum().backward())
     assert counts == {"read_host": 1, "to_device": int(pad_multiple > 1)}, counts
 
 

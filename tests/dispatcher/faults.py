@@ -172,23 +172,11 @@ def fault_worker(rank: int, world_size: int) -> dict:
 def step_transfers(rank: int, world_size: int) -> dict:
     """Host reads (each one host sync on CUDA) and host-to-device copies of one EP-4 layer step
     (forward + backward), after the layer's first step (which also agrees on the configuration)."""
-    from moe_dispatch.dispatcher import comm, functional, layout
+    from tests.cuda_host_waits import count_host_transfers
 
     layer = MoELayer(_layer_config(), dist.group.WORLD)
     x = _tokens(rank).requires_grad_()
     layer(x).float().sum().backward()
-    counts = {"read_host": 0, "to_device": 0}
-
-    def counted(name, real):
-        def wrapper(*args, **kwargs):
-            counts[name] += 1
-            return real(*args, **kwargs)
-        return wrapper
-    saved = layout.read_host, layout.to_device, functional.to_device
-    layout.read_host = counted("read_host", comm.read_host)
-    layout.to_device = functional.to_device = counted("to_device", comm.to_device)
-    try:
+    with count_host_transfers() as counts:
         layer(x).float().sum().backward()
-    finally:
-        layout.read_host, layout.to_device, functional.to_device = saved
     return counts
