@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..ops.torch_twin import round_up
 from .exchange import KINDS
 
 
@@ -81,7 +82,7 @@ class DispatchConfig:
     def capacity(self, num_tokens: int) -> int:
         """Megatron's expert capacity ceil(T * topk / E * capacity_factor), rounded up to pad_multiple."""
         cap = math.ceil(num_tokens * self.topk / self.num_experts * self.capacity_factor)
-        return -(-cap // self.pad_multiple) * self.pad_multiple
+        return round_up(cap, self.pad_multiple)
 
     def field_values(self) -> list[tuple[str, Any]]:
         """(name, value) of every field, in declaration order (the fingerprint compares them)."""

@@ -32,14 +32,11 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from ..ops.torch_twin import round_up
 from .comm import ProcessGroup, all_gather_rows, all_to_all_rows
 
 if TYPE_CHECKING:
     from .layout import Layout
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 @dataclass(frozen=True)
@@ -60,9 +57,9 @@ class RowFormat:
 
     def _offsets(self) -> tuple[int, int, int]:
         p = self.num_cols * self.probs_dtype.itemsize if self.probs_dtype is not None else 0
-        h0 = _round_up(p, 16)
+        h0 = round_up(p, 16)
         r0 = h0 + self.hidden_size * self.hidden_dtype.itemsize
-        width = _round_up(r0 + (self.num_cols if self.routing else 0), 16)
+        width = round_up(r0 + (self.num_cols if self.routing else 0), 16)
         return h0, r0, width
 
     def empty(self, rows: int, device: torch.device) -> torch.Tensor:

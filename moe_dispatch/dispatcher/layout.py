@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..ops.torch_twin import round_up
 from .comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
 from .config import DispatchConfig
 
@@ -252,7 +253,7 @@ class Layout:
         local_blocks = tuple(tuple(block(s, base + e) for e in range(El)) for s in range(P))
         totals = [sum(local_blocks[s][e] for s in range(P)) for e in range(El)]
         m = cfg.pad_multiple
-        tail = tuple(0 if capacity is not None else -(-n // m) * m - n for n in totals)
+        tail = tuple(0 if capacity is not None else round_up(n, m) - n for n in totals)
         starts, at = [], 0
         for e in range(El):
             starts.append([])
