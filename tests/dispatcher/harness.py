@@ -7,6 +7,7 @@ rank's traceback; a hang fails it after `timeout` seconds (the ranks are killed)
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -24,9 +25,16 @@ def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: st
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.tmp"))
+        os.replace(os.path.join(out_dir, f"rank{rank}.tmp"), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    # The result is on disk. Skip interpreter finalization: there, gloo's C++ threads can still
+    # release tensors and abort the process (SIGABRT, "terminate called without an active
+    # exception") after the work has succeeded. An exception above still reaches spawn's handler.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 150.0, backend: str = "gloo") -> list:
@@ -42,6 +50,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 150.0,
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s "
                                        f"(a hang in a collective?)")
+        except mp.ProcessExitedException as exc:
+            saved = [r for r in range(world_size) if os.path.exists(os.path.join(tmp, f"rank{r}.pt"))]
+            raise RuntimeError(f"{fn.__name__}: rank {exc.error_index} died ({exc}); ranks that had saved their "
+                               f"result: {saved} (a rank in that list died in destroy_process_group)") from exc
         finally:
             for p in ctx.processes:  # only the processes started above
                 if p.is_alive():
