@@ -187,6 +187,10 @@ class MoEConfig:
             return input_dtype
         return _ROUTER_DTYPES[self.router_dtype]
 
+    def field_values(self) -> list[tuple[str, Any]]:
+        """(name, value) of every field, in declaration order (the EP ranks agree on them)."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+
     def replace(self, **changes: Any) -> "MoEConfig":
         """A validated copy with some fields changed (the only way to change a frozen config)."""
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})

@@ -69,9 +69,10 @@ class MoELayer(nn.Module):
         tokens (so that the router's own collectives, the aux-loss counts, still match) and takes
         part in the dispatcher's size exchange with the error, so no rank waits."""
         device = self.experts.weight1.device
-        # Before the router's first collective: a configuration that differs across ranks (e.g.
-        # num_experts) would otherwise abort in the aux-loss all-reduce. Once per layer.
-        self.dispatcher.agree(device)
+        # Once per layer, before anything else runs: a configuration that differs across ranks
+        # would abort gloo in the size exchange (num_experts), or silently make a token's result
+        # depend on its rank (the router's and experts' settings).
+        self.dispatcher.agree(device, self.config.field_values())
         problem = hidden_states_problem(hidden_states, self.config.hidden_size, device)
         if problem is not None:
             three_d = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3

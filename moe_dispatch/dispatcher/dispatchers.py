@@ -15,7 +15,7 @@ which the next call checks and replaces. One dispatcher serves one layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -71,11 +71,17 @@ class _Dispatcher:
         self._agreed = self.ep_size == 1  # configuration agreed with the group (once, lazily)
         self._step: _Step = None
 
-    def agree(self, device: torch.device) -> None:
+    @property
+    def agreed(self) -> bool:
+        """True once the configuration is agreed with the group (always, for one process)."""
+        return self._agreed
+
+    def agree(self, device: torch.device, settings: Sequence[tuple[str, Any]] = ()) -> None:
         """Agree on the configuration with the group (one fixed-size exchange), the first time
-        only; dispatch does it too. A layer calls it before its own first collective."""
+        only; dispatch does it too. A layer calls it before its own first collective, passing its
+        own settings (router, experts) as (name, value) pairs to be agreed in the same exchange."""
         if not self._agreed:
-            agree_config(self.config, self.ep_group, device)
+            agree_config(self.config, self.ep_group, device, settings)
             self._agreed = True
 
     # ---- functional form -----------------------------------------------------------------

@@ -8,8 +8,10 @@ collective starts (no hang, no half-finished exchange). All split sizes are host
 
 The vector's length depends on E and P, and gloo aborts the process (NCCL hangs) when ranks
 gather different lengths. So before its first step a dispatcher agrees on its configuration in
-one fixed-size exchange (``agree_config``: [tag, P, fingerprint]); a mismatch raises on every rank
-naming the field and the ranks. Each step's vector carries the fingerprint's hash again, and a
+one fixed-size exchange (``agree_config``: [tag, P, fingerprint, settings hash]); a mismatch raises
+on every rank naming the field and the ranks. The settings are those of the layer around the
+dispatcher (router, experts), whose differences would not upset the exchange but would make a
+token's result depend on its rank. Each step's vector carries the fingerprint's hash again, and a
 tag, in case ranks pair up different dispatchers.
 
 Errors found after the exchange (``combine`` given the wrong rows, a reused handle whose routing
@@ -26,7 +28,7 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -163,21 +165,58 @@ def fingerprint_hash(cfg: DispatchConfig) -> int:
     return zlib.crc32(repr(fingerprint(cfg)).encode())
 
 
-def _differ(values: list) -> str:
+def _differ(values: list, shown: Optional[list[str]] = None) -> str:
     """'[8, 4, 8, 8] by rank; ranks [1] differ from the others' (the others: the most common
-    value; on a tie, the lowest rank's)."""
+    value; on a tie, the lowest rank's). ``shown``: the values' text, if not their repr."""
     common = max(values, key=lambda v: (values.count(v), -values.index(v)))
     odd = [r for r, v in enumerate(values) if v != common]
-    return f"{values} by rank; ranks {odd} differ from the others"
+    listed = values if shown is None else "[" + ", ".join(shown) + "]"
+    return f"{listed} by rank; ranks {odd} differ from the others"
 
 
-def agree_config(cfg: DispatchConfig, group: ProcessGroup, device: torch.device) -> None:
-    """One fixed-size all-gather of (tag, P, fingerprint); raises the same ValueError on every
-    rank if any field differs, naming the field and the ranks. No-op for a single process."""
+Settings = Sequence[tuple[str, Any]]
+
+
+def _settings_text(settings: Settings) -> list[tuple[str, str]]:
+    """(name, repr(value)) of each setting, so that equal text means equal settings on any rank.
+    Only plain values (None, bool, int, float, str, torch.dtype, tuples and lists of them): a
+    repr of anything else (a function, an object) can name a memory address."""
+    def plain(v: Any) -> bool:
+        if isinstance(v, (list, tuple)):
+            return all(plain(x) for x in v)
+        return v is None or isinstance(v, (bool, int, float, str, torch.dtype))
+
+    return [(name, repr(value)) for name, value in settings if plain(value)]
+
+
+def _settings_hash(settings: Settings) -> int:
+    return zlib.crc32(repr(_settings_text(settings)).encode())
+
+
+def _settings_problems(settings: Settings, group: ProcessGroup) -> list[str]:
+    """Only when the settings' hashes differ (every rank sees the same hashes, so every rank
+    comes here): gather every rank's settings as text and name each one that differs."""
+    P, _ = group_size_rank(group)
+    gathered: list = [None] * P
+    dist.all_gather_object(gathered, dict(_settings_text(settings)), group=group)
+    problems = []
+    for name in sorted(set().union(*gathered)):
+        values = [g.get(name, "(not set)") for g in gathered]
+        if len(set(values)) > 1:
+            problems.append(f"{name} differs across the EP group: {_differ(values, shown=values)}")
+    return problems
+
+
+def agree_config(cfg: DispatchConfig, group: ProcessGroup, device: torch.device, settings: Settings = ()) -> None:
+    """One fixed-size all-gather of (tag, P, fingerprint, hash of ``settings``); raises the same
+    ValueError on every rank if any field or setting differs, naming it and the ranks. No-op for
+    a single process. ``settings``: (name, value) pairs of the layer around the dispatcher
+    (router, experts), agreed as well; only when their hashes differ does a second exchange
+    gather them to name the one that differs."""
     P, _ = group_size_rank(group)
     if P == 1:
         return
-    mine = [_HANDSHAKE_TAG, P, *fingerprint(cfg)]
+    mine = [_HANDSHAKE_TAG, P, *fingerprint(cfg), _settings_hash(settings)]
     rows = read_host(all_gather_rows(to_device(mine, device)[None], group).view(P, -1))
     if any(row[0] != _HANDSHAKE_TAG or row[1] != P for row in rows):
         raise ValueError(f"EP ranks {[r for r, row in enumerate(rows) if row[0] != _HANDSHAKE_TAG]} are not in the "
@@ -189,6 +228,8 @@ def agree_config(cfg: DispatchConfig, group: ProcessGroup, device: torch.device)
             problems.append(f"{name} differs across the EP group: {_differ([_show(name, v) for v in values])}")
     if problems:
         raise ValueError("dispatcher configuration mismatch: " + "; ".join(problems))
+    if len({row[-1] for row in rows}) > 1:
+        raise ValueError("layer configuration mismatch: " + "; ".join(_settings_problems(settings, group)))
 
 
 # ---- the layout -------------------------------------------------------------------------------

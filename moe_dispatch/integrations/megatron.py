@@ -86,6 +86,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DeterministicMoELayer",  # noqa: F822  (built lazily, see __getattr__)
            "TESTED_MEGATRON_CORE", "check_inputs_together", "check_row_stable_supported", "check_supported",
+           "megatron_moe_settings",
            "deterministic_moe_spec", "get_moe_module_spec", "install", "is_installed", "make_row_stable",
            "warn_if_untested"]
 
@@ -203,6 +204,16 @@ def _groups_of(moe_layer: Any, pg_collection: Any) -> Any:
     return SimpleNamespace(ep=ep, expt_tp=None, tp_ep=None)
 
 
+def megatron_moe_settings(config: Any) -> list[tuple[str, Any]]:
+    """(name, value) of a TransformerConfig's MoE settings (``num_moe_experts`` and every
+    ``moe_*`` field), which the EP ranks agree on before the router's first collective: a router
+    setting that differs across ranks (the load-balancing type, a coefficient) would mismatch
+    Megatron's aux-loss collectives or make a token's result depend on its rank."""
+    names = ([f.name for f in dataclasses.fields(config)] if dataclasses.is_dataclass(config)
+             else sorted(vars(config)))
+    return [(n, getattr(config, n)) for n in names if n == "num_moe_experts" or n.startswith("moe_")]
+
+
 def is_installed(moe_layer: Any) -> bool:
     """True when moe_layer.token_dispatcher is one of ours (``install``, or ``dispatcher_from_megatron``)."""
     return isinstance(getattr(moe_layer, "token_dispatcher", None), (AllGatherDispatcher, AllToAllDispatcher))
@@ -282,7 +293,8 @@ def check_inputs_together(moe_layer: Any) -> Any:
     NaN or inf in hidden_states is a float input like any other for Megatron: it reaches the
     router, whose probs turn NaN, and the dispatcher's exchange rejects those on every rank
     (naming probs and the rank). On the first forward the dispatcher also agrees on its
-    configuration with the group before the router's first collective, as ``dispatch`` would.
+    configuration and on Megatron's MoE settings (``megatron_moe_settings``) with the group,
+    before the router's first collective.
     Idempotent."""
     import types
 
@@ -297,7 +309,8 @@ def check_inputs_together(moe_layer: Any) -> Any:
             return megatron_forward(hidden_states, *args, **kwargs)
         dispatcher = self.token_dispatcher
         device = self.router.weight.device
-        dispatcher.agree(device)
+        if not dispatcher.agreed:
+            dispatcher.agree(device, megatron_moe_settings(self.config))
         problem = hidden_states_problem(hidden_states, dispatcher.config.hidden_size, device)
         saved = _router_step_state(self.router)
         try:

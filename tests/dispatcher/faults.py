@@ -23,6 +23,8 @@ CLASSES = {
     "nan": ["nan_hidden", "inf_probs"],
     "config": ["num_experts", "topk", "pad_to_capacity", "router_dtype", "probs_in_experts", "pad_multiple",
                "hidden_size"],
+    # the layer's own settings: the exchange would run, but a token's result would depend on its rank
+    "layer_config": ["score_function", "load_balancing_type", "aux_loss_coeff", "activation", "init_seed"],
     "expert_rows": ["extra_row", "missing_row", "wrong_dtype"],
     "zero_tokens": ["layer", "dispatcher"],
     "kind": ["layer", "dispatcher"],
@@ -33,6 +35,7 @@ WORDS = {
     "dtype": ["EP rank {rank}"],
     "nan": ["NaN or inf", "EP rank {rank}"],
     "config": ["configuration mismatch", "{field} differs", "ranks [{rank}] differ"],
+    "layer_config": ["layer configuration mismatch", "{field} differs", "ranks [{rank}] differ"],
     "expert_rows": ["expert_output", "EP rank {rank}"],
     "kind": ["configuration mismatch", "kind differs", "ranks [{rank}] differ"],
 }
@@ -48,7 +51,7 @@ def fault_cases(seed: int = 2026, count: int = 40) -> list[tuple[str, str, int]]
 
 
 def _layer_config(**changes) -> MoEConfig:
-    # aux loss on: the router all-reduces its counts, a collective before the dispatcher's
+    # aux loss on: the router computes it (on each rank's own tokens) before the dispatch
     fields = dict(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=FFN, params_dtype=torch.bfloat16,
                   load_balancing_type="aux_loss", aux_loss_coeff=0.01)
     return MoEConfig(**{**fields, **changes})
@@ -57,7 +60,10 @@ def _layer_config(**changes) -> MoEConfig:
 _CONFIG_CHANGES = {"num_experts": dict(num_experts=4), "topk": dict(topk=3),
                    "pad_to_capacity": dict(capacity_factor=4.0, pad_to_capacity=True),
                    "router_dtype": dict(router_dtype="fp64"), "probs_in_experts": dict(probs_in_experts=True),
-                   "pad_multiple": dict(pad_multiple=4), "hidden_size": dict(hidden_size=32)}
+                   "pad_multiple": dict(pad_multiple=4), "hidden_size": dict(hidden_size=32),
+                   "score_function": dict(score_function="sigmoid"), "load_balancing_type": dict(
+                       load_balancing_type="seq_aux_loss"), "aux_loss_coeff": dict(aux_loss_coeff=0.02),
+                   "activation": dict(activation="relu"), "init_seed": dict(init_seed=99)}
 
 
 def _tokens(rank: int, cfg: MoEConfig = None) -> torch.Tensor:
@@ -118,7 +124,7 @@ def run_case(cls: str, variant: str, bad: int, rank: int, group) -> tuple:
             if me_bad:
                 probs[2, data["rmap"][2].nonzero()[0, 0]] = float("inf")
             return ("ok", "", _dispatcher_step("alltoall", config(), data["x"], data["rmap"], probs, group))
-        if cls == "config":
+        if cls in ("config", "layer_config"):
             mine = _layer_config(**_CONFIG_CHANGES[variant]) if me_bad else cfg
             return ("ok", "", _layer_step(mine, _tokens(rank, mine), group))
         if cls == "kind":

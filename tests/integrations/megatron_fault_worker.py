@@ -9,7 +9,9 @@ All three losses are on, with sigmoid scores and the expert bias (its token coun
 the forward), and a shared expert. Every group has a 60 s timeout; a case must end within 30 s.
 
 For each dispatcher: one reference step (forward + backward), then each fault case (one rank's
-bad input, a forward), each followed by the reference step again on the same layer and group.
+bad input, a forward), each followed by the reference step again on the same layer and group;
+then each setting case (one rank's fresh layer built with another MoE setting, a forward),
+each followed by the reference step on the first layer.
 """
 from __future__ import annotations
 
@@ -34,13 +36,25 @@ CASES = {
 ROUTER_BUFFERS = ("local_tokens_per_expert", "global_tokens_per_expert", "ga_steps")
 
 
-def _layer(kind: str, pg):
+# one rank's router setting differs from its peer's (a layer built fresh, so that its first
+# forward agrees on the settings): the aux-loss coefficients, and the loss types' order, which
+# would pair Megatron's seq_aux_loss counts with the peer's aux_loss counts in the all-reduce
+SETTING_CASES = {
+    "moe_aux_loss_coeff": dict(moe_aux_loss_coeff=[1e-2, 1e-2, 3e-2]),
+    "moe_router_load_balancing_type": dict(moe_router_load_balancing_type=["seq_aux_loss", "aux_loss",
+                                                                           "global_aux_loss"]),
+}
+SETTING_BAD_RANK = 1
+
+
+def _layer(kind: str, pg, **overrides):
     from moe_dispatch.integrations.megatron_build import build_moe_layer, load_seeded_weights, moe_transformer_config
 
+    settings = dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
+                    moe_aux_loss_coeff=[1e-2, 1e-2, 1e-2], moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=FFN)
     cfg = moe_transformer_config(H, FFN, E, K, kind, torch.float32, 2, context_parallel_size=2,
-                                 moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
-                                 moe_aux_loss_coeff=[1e-2, 1e-2, 1e-2], moe_router_score_function="sigmoid",
-                                 moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=FFN)
+                                 **{**settings, **overrides})
     layer = build_moe_layer(cfg, pg, ours=True, row_stable_gemms=True)
     return load_seeded_weights(layer, init_seed=5)
 
@@ -90,6 +104,17 @@ def fault_worker(rank: int, world_size: int) -> dict:
             out, gx = _step(layer, x, dy)
             rec[name] = dict(kind=outcome[0], message=outcome[1], seconds=seconds,
                              buffers_kept=all(torch.equal(before[k], after[k]) for k in ROUTER_BUFFERS),
+                             works_after=torch.equal(out, ref_out) and torch.equal(gx, ref_gx))
+        for name, change in SETTING_CASES.items():
+            fresh = _layer(kind, pg, **(change if rank == SETTING_BAD_RANK else {}))
+            start = time.monotonic()
+            try:
+                fresh(x.clone().requires_grad_())
+                outcome = ("ok", "")
+            except Exception as exc:  # noqa: BLE001  (the test asserts the kind)
+                outcome = (type(exc).__name__, str(exc))
+            out, gx = _step(layer, x, dy)
+            rec[name] = dict(kind=outcome[0], message=outcome[1], seconds=time.monotonic() - start,
                              works_after=torch.equal(out, ref_out) and torch.equal(gx, ref_gx))
         records[kind] = rec
     return records

@@ -13,7 +13,7 @@ pytest.importorskip("megatron.core")
 
 from tests.dispatcher.harness import run_ranks  # noqa: E402
 
-from .megatron_fault_worker import CASES, fault_worker  # noqa: E402
+from .megatron_fault_worker import CASES, SETTING_BAD_RANK, SETTING_CASES, fault_worker  # noqa: E402
 
 CASE_TIMEOUT_S = 30
 KINDS = ("allgather", "alltoall")
@@ -55,3 +55,18 @@ def test_bad_input_raises_on_every_rank(ranks, kind, case):
 def test_router_counts_are_live(ranks):
     """The expert-bias counts do accumulate in these layers (so keeping them is not vacuous)."""
     assert all(rank[kind]["nonzero_bias_counts"] for rank in ranks for kind in KINDS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("setting", list(SETTING_CASES))
+def test_a_moe_setting_that_differs_raises_on_every_rank(ranks, kind, setting):
+    """One rank's layer has another moe_* setting: before the router's first collective, every
+    rank raises the same ValueError naming the setting and the rank, and the group still works."""
+    outs = [rank[kind][setting] for rank in ranks]
+    for r, o in enumerate(outs):
+        assert o["seconds"] < CASE_TIMEOUT_S, (setting, kind, r, o["seconds"])
+        assert o["kind"] == "ValueError", (setting, kind, r, o["kind"], o["message"])
+        for word in ("layer configuration mismatch", f"{setting} differs", f"ranks [{SETTING_BAD_RANK}] differ"):
+            assert word in o["message"], (setting, kind, r, word, o["message"])
+        assert o["works_after"], (setting, kind, r, "the next good step differs from the reference")
+    assert outs[0]["message"] == outs[1]["message"], (setting, kind, [o["message"] for o in outs])
