@@ -22,7 +22,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -289,7 +289,18 @@ def _worker(local_rank: int, world: int, port: int, backend: str, args: argparse
     os.environ.setdefault("RANK", str(local_rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    main_worker(args, backend)
+    main_worker(args, backend)  # a failed check raises SystemExit(1) here
+    end_spawned_rank()
+
+
+def end_spawned_rank() -> NoReturn:
+    """Exit a spawned rank whose work succeeded and whose process group is destroyed, skipping
+    interpreter finalization: there gloo's C++ threads can still abort the process (SIGABRT,
+    "terminate called without an active exception") after a passing run, which spawn would
+    report as a failed rank."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def rank_device(backend: str, local_rank: int) -> torch.device:

@@ -263,6 +263,9 @@ def _rank_main(local_rank: int, world: int, port: int, ep: int, args: argparse.N
         json.dump(runs, f)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+    from moe_dispatch.check import end_spawned_rank
+
+    end_spawned_rank()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ rank's traceback; a hang fails it after `timeout` seconds (the ranks are killed)
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -15,6 +14,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from moe_dispatch.check import end_spawned_rank
 
 
 def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, backend: str,
@@ -29,12 +30,7 @@ def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: st
         os.replace(os.path.join(out_dir, f"rank{rank}.tmp"), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-    # The result is on disk. Skip interpreter finalization: there, gloo's C++ threads can still
-    # release tensors and abort the process (SIGABRT, "terminate called without an active
-    # exception") after the work has succeeded. An exception above still reaches spawn's handler.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_spawned_rank()  # the result is on disk; an exception above still reaches spawn's handler
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 150.0, backend: str = "gloo") -> list:

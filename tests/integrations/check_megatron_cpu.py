@@ -24,6 +24,7 @@ def _rank(local_rank: int, world: int, port: int, args) -> None:
 
     apply_cpu_shims()
     check.main_worker(args, "gloo")
+    check.end_spawned_rank()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
