@@ -66,8 +66,9 @@ class MoELayer(nn.Module):
 
         Bad input (not a float tensor [T, H] / [S, B, H] with H = hidden_size on the layer's device
         type) raises the same ValueError on every EP rank: a rank that finds it locally routes no
-        tokens (so that the router's own collectives, the aux-loss counts, still match) and takes
-        part in the dispatcher's size exchange with the error, so no rank waits."""
+        tokens and takes part in the dispatcher's size exchange with the error, so no rank waits.
+        At the first forward the EP ranks agree on every MoEConfig field; one that differs is the
+        same ValueError on every rank, naming the field and the ranks."""
         device = self.experts.weight1.device
         # Once per layer, before anything else runs: a configuration that differs across ranks
         # would abort gloo in the size exchange (num_experts), or silently make a token's result
