@@ -45,6 +45,7 @@ _HIDDEN_DTYPES = (1, 2, 3)
 _PROBS_DTYPES = (1, 2, 3, 4)
 _HANDSHAKE_TAG = 0x4D6F4548  # marks the fixed-size configuration message
 _STEP_TAG = 0x4D6F4553  # marks a step's size message
+_SETTINGS_TAG = 0x4D6F4552  # marks agree_settings' message
 
 # Step message: host fields, then device fields, then counts [E] and sent [P].
 # err_*: an error the caller found locally (InputProblem); late_*: a latched error of an earlier step.
@@ -193,7 +194,7 @@ def _settings_hash(settings: Settings) -> int:
     return zlib.crc32(repr(_settings_text(settings)).encode())
 
 
-def _settings_problems(settings: Settings, group: ProcessGroup) -> list[str]:
+def _settings_problems(settings: Settings, group: ProcessGroup, group_name: str) -> list[str]:
     """Only when the settings' hashes differ (every rank sees the same hashes, so every rank
     comes here): gather every rank's settings as text and name each one that differs."""
     P, _ = group_size_rank(group)
@@ -203,8 +204,27 @@ def _settings_problems(settings: Settings, group: ProcessGroup) -> list[str]:
     for name in sorted(set().union(*gathered)):
         values = [g.get(name, "(not set)") for g in gathered]
         if len(set(values)) > 1:
-            problems.append(f"{name} differs across the EP group: {_differ(values, shown=values)}")
+            problems.append(f"{name} differs across the {group_name}: {_differ(values, shown=values)}")
     return problems
+
+
+def agree_settings(settings: Settings, group: ProcessGroup, device: torch.device, what: str,
+                   group_name: str) -> None:
+    """One fixed-size all-gather of (tag, hash of ``settings``) over ``group``; if the hashes
+    differ, every rank raises the same ValueError "<what> configuration mismatch", naming each
+    setting that differs, its values and the ranks. No-op for a single process. For a collective
+    outside the dispatcher (the router's loss counts), before its first call."""
+    P, _ = group_size_rank(group)
+    if P == 1:
+        return
+    rows = read_host(all_gather_rows(to_device([_SETTINGS_TAG, _settings_hash(settings)], device)[None], group)
+                     .view(P, -1))
+    if any(row[0] != _SETTINGS_TAG for row in rows):
+        raise ValueError(f"ranks {[r for r, row in enumerate(rows) if row[0] != _SETTINGS_TAG]} of the {group_name} "
+                         f"are not in the {what}'s configuration exchange (ranks calling different collectives?)")
+    if len({row[1] for row in rows}) > 1:
+        raise ValueError(f"{what} configuration mismatch: " + "; ".join(_settings_problems(settings, group,
+                                                                                         group_name)))
 
 
 def agree_config(cfg: DispatchConfig, group: ProcessGroup, device: torch.device, settings: Settings = ()) -> None:
@@ -229,7 +249,8 @@ def agree_config(cfg: DispatchConfig, group: ProcessGroup, device: torch.device,
     if problems:
         raise ValueError("dispatcher configuration mismatch: " + "; ".join(problems))
     if len({row[-1] for row in rows}) > 1:
-        raise ValueError("layer configuration mismatch: " + "; ".join(_settings_problems(settings, group)))
+        raise ValueError("layer configuration mismatch: " + "; ".join(_settings_problems(settings, group,
+                                                                                       "EP group")))
 
 
 # ---- the layout -------------------------------------------------------------------------------

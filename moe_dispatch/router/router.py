@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..config import MoEConfig
+from ..dispatcher.layout import agree_settings
 from .capacity import apply_capacity
 from .gating import gating_linear
 from .losses import (
@@ -43,6 +44,9 @@ class TopKRouter(nn.Module):
             TP x CP group). Token counts for 'aux_loss' and 'seq_aux_loss' are summed over it and
             the z-loss coefficient is divided by its size. None: the tokens are all local.
         global_loss_group: group for 'global_aux_loss' counts (Megatron's TP x DP x CP group).
+            With either group, the first forward agrees on every MoEConfig field over it (one
+            small all-gather per group, once): a field that differs is the same ValueError on
+            every rank of the group, never a rank left waiting in a loss all-reduce.
         check_finite: raise ValueError on NaN/inf logits. On CUDA this costs one device-to-host
             sync per forward (taken after the routing kernels are queued, so the GPU does not
             idle, but the host cannot run ahead of it); pass False to skip it (non-finite logits
@@ -73,6 +77,8 @@ class TopKRouter(nn.Module):
         self.config = config
         self.loss_group = loss_group
         self.global_loss_group = global_loss_group
+        # the ranks of each loss group agree on the config before the first loss collective
+        self._agreed = loss_group is None and global_loss_group is None
         self.check_finite = check_finite
         e = config.num_experts
         self.weight = nn.Parameter(torch.empty(e, config.hidden_size, dtype=config.params_dtype, device=device))
@@ -154,6 +160,8 @@ class TopKRouter(nn.Module):
                 f"logits must be [seq_length * batch, {cfg.num_experts}] = [{seq_length * batch}, "
                 f"{cfg.num_experts}], got {tuple(logits.shape)}"
             )
+        if not self._agreed:
+            self._agree(logits.device)
         # Reduced now, read (one device sync) only after the routing kernels are queued.
         finite = torch.isfinite(logits).all() if self.check_finite else None
         train = self.training and torch.is_grad_enabled()
@@ -184,6 +192,18 @@ class TopKRouter(nn.Module):
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map
+
+    def _agree(self, device: torch.device) -> None:
+        """Once, before any loss collective, whatever the settings (they decide which collectives
+        run: a rank whose aux loss is off would leave its peers waiting in the all-reduce): every
+        MoEConfig field is agreed over each loss group, and one that differs is the same
+        ValueError on every rank of that group."""
+        groups = [(g, name) for g, name in ((self.loss_group, "router's loss_group"),
+                                            (self.global_loss_group, "router's global_loss_group")) if g is not None]
+        for i, (group, name) in enumerate(groups):
+            if all(group is not other for other, _ in groups[:i]):
+                agree_settings(self.config.field_values(), group, device, "router", name)
+        self._agreed = True
 
     def _attach_aux_loss(self, probs: torch.Tensor, logits: torch.Tensor, seq_length: int, batch: int) -> torch.Tensor:
         cfg = self.config

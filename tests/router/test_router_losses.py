@@ -7,6 +7,7 @@ import torch
 
 from moe_dispatch.config import MoEConfig
 from moe_dispatch.router import AuxLossScaler, TopKRouter, attach_loss, scores_for_aux_loss, switch_aux_loss, z_loss
+from moe_dispatch.router import router as router_module
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -162,9 +163,12 @@ def test_loss_groups_sum_counts_over_ranks(monkeypatch):
         group = _FakeTwoRankGroup([other])
         monkeypatch.setattr(torch.distributed, "all_reduce", group.all_reduce)
         monkeypatch.setattr(torch.distributed, "get_world_size", group.get_world_size)
+        agreed = []  # the config agreement's all-gather (test_router_agreement.py runs it on gloo)
+        monkeypatch.setattr(router_module, "agree_settings", lambda *args: agreed.append(args[1:]))
         router = TopKRouter(cfg(load_balancing_type=kind, **base), loss_group=group, global_loss_group=group)
         router(x[:6])
         assert group.calls == 1
+        assert agreed == [(group, torch.device("cpu"), "router", "router's loss_group")], agreed  # once per group
         if kind == "seq_aux_loss":
             local_seq = scores[mine].view(6, 2, E).sum(0)
             counts = rmap.view(12, 2, E).sum(0)
@@ -177,6 +181,9 @@ def test_loss_groups_sum_counts_over_ranks(monkeypatch):
         # the z-loss coefficient is shared by the group's ranks
         lse = torch.logsumexp(logits[mine], -1)
         torch.testing.assert_close(router.last_losses["z_loss"], (lse**2).mean() * 1e-3 / 2, rtol=1e-6, atol=0)
+        group.others.append(other)
+        router(x[:6])
+        assert len(agreed) == 1 and group.calls == 2, "the config is agreed at the first call only"
     # expert bias: counts summed over the group, so every rank applies the same update
     group = _FakeTwoRankGroup([torch.zeros(E)])
     monkeypatch.setattr(torch.distributed, "all_reduce", group.all_reduce)
