@@ -73,7 +73,8 @@ class MoELayer(nn.Module):
         # Once per layer, before anything else runs: a configuration that differs across ranks
         # would abort gloo in the size exchange (num_experts), or silently make a token's result
         # depend on its rank (the router's and experts' settings).
-        self.dispatcher.agree(device, self.config.field_values())
+        if not self.dispatcher.agreed:
+            self.dispatcher.agree(device, self.config.field_values())
         problem = hidden_states_problem(hidden_states, self.config.hidden_size, device)
         if problem is not None:
             three_d = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3
