@@ -198,11 +198,12 @@ class TopKRouter(nn.Module):
         run: a rank whose aux loss is off would leave its peers waiting in the all-reduce): every
         MoEConfig field is agreed over each loss group, and one that differs is the same
         ValueError on every rank of that group."""
-        groups = [(g, name) for g, name in ((self.loss_group, "router's loss_group"),
-                                            (self.global_loss_group, "router's global_loss_group")) if g is not None]
-        for i, (group, name) in enumerate(groups):
-            if all(group is not other for other, _ in groups[:i]):
+        agreed_over: list = []
+        for group, name in ((self.loss_group, "router's loss_group"),
+                            (self.global_loss_group, "router's global_loss_group")):
+            if group is not None and all(group is not done for done in agreed_over):
                 agree_settings(self.config.field_values(), group, device, "router", name)
+                agreed_over.append(group)
         self._agreed = True
 
     def _attach_aux_loss(self, probs: torch.Tensor, logits: torch.Tensor, seq_length: int, batch: int) -> torch.Tensor:
