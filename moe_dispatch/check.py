@@ -22,7 +22,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -445,11 +445,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         return main_worker(args, backend)
     world = args.ranks or (torch.cuda.device_count() if backend == "nccl" else 4)
+    return spawn_ranks(_worker, world, backend, args)
+
+
+def spawn_ranks(worker: Callable, world: int, *args: Any, name: str = "moe-dispatch check") -> int:
+    """Run worker(local_rank, world, port, *args) on ``world`` spawned ranks; 0, or 1 (with one
+    line on stderr) if a rank failed."""
     import torch.multiprocessing as mp
     try:
-        mp.spawn(_worker, args=(world, _free_port(), backend, args), nprocs=world, join=True)
+        mp.spawn(worker, args=(world, _free_port(), *args), nprocs=world, join=True)
     except mp.ProcessExitedException as exc:
-        print(f"moe-dispatch check: a rank failed ({exc})", file=sys.stderr)
+        print(f"{name}: a rank failed ({exc})", file=sys.stderr)
         return 1
     return 0
 

@@ -26,8 +26,9 @@ def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: st
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.tmp"))
-        os.replace(os.path.join(out_dir, f"rank{rank}.tmp"), os.path.join(out_dir, f"rank{rank}.pt"))
+        path = os.path.join(out_dir, f"rank{rank}.pt")
+        torch.save(result, path + ".tmp")
+        os.replace(path + ".tmp", path)  # whole, or absent: the error report below reads which exist
     finally:
         dist.destroy_process_group()
     end_spawned_rank()  # the result is on disk; an exception above still reaches spawn's handler

@@ -9,10 +9,7 @@ and then runs the command's own rank code (``moe_dispatch.check.main_worker``) u
 from __future__ import annotations
 
 import os
-import sys
 from typing import Optional
-
-import torch.multiprocessing as mp
 
 from moe_dispatch import check
 
@@ -29,13 +26,7 @@ def _rank(local_rank: int, world: int, port: int, args) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = check.build_parser().parse_args(argv)
-    world = args.ranks or 2
-    try:
-        mp.spawn(_rank, args=(world, check._free_port(), args), nprocs=world, join=True)
-    except mp.ProcessExitedException as exc:
-        print(f"check --megatron (CPU): a rank failed ({exc})", file=sys.stderr)
-        return 1
-    return 0
+    return check.spawn_ranks(_rank, args.ranks or 2, args, name="check --megatron (CPU)")
 
 
 if __name__ == "__main__":

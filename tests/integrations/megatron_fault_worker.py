@@ -67,6 +67,17 @@ def _step(layer, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch
     return out.detach().clone(), xi.grad.clone()
 
 
+def _forward_outcome(layer, given) -> tuple[str, str, float]:
+    """(exception type or 'ok', its message, seconds) of one forward."""
+    start = time.monotonic()
+    try:
+        layer(given)
+        kind, message = "ok", ""
+    except Exception as exc:  # noqa: BLE001  (the test asserts the kind)
+        kind, message = type(exc).__name__, str(exc)
+    return kind, message, time.monotonic() - start
+
+
 def _buffers(layer) -> dict:
     return {name: getattr(layer.router, name).clone() for name in ROUTER_BUFFERS}
 
@@ -93,28 +104,17 @@ def fault_worker(rank: int, world_size: int) -> dict:
         for name, (bad_rank, make_bad) in CASES.items():
             before = _buffers(layer)
             given = make_bad(x) if rank == bad_rank else x.clone().requires_grad_()
-            start = time.monotonic()
-            try:
-                layer(given)
-                outcome = ("ok", "")
-            except Exception as exc:  # noqa: BLE001  (the test asserts the kind)
-                outcome = (type(exc).__name__, str(exc))
-            seconds = time.monotonic() - start
+            outcome, message, seconds = _forward_outcome(layer, given)
             after = _buffers(layer)
             out, gx = _step(layer, x, dy)
-            rec[name] = dict(kind=outcome[0], message=outcome[1], seconds=seconds,
+            rec[name] = dict(kind=outcome, message=message, seconds=seconds,
                              buffers_kept=all(torch.equal(before[k], after[k]) for k in ROUTER_BUFFERS),
                              works_after=torch.equal(out, ref_out) and torch.equal(gx, ref_gx))
         for name, change in SETTING_CASES.items():
             fresh = _layer(kind, pg, **(change if rank == SETTING_BAD_RANK else {}))
-            start = time.monotonic()
-            try:
-                fresh(x.clone().requires_grad_())
-                outcome = ("ok", "")
-            except Exception as exc:  # noqa: BLE001  (the test asserts the kind)
-                outcome = (type(exc).__name__, str(exc))
+            outcome, message, seconds = _forward_outcome(fresh, x.clone().requires_grad_())
             out, gx = _step(layer, x, dy)
-            rec[name] = dict(kind=outcome[0], message=outcome[1], seconds=time.monotonic() - start,
+            rec[name] = dict(kind=outcome, message=message, seconds=seconds,
                              works_after=torch.equal(out, ref_out) and torch.equal(gx, ref_gx))
         records[kind] = rec
     return records
