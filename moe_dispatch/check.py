@@ -228,7 +228,8 @@ def run_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
                      router_dtype=args.router_dtype, init_seed=args.seed)
 
     def run(kind: str, ep: int, x: torch.Tensor, upstream: torch.Tensor) -> tuple:
-        return _run_layer(lambda: MoELayer(base.replace(dispatcher=kind), ep_group=groups[ep]).to(device), x, upstream)
+        return _run_layer(lambda: MoELayer(base.replace(dispatcher=kind), ep_group=groups[ep],
+                                           layer_index=0).to(device), x, upstream)
 
     return contract_checks(args, device, sizes, dispatchers, run)
 
@@ -256,7 +257,7 @@ def throughput(args: argparse.Namespace, device: torch.device) -> str:
     config = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
                        router_dtype=args.router_dtype, init_seed=args.seed,
                        dispatcher="alltoall" if args.dispatcher == "both" else args.dispatcher)
-    layer = MoELayer(config).to(device)
+    layer = MoELayer(config, layer_index=0).to(device)
     x = torch.randn((args.tokens, args.hidden), device=device).to(DTYPES[args.dtype]).requires_grad_()
     steps = 5
     for i in range(steps + 1):

@@ -16,7 +16,8 @@ from torch import nn
 
 from .config import MoEConfig
 from .dispatcher import build_dispatcher, hidden_states_problem
-from .experts import GroupedMLP, SequentialMLP
+from .experts import GroupedMLP, SequentialMLP, layer_seed
+from .parallel import check_ddp
 from .router import TopKRouter
 
 # Offsets the shared expert's seed from the routed experts' seeds.
@@ -30,30 +31,42 @@ class MoELayer(nn.Module):
         config: the MoEConfig shared by router, dispatcher and experts.
         ep_group: the expert-parallel process group. None means the default group when
             torch.distributed is initialised, else a single process holding every expert.
+        layer_index: which MoE layer of the model this is (an int >= 0; required, so that
+            layers of one model never start identical by accident). Give each layer its own.
 
-    Parameters are built from ``config.init_seed`` alone (router, shared expert) or from
-    (init_seed, global expert id) (routed experts), so the same seed builds the same model at
-    every EP size and on every rank.
+    Parameters are built from ``layer_seed(config.init_seed, layer_index)`` alone (router, shared
+    expert) or from (that seed, global expert id) (routed experts), so the same seed and index
+    build the same layer at every EP size and on every rank; layer 0's seed is init_seed itself.
+    The routed experts' state dict carries their global ids (DTensor shards at EP > 1, see
+    `moe_dispatch.experts.mlp`); under data parallelism see `moe_dispatch.parallel`.
     """
 
-    def __init__(self, config: MoEConfig, ep_group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, config: MoEConfig, ep_group: Optional[dist.ProcessGroup] = None, *,
+                 layer_index: int) -> None:
         super().__init__()
+        if not isinstance(layer_index, int) or isinstance(layer_index, bool) or layer_index < 0:
+            raise ValueError(f"layer_index must be an int >= 0, got {layer_index!r}")
         self.config = config
+        self.layer_index = layer_index
+        seeded = config.replace(init_seed=layer_seed(config.init_seed, layer_index))
         # The dispatcher's one size exchange already rejects NaN/inf probabilities, on every rank
         # and with no extra synchronisation; the router's own check would add a host sync and
         # raise on one rank only, leaving the others waiting in the exchange.
-        self.router = TopKRouter(config, check_finite=False)
+        self.router = TopKRouter(seeded, check_finite=False)
         self.dispatcher = build_dispatcher(config, ep_group)
         experts_cls = GroupedMLP if config.expert_impl == "grouped" else SequentialMLP
         num_local = self.dispatcher.num_local_experts
-        self.experts = experts_cls(config, num_local, self.dispatcher.ep_rank * num_local)
+        sharded_over = None
+        if self.dispatcher.ep_size > 1:
+            sharded_over = ep_group if ep_group is not None else dist.group.WORLD
+        self.experts = experts_cls(seeded, num_local, self.dispatcher.ep_rank * num_local, ep_group=sharded_over)
         self.shared_expert: Optional[nn.Module] = None
         if config.shared_expert_ffn_hidden_size:
             shared_config = config.replace(num_experts=1, topk=1, pre_softmax=True, num_groups=None,
                                            group_topk=None, capacity_factor=None, pad_to_capacity=False,
                                            ffn_hidden_size=config.shared_expert_ffn_hidden_size,
                                            probs_in_experts=False,
-                                           init_seed=config.init_seed + _SHARED_EXPERT_SEED_OFFSET)
+                                           init_seed=seeded.init_seed + _SHARED_EXPERT_SEED_OFFSET)
             self.shared_expert = experts_cls(shared_config, 1, 0)
 
     @property
@@ -68,13 +81,17 @@ class MoELayer(nn.Module):
         type) raises the same ValueError on every EP rank: a rank that finds it locally routes no
         tokens and takes part in the dispatcher's size exchange with the error, so no rank waits.
         At the first forward the EP ranks agree on every MoEConfig field; one that differs is the
-        same ValueError on every rank, naming the field and the ranks."""
+        same ValueError on every rank, naming the field and the ranks (``layer_index`` included: two
+        layers called in another order on another rank). Inside a DistributedDataParallel that owns
+        the routed experts across ranks holding different experts: a ValueError
+        (`moe_dispatch.parallel.check_ddp`)."""
         device = self.experts.weight1.device
+        check_ddp(self.experts)
         # Once per layer, before anything else runs: a configuration that differs across ranks
         # would abort gloo in the size exchange (num_experts), or silently make a token's result
         # depend on its rank (the router's and experts' settings).
         if not self.dispatcher.agreed:
-            self.dispatcher.agree(device, self.config.field_values())
+            self.dispatcher.agree(device, [*self.config.field_values(), ("layer_index", self.layer_index)])
         problem = hidden_states_problem(hidden_states, self.config.hidden_size, device)
         if problem is not None:
             three_d = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3

@@ -188,7 +188,7 @@ def bench_layer(args, world: int, rank: int) -> None:
         for impl, stable in [("grouped", True), ("grouped", False), ("sequential", True)]:
             config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=F, dispatcher=kind,
                                expert_impl=impl, params_dtype=torch.bfloat16, load_balancing_type="none")
-            layer = MoELayer(config, dist.group.WORLD).to(DEVICE)
+            layer = MoELayer(config, dist.group.WORLD, layer_index=0).to(DEVICE)
             if not stable:
                 if not hasattr(layer.experts, "row_stable"):
                     continue
@@ -247,7 +247,7 @@ def bench_layer_ep1(args, single) -> None:
     T, E, K, H, F = args.tokens, args.experts, args.topk, args.hidden, args.ffn
     config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=F, params_dtype=torch.bfloat16,
                        load_balancing_type="none")
-    layer = MoELayer(config, single).to(DEVICE)
+    layer = MoELayer(config, single, layer_index=0).to(DEVICE)
     x = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16)
 

@@ -38,7 +38,7 @@ def test_layer_matches_float64_reference(activation):
     torch.manual_seed(0)
     config = MoEConfig(hidden_size=48, num_experts=6, topk=2, ffn_hidden_size=40, activation=activation,
                        router_dtype="fp64", expert_impl="sequential")
-    layer = MoELayer(config)
+    layer = MoELayer(config, layer_index=0)
     x = torch.randn(37, 48)
     upstream = torch.randn(37, 48)
     xx = x.clone().requires_grad_()
@@ -61,7 +61,7 @@ def test_layer_matches_float64_reference(activation):
 def test_layer_input_gradient_matches_float64_reference():
     """The input gradient includes the path through the router's probabilities."""
     config = MoEConfig(hidden_size=32, num_experts=4, topk=2, ffn_hidden_size=24, router_dtype="fp64")
-    layer = MoELayer(config)
+    layer = MoELayer(config, layer_index=0)
     x = torch.randn(16, 32)
     upstream = torch.randn(16, 32)
     xx = x.clone().requires_grad_()
@@ -75,7 +75,7 @@ def test_layer_input_gradient_matches_float64_reference():
 
 def test_layer_shapes_shared_expert_and_batch_invariance():
     config = MoEConfig(hidden_size=32, num_experts=8, topk=2, ffn_hidden_size=16, shared_expert_ffn_hidden_size=8)
-    layer = MoELayer(config)
+    layer = MoELayer(config, layer_index=0)
     x = torch.randn(5, 4, 32, dtype=torch.bfloat16)
     y = layer(x)
     assert y.shape == x.shape and y.dtype == x.dtype
@@ -85,7 +85,7 @@ def test_layer_shapes_shared_expert_and_batch_invariance():
 
 
 def test_nan_input_is_a_clear_error():
-    layer = MoELayer(MoEConfig(hidden_size=16, num_experts=4, topk=2, ffn_hidden_size=8))
+    layer = MoELayer(MoEConfig(hidden_size=16, num_experts=4, topk=2, ffn_hidden_size=8), layer_index=0)
     x = torch.randn(6, 16)
     x[2, 5] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf"):
@@ -94,7 +94,7 @@ def test_nan_input_is_a_clear_error():
 
 def test_same_seed_same_layer():
     config = MoEConfig(hidden_size=16, num_experts=4, topk=2, ffn_hidden_size=8, init_seed=7)
-    a, b = MoELayer(config), MoELayer(config)
+    a, b = MoELayer(config, layer_index=0), MoELayer(config, layer_index=0)
     for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert na == nb and torch.equal(pa, pb)
 
@@ -134,7 +134,7 @@ def test_gpu_layer_step_host_synchronisations():
     """EP 1 layer step, forward + backward: one host synchronisation (the dispatcher reads the
     routing counts once) and that one device-to-host copy; no host-to-device copies."""
     config = MoEConfig(hidden_size=256, num_experts=16, topk=4, ffn_hidden_size=256, params_dtype=torch.bfloat16)
-    layer = MoELayer(config).cuda()
+    layer = MoELayer(config, layer_index=0).cuda()
     x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
     counts = host_calls_per_step(layer, x)
     print(f"\nEP-1 layer step (fwd+bwd): {counts['syncs']:g} host syncs, {counts['copies']:g} host<->device copies "
@@ -165,7 +165,7 @@ def test_layer_step_reads_the_host_once(pad_multiple):
     """EP 1, forward + backward: one host read (the routing counts), and no table copied to the
     device unless padding moves rows (then one)."""
     config = MoEConfig(hidden_size=32, num_experts=8, topk=2, ffn_hidden_size=16, pad_multiple=pad_multiple)
-    layer = MoELayer(config)
+    layer = MoELayer(config, layer_index=0)
     x = torch.randn(20, 32, requires_grad=True)
     counts = count_host_transfers_of(lambda: layer(x).sum().backward())
     assert counts == {"read_host": 1, "to_device": int(pad_multiple > 1)}, counts
@@ -173,7 +173,7 @@ def test_layer_step_reads_the_host_once(pad_multiple):
 
 def _nccl_layer_worker(rank: int, world_size: int) -> dict:
     config = MoEConfig(hidden_size=256, num_experts=16, topk=4, ffn_hidden_size=256, params_dtype=torch.bfloat16)
-    layer = MoELayer(config).cuda()
+    layer = MoELayer(config, layer_index=0).cuda()
     x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
     return host_calls_per_step(layer, x)
 
@@ -190,3 +190,20 @@ def test_gpu_ep2_layer_step_host_synchronisations():
         print(f"\nEP-2 layer step, rank {rank}: {counts['syncs']:g} host syncs, {counts['copies']:g} copies per step; "
               f"{counts['detail']}")
         assert counts["syncs"] == 1 and counts["copies"] == 3, counts
+
+
+def test_layers_of_one_model_differ():
+    """layer_index seeds the layer: two indices differ everywhere, layer 0 is the config's seed
+    (the experts and router built from the config alone), and the index is validated."""
+    from moe_dispatch.experts import GroupedMLP
+    from moe_dispatch.router import TopKRouter
+
+    config = MoEConfig(hidden_size=16, num_experts=4, topk=2, ffn_hidden_size=8, shared_expert_ffn_hidden_size=8)
+    a, b = MoELayer(config, layer_index=0), MoELayer(config, layer_index=1)
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb and not torch.equal(pa, pb), na
+    assert torch.equal(a.router.weight, TopKRouter(config).weight)
+    assert torch.equal(a.experts.weight1, GroupedMLP(config, 4).weight1)
+    for bad in (-1, True, 1.0, None):
+        with pytest.raises(ValueError, match="layer_index"):
+            MoELayer(config, layer_index=bad)

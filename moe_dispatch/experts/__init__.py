@@ -6,7 +6,7 @@ row-stability status, `activations` for why the CPU activations are hand-built.
 
 from .activations import activate, scale_rows
 from .gemm import expert_gemm, grouped_mm_row_stable, grouped_mm_supported, select_gemm
-from .init import expert_seed, init_expert_weights
+from .init import expert_seed, init_expert_weights, layer_seed
 from .megatron_state import (
     from_megatron_grouped,
     from_megatron_sequential,
@@ -26,6 +26,7 @@ __all__ = [
     "grouped_mm_row_stable",
     "expert_seed",
     "init_expert_weights",
+    "layer_seed",
     "to_megatron_sequential",
     "from_megatron_sequential",
     "to_megatron_grouped",

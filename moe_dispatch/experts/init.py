@@ -1,5 +1,8 @@
 """Seeded expert weights: a global expert's weights depend only on (init_seed, expert id).
 
+A layer of a model seeds with `layer_seed` (init_seed, layer index): layer 0 with init_seed
+itself, so layers of one model differ and a one-layer model keeps the seed it was given.
+
 Each (expert, weight) pair draws from its own CPU ``torch.Generator``, so building experts 2..3
 alone (EP rank 1 of 2) gives bitwise the slices of a 4-expert build, on any device.
 """
@@ -29,6 +32,16 @@ def expert_seed(init_seed: int, expert_id: int, which: int) -> int:
     h = _splitmix64(h ^ (expert_id & _MASK64))
     h = _splitmix64(h ^ (which & _MASK64))
     return h >> 1
+
+
+def layer_seed(init_seed: int, layer_index: int) -> int:
+    """The init seed of layer ``layer_index`` of a model seeded with ``init_seed``: init_seed
+    itself for layer 0, else a 62-bit hash of both (below 2**62, so the router's and shared
+    expert's small offsets stay inside a valid seed)."""
+    if layer_index == 0:
+        return init_seed
+    h = _splitmix64(_splitmix64(init_seed & _MASK64) ^ (layer_index & _MASK64))
+    return h >> 2
 
 
 def init_expert_weights(

@@ -10,6 +10,13 @@ in ``config.params_dtype``; ``y = act(x @ weight1[e]) @ weight2[e]`` for the row
 Local expert i is global expert ``local_expert_offset + i``; its weights come from
 (``config.init_seed``, global id) only (`moe_dispatch.experts.init`).
 
+Identity in the state dict: ``state_dict()`` also holds ``expert_ids`` (int64 [E_local], the
+global ids), and ``load_state_dict`` takes each local expert's rows by id (a state dict that
+lacks one of them is a ValueError naming the ids, never a silent load of other experts). Given
+``ep_group`` (EP size > 1), ``weight1``, ``weight2`` and ``expert_ids`` are DTensor shards
+(``Shard(0)`` over the EP group) of the global [E, ...] tensors, so torch.distributed.checkpoint
+saves each rank's experts as its own shard and loads them back at any EP size.
+
 Row stability (default ``row_stable=True``): a row's output and its input gradient do not depend
 on how many rows its expert received, on where the row sits, or on the other experts' rows. It
 holds per GEMM strategy and activation as documented in `gemm` and `activations`. Weight
@@ -25,9 +32,10 @@ they happened to agree bitwise on CPU bf16 and on one H200 bf16 case; that is no
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .activations import activate, scale_rows
@@ -55,12 +63,16 @@ class _LocalExperts(nn.Module):
         row_stable: bool = True,
         row_tile: int = 0,
         device: Optional[torch.device | str] = None,
+        ep_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         """``config``: a `moe_dispatch.config.MoEConfig` (reads hidden_size, ffn_hidden_size,
         num_experts, activation, init_seed, params_dtype, probs_in_experts).
         ``row_stable``: False allows the faster non-row-stable paths (see the module docstring).
         ``row_tile``: padding unit ("padded", CPU) or rows per GEMM call ("tiled", CUDA) of the
-        fallback paths; 0 = the device default (8 on CPU, 256 elsewhere)."""
+        fallback paths; 0 = the device default (8 on CPU, 256 elsewhere).
+        ``ep_group``: the expert-parallel group whose rank r holds experts r*E_local.. (as the
+        dispatchers place them); with more than one rank the state dict holds DTensor shards
+        (module docstring). None: plain tensors."""
         super().__init__()
         if num_local_experts < 1 or local_expert_offset < 0:
             raise ValueError("num_local_experts must be >= 1 and local_expert_offset >= 0")
@@ -80,6 +92,8 @@ class _LocalExperts(nn.Module):
         self.local_expert_offset = local_expert_offset
         self.row_stable = row_stable
         self.row_tile = row_tile
+        self.ep_group = _sharding_group(ep_group, config.num_experts, num_local_experts, local_expert_offset)
+        self._ep_mesh: Any = None  # the DeviceMesh of ep_group, built at the first state_dict()
         fc1_out = 2 * self.ffn_hidden_size if self.activation == "swiglu" else self.ffn_hidden_size
         kw = dict(dtype=config.params_dtype, device=device)
         self.weight1 = nn.Parameter(torch.empty(num_local_experts, self.hidden_size, fc1_out, **kw))
@@ -148,6 +162,49 @@ class _LocalExperts(nn.Module):
         s2 = select_gemm(act, w2, self.prefer_grouped, self.row_stable)
         return expert_gemm(act, w2, tokens_per_expert, s2, self.row_tile, offsets)
 
+    # ---- state dict: expert identity, DTensor shards for torch.distributed.checkpoint ----------
+
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "expert_ids"] = torch.tensor(list(self.global_expert_ids), dtype=torch.int64,
+                                                          device=self.weight1.device)
+        if self.ep_group is None:
+            return
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._ep_mesh is None:
+            self._ep_mesh = DeviceMesh.from_group(self.ep_group, self.weight1.device.type)
+
+        for name in _SHARDED_KEYS:
+            local = destination[prefix + name]
+            shape = torch.Size((self.num_local_experts * self._ep_mesh.size(), *local.shape[1:]))
+            # No copy: DCP loads straight into the parameters, as it does for torchtitan's DTensors.
+            destination[prefix + name] = DTensor.from_local(local, self._ep_mesh, [Shard(0)], run_check=False,
+                                                            shape=shape, stride=_contiguous_stride(shape))
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any],
+                              strict: bool, missing_keys: List[str], unexpected_keys: List[str],
+                              error_msgs: List[str]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        # ``state_dict`` is load_state_dict's own copy for this module: replacing entries is safe.
+        for name in _SHARDED_KEYS:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, DTensor):
+                state_dict[prefix + name] = value.to_local()
+        ids = state_dict.pop(prefix + "expert_ids", None)
+        if ids is None:
+            missing_keys.append(prefix + "expert_ids")  # a state dict without identity: strict loads refuse it
+        else:
+            rows = _rows_of(ids, list(self.global_expert_ids), prefix)
+            for name in ("weight1", "weight2"):
+                value = state_dict.get(prefix + name)
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == ids.numel():
+                    state_dict[prefix + name] = value[rows] if rows is not None else value
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     # ---- Megatron-core state dict layouts -------------------------------------------------
 
     def megatron_state_dict(self, layout: str = "sequential", prefix: str = "") -> Dict[str, torch.Tensor]:
@@ -180,6 +237,48 @@ class _LocalExperts(nn.Module):
             f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, activation={self.activation}, "
             f"row_stable={self.row_stable}"
         )
+
+
+_SHARDED_KEYS = ("weight1", "weight2", "expert_ids")
+
+
+def _sharding_group(ep_group: Optional[dist.ProcessGroup], num_experts: int, num_local: int,
+                    offset: int) -> Optional[dist.ProcessGroup]:
+    """``ep_group`` if it shards the experts (more than one rank), checked against the layout."""
+    if ep_group is None or dist.get_world_size(ep_group) == 1:
+        return None
+    size, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    if num_local * size != num_experts or offset != rank * num_local:
+        raise ValueError(
+            f"ep_group: rank {rank} of {size} holds experts {rank * num_local}..{(rank + 1) * num_local - 1} "
+            f"of num_experts={num_experts}, but these experts are {offset}..{offset + num_local - 1} of "
+            f"{num_local * size}"
+        )
+    return ep_group
+
+
+def _contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+def _rows_of(ids: torch.Tensor, wanted: List[int], prefix: str) -> Optional[torch.Tensor]:
+    """Positions of the ``wanted`` global expert ids in a state dict's ``expert_ids`` (None if
+    they are exactly those ids); a ValueError naming the ids if some are missing."""
+    held = [int(i) for i in ids.reshape(-1).tolist()]
+    if held == wanted:
+        return None
+    missing = [i for i in wanted if i not in held]
+    if missing:
+        raise ValueError(
+            f"{prefix}expert_ids: the state dict holds global experts {held}, these experts are {wanted} "
+            f"(experts {missing} are missing: a state dict saved on another EP rank or at another EP size; "
+            "save and load with torch.distributed.checkpoint to reshard)"
+        )
+    return torch.tensor([held.index(i) for i in wanted], dtype=torch.int64, device=ids.device)
 
 
 class GroupedMLP(_LocalExperts):

@@ -72,7 +72,7 @@ def _tokens(rank: int, cfg: MoEConfig = None) -> torch.Tensor:
 
 
 def _layer_step(cfg: MoEConfig, x, group) -> torch.Tensor:
-    layer = MoELayer(cfg, group)
+    layer = MoELayer(cfg, group, layer_index=0)
     xx = x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
     out = layer(xx)
     out.float().sum().backward()
@@ -180,7 +180,7 @@ def step_transfers(rank: int, world_size: int) -> dict:
     (forward + backward), after the layer's first step (which also agrees on the configuration)."""
     from tests.cuda_host_waits import count_host_transfers
 
-    layer = MoELayer(_layer_config(), dist.group.WORLD)
+    layer = MoELayer(_layer_config(), dist.group.WORLD, layer_index=0)
     x = _tokens(rank).requires_grad_()
     layer(x).float().sum().backward()
     with count_host_transfers() as counts:

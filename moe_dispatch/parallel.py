@@ -1,0 +1,131 @@
+"""Data parallelism around expert-parallel layers: the experts are not replicas across EP ranks.
+
+EP rank r of a group holds experts r*E_local.. only, so a data-parallel wrapper over ranks of one
+EP group must not broadcast or average the routed experts' weights: they are different experts.
+The ranks that hold the *same* experts (the same EP rank in every EP group: the expert-data-
+parallel group, Megatron's ``expert_data_parallel_group``) reduce their gradients instead:
+
+    ignore_experts_in_ddp(model)                      # before wrapping
+    ddp = DistributedDataParallel(model, process_group=dp_group)
+    loss.backward()
+    allreduce_expert_grads(model, expert_dp_group, dp_size=dp_group.size())
+    optimizer.step()
+
+A `MoELayer` whose routed experts a DistributedDataParallel owns over ranks that hold different
+experts raises a ValueError at its first forward inside that wrapper (`check_ddp`).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .experts.mlp import _LocalExperts
+
+
+def expert_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    """(name, parameter) of every expert weight in ``model`` that is sharded over an EP group of
+    more than one rank (the routed experts of a `MoELayer` at EP > 1). Replicated weights (router,
+    shared expert, experts at EP 1) are not listed: data parallelism averages them as usual."""
+    out = []
+    for module_name, module in model.named_modules():
+        if isinstance(module, _LocalExperts) and module.ep_group is not None:
+            prefix = f"{module_name}." if module_name else ""
+            out.extend((prefix + name, p) for name, p in module.named_parameters(recurse=False))
+    return out
+
+
+def ignore_experts_in_ddp(model: nn.Module) -> List[str]:
+    """Make a later ``DistributedDataParallel(model, ...)`` leave the sharded expert weights alone
+    (no broadcast at construction, no gradient all-reduce); returns their names. Call it on the
+    module you wrap, before wrapping; it keeps names the model already asked DDP to ignore."""
+    names = [name for name, _ in expert_parameters(model)]
+    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored + [n for n in names
+                                                                                          if n not in ignored])
+    return names
+
+
+def allreduce_expert_grads(model: nn.Module, expert_dp_group: dist.ProcessGroup, *, dp_size: int) -> None:
+    """Sum each sharded expert weight's gradient over ``expert_dp_group`` (the ranks that hold the
+    same experts) and divide it by ``dp_size`` (the number of ranks whose losses the data-parallel
+    wrapper averages, e.g. DDP's group size), so expert and non-expert gradients are both the
+    gradient of the mean of the ranks' losses. One all-reduce of one flat buffer; a missing
+    gradient counts as zeros (every rank then holds one). Call it after backward, on every rank
+    of ``expert_dp_group``.
+
+    Raises ValueError (on every rank of the group) if its ranks hold different experts."""
+    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
+        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
+    params = [p for _, p in expert_parameters(model)]
+    if not params:
+        return
+    layout = _expert_layout(model, params[0].device)
+    if dist.get_world_size(expert_dp_group) > 1:
+        _agree_layout(layout, expert_dp_group)
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if dist.get_world_size(expert_dp_group) > 1:
+        dist.all_reduce(flat, group=expert_dp_group)
+    if dp_size > 1:
+        flat.div_(dp_size)
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
+
+
+def check_ddp(experts: _LocalExperts) -> None:
+    """ValueError if a DistributedDataParallel forward is running, owns ``experts``' weights and
+    spans ranks that hold other experts (checked once per wrapper, with one all-gather on its
+    group, which every rank of it runs at the same forward)."""
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is None or experts.ep_group is None:
+        return
+    checked = experts.__dict__.get("_ddp_checked")
+    if checked is not None and checked() is ddp:
+        return
+    ignored = ddp.parameters_to_ignore
+    mine = {id(p) for p in experts.parameters()}
+    owned = any(id(p) in mine for name, p in ddp.module.named_parameters() if name not in ignored)
+    if owned and dist.get_world_size(ddp.process_group) > 1:
+        device = experts.weight1.device
+        first = torch.tensor([experts.local_expert_offset], dtype=torch.int64, device=device)
+        firsts = [torch.empty_like(first) for _ in range(dist.get_world_size(ddp.process_group))]
+        dist.all_gather(firsts, first, group=ddp.process_group)
+        ids = [int(f) for f in firsts]
+        if len(set(ids)) > 1:
+            raise ValueError(
+                f"DistributedDataParallel over {len(ids)} ranks owns the routed expert weights of an MoE layer "
+                f"whose ranks hold different experts (first expert id per rank: {ids}): DDP broadcast rank 0's "
+                "experts to every rank when it was built and would average different experts' gradients. Call "
+                "moe_dispatch.parallel.ignore_experts_in_ddp(model) before wrapping (and rebuild or reload the "
+                "model: its experts were overwritten), then moe_dispatch.parallel.allreduce_expert_grads(model, "
+                "expert_dp_group, dp_size=...) after each backward"
+            )
+    experts.__dict__["_ddp_checked"] = weakref.ref(ddp)
+
+
+def _expert_layout(model: nn.Module, device: torch.device) -> torch.Tensor:
+    """int64 [2]: how many sharded expert modules, and a digest of their first ids and sizes."""
+    count, digest = 0, 0
+    for module in model.modules():
+        if isinstance(module, _LocalExperts) and module.ep_group is not None:
+            count += 1
+            digest = (digest * 1000003 + module.local_expert_offset * 1009 + module.num_local_experts) % (2**61 - 1)
+    return torch.tensor([count, digest], dtype=torch.int64, device=device)
+
+
+def _agree_layout(layout: torch.Tensor, group: dist.ProcessGroup) -> None:
+    gathered = [torch.empty_like(layout) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, layout, group=group)
+    if any(not torch.equal(g, gathered[0]) for g in gathered):
+        raise ValueError(
+            "expert_dp_group: its ranks hold different experts (or different models); it must hold the "
+            "ranks with the same EP rank in each EP group (Megatron's expert_data_parallel_group)"
+        )
