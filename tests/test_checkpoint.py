@@ -2,7 +2,8 @@
 torch.distributed.checkpoint (DCP) checkpoint saved at EP 2 loads at EP 1 and EP 4 and back, and
 the loaded model's outputs equal the saved model's bitwise, at the same tokens; a plain
 state_dict() of one rank loaded on a rank holding other experts is a ValueError naming the ids;
-a full (EP 1) state dict loads on any EP rank, each taking its own experts by id."""
+a full (EP 1) state dict loads on any EP rank, each taking its own experts by id; the EP ranks
+agree on layer_index at the first forward."""
 from __future__ import annotations
 
 import os
@@ -78,6 +79,12 @@ def checkpoint_worker(rank: int, world_size: int, root: str) -> dict:
     target.load_state_dict(full)
     with torch.no_grad():
         out["full on ep2"] = torch.equal(target(x), reference)
+    # the EP ranks agree on layer_index at the first forward (layers called in another order)
+    try:
+        MoELayer(CONFIG, groups[2], layer_index=rank % 2)(x)
+        out["layer order"] = "ran"
+    except ValueError as exc:
+        out["layer order"] = str(exc)
     return out
 
 
@@ -89,6 +96,7 @@ def test_dcp_reshards_and_plain_state_dicts_check_identity(tmp_path):
             if key.startswith("("):
                 assert value is True, (rank, key)
         assert out["full on ep2"] is True, rank
+        assert "layer_index" in out["layer order"], (rank, out["layer order"])
         if rank % 2 == 0:  # holds rank 0's experts: the file is its own
             assert out["rank0 file"] == "loaded", rank
         else:

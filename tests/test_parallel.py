@@ -71,6 +71,11 @@ def ddp_worker(rank: int, world_size: int) -> dict:
     allreduce_expert_grads(layer, expert_dp, dp_size=4)
     out["ours"] = {"y": y.detach(), "dx": x.grad, **{n: p.grad.clone() for n, p in layer.named_parameters()}}
     out["experts"] = list(layer.experts.global_expert_ids)
+    try:  # the EP group is not an expert-data-parallel group: its ranks hold different experts
+        allreduce_expert_grads(layer, ep, dp_size=4)
+        out["wrong group"] = "ran"
+    except ValueError as exc:
+        out["wrong group"] = str(exc)
 
     layer = MoELayer(CONFIG, ep, layer_index=0)
     fully_shard(layer, mesh=init_device_mesh("cpu", (4,)), ignored_params={p for _, p in expert_parameters(layer)})
@@ -99,6 +104,7 @@ def test_ddp_and_fsdp2_with_expert_data_parallel_grads():
         assert "DistributedDataParallel" in out["unguarded"] and "ignore_experts_in_ddp" in out["unguarded"], \
             (rank, out["unguarded"])
         assert out["ignored"] == ["experts.weight1", "experts.weight2"]
+        assert "expert_dp_group" in out["wrong group"], (rank, out["wrong group"])
         rows, held = slice(T * rank, T * (rank + 1)), out["experts"]
         for wrapper in ("ours", "fsdp"):
             ours = out[wrapper]
