@@ -27,7 +27,8 @@ from typing import Any, Callable, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
-from .dispatcher.comm import all_gather_rows
+from .comm import all_gather_rows
+from .config import DISPATCHER_KINDS
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default: nccl with CUDA, else gloo")
     parser.add_argument("--ep-sizes", default=None,
                         help="comma-separated EP sizes to compare (default: powers of two up to --ranks)")
-    parser.add_argument("--dispatcher", choices=["both", "allgather", "alltoall"], default="both")
+    parser.add_argument("--dispatcher", choices=["both", *DISPATCHER_KINDS], default="both")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype")
     parser.add_argument("--router-dtype", choices=["fp32", "fp64"], default="fp32")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per rank (at least 2)")
@@ -142,7 +143,7 @@ def check_plan(args: argparse.Namespace, world: int) -> tuple[list[int], list[st
     for s in sizes:
         if s < 1 or world % s or args.experts % s:
             raise SystemExit(f"--ep-sizes: {s} must divide the world size {world} and --experts {args.experts}")
-    dispatchers = ["allgather", "alltoall"] if args.dispatcher == "both" else [args.dispatcher]
+    dispatchers = list(DISPATCHER_KINDS) if args.dispatcher == "both" else [args.dispatcher]
     return sizes, dispatchers
 
 
@@ -412,7 +413,7 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
     try:
         base = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
                          router_dtype=args.router_dtype, init_seed=args.seed)
-        for kind in ("allgather", "alltoall") if args.dispatcher == "both" else (args.dispatcher,):
+        for kind in DISPATCHER_KINDS if args.dispatcher == "both" else (args.dispatcher,):
             base.replace(dispatcher=kind)
     except ValueError as exc:
         fail(_config_error_as_flags(str(exc)))

@@ -15,13 +15,13 @@ from typing import Any, Optional
 
 import torch
 
-from .dispatcher.exchange import KINDS
+# The dispatcher kinds' names, the one list (dispatcher/exchange.py maps each to its implementation).
+DISPATCHER_KINDS: tuple[str, ...] = ("allgather", "alltoall")
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 _SCORE_FUNCTIONS = ("softmax", "sigmoid")
 _LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 _DROP_POLICIES = ("probs", "position")
-_DISPATCHERS = tuple(sorted(KINDS))  # the dispatcher kinds' one registry
 _ACTIVATIONS = ("gelu", "relu", "swiglu")
 _EXPERT_IMPLS = ("grouped", "sequential")
 
@@ -58,6 +58,79 @@ def _finite_number(field: str, value: Any, minimum: float, strict: bool) -> None
     if not ok:
         op = ">" if strict else ">="
         raise ValueError(f"{field} must be a finite number {op} {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """The dispatcher's settings (typed, immutable): what the dispatchers read, and nothing else.
+    Build it with ``MoEConfig.dispatch_config()``.
+
+    Attributes:
+        kind: one of ``DISPATCHER_KINDS`` ('allgather', 'alltoall').
+        num_experts: E, global experts, split contiguously over the EP ranks.
+        topk: K (sizes the capacity in pad-to-capacity mode).
+        hidden_size: H of every token.
+        router_dtype: 'fp32', 'fp64' or None (the probs' own dtype); fp64 makes probs travel in fp64.
+        probs_in_experts: True: the experts multiply the probs (Megatron); False: the combine does.
+        pad_multiple: dropless mode pads every local expert's block to a multiple of this.
+        capacity_factor: with pad_to_capacity, every (expert, source rank) block has exactly
+            ceil(T * topk / E * capacity_factor) rows (rounded up to pad_multiple).
+        pad_to_capacity: fixed-size blocks (see capacity_factor).
+    """
+
+    kind: str
+    num_experts: int
+    topk: int
+    hidden_size: int
+    router_dtype: Optional[str] = "fp32"
+    probs_in_experts: bool = False
+    pad_multiple: int = 1
+    capacity_factor: Optional[float] = None
+    pad_to_capacity: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in DISPATCHER_KINDS:
+            raise ValueError(f"dispatcher kind must be one of {DISPATCHER_KINDS}, got {self.kind!r}")
+        for name in ("num_experts", "topk", "hidden_size", "pad_multiple"):
+            _positive_int(name, getattr(self, name))
+        if self.topk > self.num_experts:
+            raise ValueError(f"topk={self.topk} exceeds num_experts={self.num_experts}")
+        if self.router_dtype not in (None, "fp32", "fp64"):
+            raise ValueError(f"router_dtype must be None, 'fp32' or 'fp64', got {self.router_dtype!r}")
+        for name in ("probs_in_experts", "pad_to_capacity"):
+            _strict_bool(name, getattr(self, name))
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf)
+                               or cf <= 0):
+            raise ValueError(f"capacity_factor must be None or a finite number > 0, got {cf!r}")
+        if self.pad_to_capacity and cf is None:
+            raise ValueError("pad_to_capacity=True needs capacity_factor to be set")
+
+    def wire_probs_dtype(self, probs_dtype: torch.dtype) -> torch.dtype:
+        """Probabilities travel and are applied in fp32, or fp64 when the router works in fp64.
+        bf16/fp16 probs are upcast (exactly) to fp32; they are never sent in 16 bits."""
+        if self.router_dtype == "fp64" or probs_dtype == torch.float64:
+            return torch.float64
+        return torch.float32
+
+    def capacity(self, num_tokens: int) -> int:
+        """Megatron's expert capacity ceil(T * topk / E * capacity_factor), rounded up to pad_multiple."""
+        cap = math.ceil(num_tokens * self.topk / self.num_experts * self.capacity_factor)
+        return -(-cap // self.pad_multiple) * self.pad_multiple
+
+    def field_values(self) -> list[tuple[str, Any]]:
+        """(name, value) of every field, in declaration order (the fingerprint compares them)."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+
+
+def as_dispatch_config(config: "MoEConfig | DispatchConfig", kind: Optional[str] = None) -> DispatchConfig:
+    """A DispatchConfig from a MoEConfig (``config.dispatch_config(kind)``) or a DispatchConfig
+    (itself, with ``kind`` replaced if given)."""
+    if isinstance(config, DispatchConfig):
+        return config if kind is None or kind == config.kind else dataclasses.replace(config, kind=kind)
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig or a DispatchConfig, got {type(config).__name__}")
+    return config.dispatch_config(kind)
 
 
 @dataclass(frozen=True)
@@ -131,7 +204,7 @@ class MoEConfig:
         _choice("score_function", self.score_function, _SCORE_FUNCTIONS)
         _choice("load_balancing_type", self.load_balancing_type, _LOAD_BALANCING_TYPES)
         _choice("drop_policy", self.drop_policy, _DROP_POLICIES)
-        _choice("dispatcher", self.dispatcher, _DISPATCHERS)
+        _choice("dispatcher", self.dispatcher, DISPATCHER_KINDS)
         _choice("activation", self.activation, _ACTIVATIONS)
         _choice("expert_impl", self.expert_impl, _EXPERT_IMPLS)
         if self.score_function == "softmax" and self.topk == 1 and not self.pre_softmax:
@@ -190,6 +263,14 @@ class MoEConfig:
     def field_values(self) -> list[tuple[str, Any]]:
         """(name, value) of every field, in declaration order (the EP ranks agree on them)."""
         return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+
+    def dispatch_config(self, kind: Optional[str] = None) -> "DispatchConfig":
+        """The dispatcher's part of this config; ``kind`` overrides ``dispatcher``."""
+        return DispatchConfig(kind=kind or self.dispatcher, num_experts=self.num_experts, topk=self.topk,
+                              hidden_size=self.hidden_size, router_dtype=self.router_dtype,
+                              probs_in_experts=self.probs_in_experts, pad_multiple=self.pad_multiple,
+                              capacity_factor=self.capacity_factor if self.pad_to_capacity else None,
+                              pad_to_capacity=self.pad_to_capacity)
 
     def replace(self, **changes: Any) -> "MoEConfig":
         """A validated copy with some fields changed (the only way to change a frozen config)."""
@@ -266,8 +347,8 @@ def _megatron_dispatch_fields(tc: Any, megatron_layer: bool) -> dict:
     if not get("num_moe_experts"):
         raise ValueError("num_moe_experts is not set: this TransformerConfig has no MoE layer")
     dispatcher = get("moe_token_dispatcher_type", "allgather")
-    if dispatcher not in _DISPATCHERS:
-        raise ValueError(f"moe_token_dispatcher_type={dispatcher!r} is not one of {_DISPATCHERS}")
+    if dispatcher not in DISPATCHER_KINDS:
+        raise ValueError(f"moe_token_dispatcher_type={dispatcher!r} is not one of {DISPATCHER_KINDS}")
     capacity = get("moe_expert_capacity_factor")
     if capacity is not None and capacity < 0:
         capacity = None  # Megatron's own convention: a negative factor means dropless

@@ -32,6 +32,7 @@ import triton
 from bench_ops import routing, time_host_calls  # this script's folder is on sys.path
 
 from moe_dispatch import MoEConfig, MoELayer
+from moe_dispatch.config import DISPATCHER_KINDS
 from moe_dispatch.dispatcher import build_dispatcher
 
 DEVICE = torch.device("cuda")
@@ -148,7 +149,7 @@ def bench_dispatch(args, world: int, rank: int) -> None:
     rows.append(("raw all_to_all_single, floor traffic only (dedup there, K-copy back, no self chunk)",
                  bench(remote_only_round_trip)))
 
-    for kind in ["alltoall", "allgather"]:
+    for kind in DISPATCHER_KINDS:
         rows.append((f"ours {kind} round trip", bench(our_round_trip(args, kind, x, routing_map, probs))))
     try:
         pg = megatron_groups(world, rank)
@@ -184,7 +185,7 @@ def bench_layer(args, world: int, rank: int) -> None:
     x = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16)
     rows = []
-    for kind in ["alltoall", "allgather"]:
+    for kind in DISPATCHER_KINDS:
         for impl, stable in [("grouped", True), ("grouped", False), ("sequential", True)]:
             config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=F, dispatcher=kind,
                                expert_impl=impl, params_dtype=torch.bfloat16, load_balancing_type="none")
@@ -205,7 +206,7 @@ def bench_layer(args, world: int, rank: int) -> None:
         from moe_dispatch.integrations.megatron_build import build_moe_layer
         variants = [("", False, False), (", our dispatcher installed", True, False),
                     (", our dispatcher + row-stable GEMMs (install default)", True, True)]
-        for kind in ["alltoall", "allgather"]:
+        for kind in DISPATCHER_KINDS:
             for suffix, ours, row_stable in variants:
                 cfg = megatron_config(H, E, K, F, world, kind)
                 layer = build_moe_layer(cfg, pg, ours=ours, device=DEVICE, row_stable_gemms=row_stable)
@@ -289,7 +290,7 @@ def profile_dispatch(args, world: int, rank: int) -> None:
     T, E, K, H = args.tokens, args.experts, args.topk, args.hidden
     x = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16)
     routing_map, probs = routing(T, E, K, seed=rank, device=DEVICE)
-    for kind in ["alltoall", "allgather"]:
+    for kind in DISPATCHER_KINDS:
         ours = our_round_trip(args, kind, x, routing_map, probs)
         for _ in range(5):
             ours()

@@ -41,9 +41,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_dispatch.config import DISPATCHER_KINDS
+
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-KINDS = ("allgather", "alltoall")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -253,7 +254,7 @@ def _rank_main(local_rank: int, world: int, port: int, ep: int, args: argparse.N
     stream = token_stream(args.vocab, 1 << 16, args.seed)
     runs = {}
     for stock in ((False, True) if args.stock else (False,)):
-        for kind in KINDS:
+        for kind in DISPATCHER_KINDS:
             torch.manual_seed(args.seed)
             model_parallel_cuda_manual_seed(args.seed)
             model = build_model(args, kind, ep, stock, device)
@@ -314,7 +315,7 @@ def ep_claims(by_ep: dict) -> list[tuple[str, bool, str, bool]]:
     for variant, counts in (("ours", True), ("stock", False)):
         for ep in sizes[1:]:
             first, other = by_ep[sizes[0]], by_ep[ep]
-            for kind in KINDS:
+            for kind in DISPATCHER_KINDS:
                 name = f"{variant}-{kind}"
                 if name not in first[0]:
                     continue

@@ -46,7 +46,8 @@ def host_waits(step: Callable[[], None], steps: int = 3, warmup: int = 2) -> dic
 def count_host_transfers() -> Iterator[dict]:
     """Count, while the block runs, the dispatcher's host reads (``read_host``: each one host sync
     on CUDA) and host-to-device table copies (``to_device``); yields the live counts."""
-    from moe_dispatch.dispatcher import comm, functional, layout
+    from moe_dispatch import comm
+    from moe_dispatch.dispatcher import functional, layout
 
     counts = {"read_host": 0, "to_device": 0}
 

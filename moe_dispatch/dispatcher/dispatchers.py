@@ -19,12 +19,13 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from ..agreement import GROUP_LATCHES, InputProblem, agree_config
+from ..comm import ProcessGroup, group_size_rank
+from ..config import DispatchConfig, MoEConfig, as_dispatch_config
 from . import functional
-from .comm import ProcessGroup, group_size_rank
-from .config import DispatchConfig, as_dispatch_config
 from .exchange import Received
-from .functional import DispatchHandle, Plan
-from .layout import InputProblem, agree_config, check_ep_size, exchange_sizes, hidden_states_problem
+from .functional import DispatchHandle, Plan, device_of
+from .layout import check_ep_size, exchange_sizes
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,15 @@ _Step = Union[None, _Prepared, _Sent, _Dispatched, _Returned]
 class _Dispatcher:
     kind = ""
 
-    def __init__(self, config: Any, ep_group: ProcessGroup = None) -> None:
+    def __init__(self, config: MoEConfig | DispatchConfig, ep_group: ProcessGroup = None) -> None:
         """config: a MoEConfig or DispatchConfig (its kind must be this class's, if it has one);
         ep_group: the expert-parallel ProcessGroup (None: the default group, or one process).
         Raises ValueError if num_experts is not divisible by the EP size."""
         self.config: DispatchConfig = as_dispatch_config(config, self.kind or None)
         self.ep_group = ep_group
+        # Errors found after a size exchange wait here for the group's next one (shared with
+        # every dispatcher on the group: see agreement.GroupLatches).
+        self.latch = GROUP_LATCHES.of(ep_group)
         self.ep_size, self.ep_rank = group_size_rank(ep_group)
         self.num_local_experts = check_ep_size(self.config.num_experts, self.ep_size)
         first = self.ep_rank * self.num_local_experts
@@ -90,38 +94,27 @@ class _Dispatcher:
         """(expert_input [N, H], tokens_per_expert CPU int64 [El], handle); see functional.dispatch
         (``handle``: reuse a previous step's, for activation recomputation)."""
         if handle is None:
-            self.agree(hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu"))
-            x, wire, plan = functional.prepare(hidden_states, routing_map, probs, self.config, self.ep_group)
-            rows, new = functional.finish(x, wire, functional.send_tokens(x, wire, plan), plan, hidden_states.shape)
-            return rows, new.tokens_per_expert, new
-        return functional.dispatch(hidden_states, routing_map, probs, self.config, self.ep_group, handle=handle)
+            self.agree(device_of(hidden_states))
+        return functional.dispatch(hidden_states, routing_map, probs, self.config, self.ep_group, handle=handle,
+                                   latch=self.latch, agreed=True)
 
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """expert_output [N, H] -> hidden_states' shape; see functional.combine."""
         return functional.combine(expert_output, handle)
 
     def raise_together(self, problem: InputProblem, device: torch.device) -> None:
-        """Take part in this step's size exchange with a locally found problem: every rank of the
-        group (those in dispatch, and this one) raises the same ValueError. Always raises."""
+        """Take part in this step's size exchange with a locally found problem (e.g. from
+        ``agreement.hidden_states_problem``): every rank of the group (those in dispatch, and this
+        one) raises the same ValueError. Always raises."""
         self.agree(device)
-        exchange_sizes(None, None, None, self.config, self.ep_group, problem=problem, device=device)
+        exchange_sizes(None, None, None, self.config, self.ep_group, self.latch, problem=problem, device=device)
         raise AssertionError("exchange_sizes returned despite a problem")  # unreachable: it raises
-
-    def check_layer_input(self, hidden_states: Any, device: torch.device) -> None:
-        """For a layer's forward, before its router: if hidden_states is not a float tensor
-        [T, H] / [S, B, H] with H = config.hidden_size on ``device``'s type, every rank of the group
-        raises the same ValueError (this rank through ``raise_together``, the others in their
-        dispatch). No collective and no sync when the input is fine. A wrapper around an install()'d
-        Megatron layer's forward can call it on ``moe_layer.token_dispatcher``."""
-        problem = hidden_states_problem(hidden_states, self.config.hidden_size, device)
-        if problem is not None:
-            self.raise_together(problem, device)
 
     # ---- Megatron-core interface -----------------------------------------------------------
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """Validate (all ranks), exchange sizes; returns (hidden [T, H], probs [T, E] fp32/fp64)."""
-        self.agree(hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu"))
-        x, wire, plan = functional.prepare(hidden_states, routing_map, probs, self.config, self.ep_group)
+        self.agree(device_of(hidden_states))
+        x, wire, plan = functional.prepare(hidden_states, routing_map, probs, self.config, self.ep_group, self.latch)
         self._step = _Prepared(plan, hidden_states.shape)
         return x, wire
 
@@ -143,7 +136,7 @@ class _Dispatcher:
         recv = Received(hidden_states, probs, step.recv.routing, step.recv.order)
         rows, handle = functional.finish(step.x, step.probs, recv, step.plan, step.hidden_shape)
         self._step = _Dispatched(handle)
-        return rows, handle.tokens_per_expert, handle.permuted_probs
+        return rows, handle.plan.tokens_per_expert, handle.permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Expert output [N, H] -> the same rows, checked (see functional.check_expert_output)."""
@@ -210,7 +203,7 @@ class AllGatherDispatcher(_Dispatcher):
     kind = "allgather"
 
 
-def build_dispatcher(config: Any, ep_group: ProcessGroup = None) -> _Dispatcher:
+def build_dispatcher(config: MoEConfig | DispatchConfig, ep_group: ProcessGroup = None) -> _Dispatcher:
     """The dispatcher of config's kind (a MoEConfig's ``dispatcher``, a DispatchConfig's ``kind``)."""
     cfg = as_dispatch_config(config)
     named = {cls.kind: cls for cls in _Dispatcher.__subclasses__()}

@@ -79,6 +79,7 @@ import warnings
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Optional
 
+from ..config import DISPATCHER_KINDS
 from ..dispatcher import AllGatherDispatcher, AllToAllDispatcher, dispatcher_from_megatron, hidden_states_problem
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ __all__ = ["DeterministicMoELayer",  # noqa: F822  (built lazily, see __getattr_
            "deterministic_moe_spec", "get_moe_module_spec", "install", "is_installed", "make_row_stable",
            "warn_if_untested"]
 
-SUPPORTED_DISPATCHERS = ("allgather", "alltoall")
+SUPPORTED_DISPATCHERS = DISPATCHER_KINDS
 # The megatron-core releases the test suite runs against (oldest, newest).
 TESTED_MEGATRON_CORE = ("0.16.1", "0.19.2")
 # Parts of the MoE layer whose CUDA-graph capture would include the dispatch.

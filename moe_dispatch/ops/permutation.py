@@ -605,8 +605,13 @@ def shifted_runs(shifts: Sequence[int], lengths: Sequence[int], device: torch.de
     """[sum(lengths)] int64 on ``device``: i + shifts[r] for every position i of run r, the runs
     (lengths[r] positions each) laid end to end. Host tables go to the device non_blocking."""
     tables = torch.tensor([*shifts, *lengths], dtype=torch.int64).to(device, non_blocking=True).view(2, -1)
-    total = sum(lengths)
-    return torch.arange(total, device=device) + torch.repeat_interleave(tables[0], tables[1], output_size=total)
+    return runs_index(tables[0], tables[1], sum(lengths))
+
+
+def runs_index(shifts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """``shifted_runs`` from tables already on the device: shifts, lengths [R] int64; total =
+    sum(lengths), a host int (so nothing waits for the device)."""
+    return torch.arange(total, device=shifts.device) + torch.repeat_interleave(shifts, lengths, output_size=total)
 
 
 def inverse_permutation(index: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moe_dispatch.comm import group_size_rank
 from moe_dispatch.dispatcher import AllGatherDispatcher, AllToAllDispatcher
-from moe_dispatch.dispatcher.comm import group_size_rank
 from moe_dispatch.ops import permute, unpermute
 
 from .helpers import E, G, H, batch, config, expert_weights, run_experts

@@ -21,6 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moe_dispatch.config import DISPATCHER_KINDS
+
 from .megatron_worker import _setup
 
 H, FFN, E, K, S, B = 64, 32, 8, 2, 16, 2
@@ -96,7 +98,7 @@ def fault_worker(rank: int, world_size: int) -> dict:
     gen = torch.Generator().manual_seed(40 + rank)
     x, dy = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
     records = {}
-    for kind in ("allgather", "alltoall"):
+    for kind in DISPATCHER_KINDS:
         layer = _layer(kind, pg)
         assert is_installed(layer) and layer._moe_dispatch_row_stable
         ref_out, ref_gx = _step(layer, x, dy)

@@ -15,10 +15,12 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from moe_dispatch.config import DISPATCHER_KINDS
+
 H, FFN, E, K = 64, 32, 8, 2
 G, B = 256, 2
 TRUNC = 90  # truncation: tokens >= TRUNC (of each rank's batch) zeroed
-KINDS = ("allgather", "alltoall")
+KINDS = DISPATCHER_KINDS
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

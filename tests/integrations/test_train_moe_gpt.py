@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from moe_dispatch.config import DISPATCHER_KINDS
+
 pytest.importorskip("megatron.core")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +61,7 @@ def test_identical_data_identical_losses_and_learning(run):
         assert first == second, name
         assert all(math.isfinite(v) for v in first) and first[-1] < first[0], (name, first)
     # Same weights and tokens at both EP sizes: the forward (step 0) is the contract's.
-    for kind in ("allgather", "alltoall"):
+    for kind in DISPATCHER_KINDS:
         assert runs[f"EP 1 ours-{kind}"]["rank_losses"][0][0] == runs[f"EP 2 ours-{kind}"]["rank_losses"][0][0]
 
 
