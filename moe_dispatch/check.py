@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .comm import all_gather_rows
 from .config import DISPATCHER_KINDS
+from .launch import end_spawned_rank, rank_device, set_rank_env, spawn_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -285,34 +284,9 @@ def _print_table(results: list[Result]) -> None:
 
 
 def _worker(local_rank: int, world: int, port: int, backend: str, args: argparse.Namespace) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
-    os.environ.setdefault("RANK", str(local_rank))
-    os.environ.setdefault("WORLD_SIZE", str(world))
-    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    set_rank_env(local_rank, world, port)
     main_worker(args, backend)  # a failed check raises SystemExit(1) here
     end_spawned_rank()
-
-
-def end_spawned_rank() -> NoReturn:
-    """Exit a spawned rank whose work succeeded and whose process group is destroyed, skipping
-    interpreter finalization: there gloo's C++ threads can still abort the process (SIGABRT,
-    "terminate called without an active exception") after a passing run, which spawn would
-    report as a failed rank."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def rank_device(backend: str, local_rank: int) -> torch.device:
-    """The rank's device: NCCL, one GPU per rank; gloo, the GPUs too where CUDA is present (ranks
-    share them, local_rank modulo the GPU count: gloo's collectives take CUDA tensors, so one GPU
-    can check EP 2 to 8), else the CPU."""
-    if backend == "nccl" or (backend == "gloo" and torch.cuda.is_available()):
-        index = local_rank if backend == "nccl" else local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
 
 
 def main_worker(args: argparse.Namespace, backend: str) -> int:
@@ -348,12 +322,6 @@ def main_worker(args: argparse.Namespace, backend: str) -> int:
     if not ok:
         raise SystemExit(1)
     return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # The check's flags by the MoEConfig field they set: a config error names the flag.
@@ -447,18 +415,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         return main_worker(args, backend)
     world = args.ranks or (torch.cuda.device_count() if backend == "nccl" else 4)
     return spawn_ranks(_worker, world, backend, args)
-
-
-def spawn_ranks(worker: Callable, world: int, *args: Any, name: str = "moe-dispatch check") -> int:
-    """Run worker(local_rank, world, port, *args) on ``world`` spawned ranks; 0, or 1 (with one
-    line on stderr) if a rank failed."""
-    import torch.multiprocessing as mp
-    try:
-        mp.spawn(worker, args=(world, _free_port(), *args), nprocs=world, join=True)
-    except mp.ProcessExitedException as exc:
-        print(f"{name}: a rank failed ({exc})", file=sys.stderr)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

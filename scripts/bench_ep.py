@@ -2,7 +2,7 @@
 forward + backward, ours beside megatron-core's in the same run.
 
     torchrun --nproc-per-node 2 scripts/bench_ep.py [--what dispatch,layer] [--tokens 8192]
-    torchrun --nproc-per-node 2 scripts/bench_ep.py --cpu-smoke   # gloo, tiny: checks the script runs
+    torchrun --nproc-per-node 2 -m tests.bench_ep_cpu   # --cpu-smoke: gloo, tiny: checks the script runs
     torchrun --nproc-per-node 1 scripts/bench_ep.py --what layer   # the EP-1 layer on one GPU
 
 Round trip: identity experts; ours (alltoall, allgather), Megatron's MoEAlltoAll/MoEAllGather
@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import triton
-from bench_ops import routing, time_host_calls  # this script's folder is on sys.path
+from bench_ops import routing, time_host_calls  # python puts this script's folder first on its path
 
-from moe_dispatch import MoEConfig, MoELayer
+from moe_dispatch import MoEConfig, MoELayer, profiling
 from moe_dispatch.config import DISPATCHER_KINDS
 from moe_dispatch.dispatcher import build_dispatcher
 
@@ -88,10 +86,7 @@ def megatron_groups(world: int, rank: int):
     global _PG
     if _PG is None:
         from moe_dispatch.integrations.megatron_build import prepare_megatron, process_groups
-        if DEVICE.type == "cpu":  # --cpu-smoke: the test suite's CPU shims (they patch torch.cuda)
-            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-            from tests.megatron_cpu import apply_cpu_shims
-            apply_cpu_shims()
+        # On CPU (--cpu-smoke) only where the test suite's launcher applied its CPU shims.
         prepare_megatron(DEVICE)
         single = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
         _PG = process_groups(dist.group.WORLD, single)
@@ -232,13 +227,10 @@ def bench_layer(args, world: int, rank: int) -> None:
 
 def host_waits(fn, steps: int = 3) -> str:
     """'syncs / copies' per call of fn: synchronisations torch makes the host wait for, and
-    host<->device copies (tests/cuda_host_waits.py); 'n/a' on the CPU."""
+    host<->device copies (moe_dispatch.profiling.host_waits); 'n/a' on the CPU."""
     if DEVICE.type != "cuda":
         return "n/a"
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.cuda_host_waits import host_waits as count
-
-    counts = count(fn, steps, warmup=1)
+    counts = profiling.host_waits(fn, steps, warmup=1)
     return f"{counts['syncs']:g} / {counts['copies']:g}"
 
 
@@ -278,7 +270,7 @@ def profile_dispatch(args, world: int, rank: int) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from moe_dispatch.dispatcher import functional
-    from moe_dispatch.ops import permutation
+    from moe_dispatch.ops import permutation, triton_kernels
 
     for name in ["prepare", "send_tokens", "finish", "return_to_owners", "owner_sum"]:
         fn = getattr(functional, name)
@@ -312,10 +304,9 @@ def profile_dispatch(args, world: int, rank: int) -> None:
     slots = rid.slots
     cases = {
         "torch add_ (baseline)": lambda: xs.add_(0),
-        "make_slots op": lambda: permutation._make_slots_op(rm, 1),
-        "permute_rows op": lambda: permutation._permute_op(xs, slots, pr, rid.num_out_tokens, False),
-        "triton permute_rows direct": lambda: permutation._impl(xs).permute_rows(xs, slots, pr, rid.num_out_tokens,
-                                                                                   False),
+        "make_slots op": lambda: torch.ops.moe_dispatch.make_slots(rm, 1),
+        "permute_rows op": lambda: torch.ops.moe_dispatch.permute_rows(xs, slots, pr, rid.num_out_tokens, False),
+        "triton permute_rows direct": lambda: triton_kernels.permute_rows(xs, slots, pr, rid.num_out_tokens, False),
         "permute (public, syncs)": lambda: permutation.permute(xs, rm, pr),
         "permute (public, host counts)": lambda: permutation.permute(xs, rm, pr, tokens_per_expert=rm.sum(0).tolist()),
         "unpermute (public)": lambda: permutation.unpermute(rows, rid, pr),
@@ -327,7 +318,7 @@ def profile_dispatch(args, world: int, rank: int) -> None:
         say(f"| {name} | {us:.1f} |")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--what", default="dispatch,layer")
     parser.add_argument("--tokens", type=int, default=8192)
@@ -336,7 +327,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--topk", type=int, default=6)
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo on CPU at a tiny size: does the script run?")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     global DEVICE
     local_rank = int(os.environ["LOCAL_RANK"])
     if args.cpu_smoke:

@@ -1,7 +1,7 @@
 """Test-only: run megatron-core's MoELayer (0.16.1 through 0.19.2) on CPU / gloo.
 
-The one copy of these shims, for the test suite's spawned ranks and for the scripts' CPU runs
-(scripts/train_moe_gpt.py, scripts/bench_ep.py --cpu-smoke). Not part of the moe_dispatch package:
+The one copy of these shims, for the test suite's spawned ranks and its launchers of the scripts'
+CPU runs (tests/integrations/train_moe_gpt_cpu.py, tests/bench_ep_cpu.py). Not part of the moe_dispatch package:
 they patch torch.cuda process-wide, so a process that calls :func:`apply_cpu_shims` must never use
 a GPU (it raises where CUDA is visible).
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from moe_dispatch.experts import GroupedMLP, SequentialMLP, from_megatron_grouped, to_megatron_grouped
+from moe_dispatch.launch import free_port
 from tests.experts.reference import make_config, reference_forward, routed_batch
 from tests.experts.test_reference import TOL
 
@@ -70,12 +70,6 @@ def test_load_rejects_wrong_shapes():
         GroupedMLP(make_config("gelu"), 4).megatron_state_dict("flat")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_against_megatron_sequential_mlp():
     """Megatron-core's SequentialMLP on CPU with our weights (sequential layout) and the
@@ -86,7 +80,7 @@ def test_against_megatron_sequential_mlp():
     # One thread: the worker is small, and it then does not compete with a parallel test run.
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",  # CPU shims: no GPU in the worker
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "tests.experts.megatron_worker", str(_free_port())],
+    proc = subprocess.run([sys.executable, "-m", "tests.experts.megatron_worker", str(free_port())],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
