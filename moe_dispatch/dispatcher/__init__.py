@@ -4,14 +4,13 @@ in fp32 (fp64 for fp64 probs).
 
 Modules: ``config`` (DispatchConfig), ``layout`` (the size exchange: agreement, validation, sizes),
 ``exchange`` (the kinds' transport, forward and back), ``functional`` (dispatch / combine and the
-frozen handle), ``dispatchers`` (the objects and Megatron's six-method adapter), ``comm``.
+frozen handle), ``dispatchers`` (the objects), ``comm``.
 """
 from .config import DispatchConfig
 from .dispatchers import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher
 from .exchange import KINDS
 from .functional import DispatchHandle, combine, dispatch
 from .layout import InputProblem, hidden_states_problem
-from .megatron_adapter import dispatcher_from_megatron
 
 __all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "DispatchConfig", "DispatchHandle", "InputProblem", "KINDS",
-           "build_dispatcher", "combine", "dispatch", "dispatcher_from_megatron", "hidden_states_problem"]
+           "build_dispatcher", "combine", "dispatch", "hidden_states_problem"]
