@@ -234,9 +234,9 @@ def run_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
 
 
 def _megatron_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
-    """--megatron: checks (a)-(d) on megatron-core's MoELayer (``integrations.megatron_check``),
+    """--megatron: checks (a)-(d) on megatron-core's MoELayer (``integrations.megatron.check``),
     handed this check's EP groups and ``contract_checks`` (so that module never imports this one)."""
-    from .integrations.megatron_check import run_megatron_checks
+    from .integrations.megatron.check import run_megatron_checks
 
     world = dist.get_world_size()
     sizes, dispatchers = check_plan(args, world)
@@ -308,7 +308,7 @@ def main_worker(args: argparse.Namespace, backend: str) -> int:
         if rank == 0:
             _print_table(results)
             if args.megatron:
-                from .integrations.megatron_check import explain
+                from .integrations.megatron.check import explain
                 for note in explain(results):
                     print(note)
             print(line)
@@ -406,7 +406,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     validate_args(parser, args, argv)
     if args.megatron:
-        from .integrations.megatron_check import megatron_unavailable
+        from .integrations.megatron.check import megatron_unavailable
 
         if why := megatron_unavailable():
             parser.error(why)

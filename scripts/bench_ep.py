@@ -85,7 +85,7 @@ def megatron_groups(world: int, rank: int):
     """Megatron's process groups for one MoE layer: EP over every rank, everything else alone."""
     global _PG
     if _PG is None:
-        from moe_dispatch.integrations.megatron_build import prepare_megatron, process_groups
+        from moe_dispatch.integrations.megatron.build import prepare_megatron, process_groups
         # On CPU (--cpu-smoke) only where the test suite's launcher applied its CPU shims.
         prepare_megatron(DEVICE)
         single = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
@@ -94,7 +94,7 @@ def megatron_groups(world: int, rank: int):
 
 
 def megatron_config(H: int, E: int, K: int, ffn: int, world: int, kind: str):
-    from moe_dispatch.integrations.megatron_build import moe_transformer_config
+    from moe_dispatch.integrations.megatron.build import moe_transformer_config
     # CPU initialisation: GPU initialisation needs Megatron's model-parallel RNG tracker.
     return moe_transformer_config(H, ffn, E, K, kind, torch.bfloat16, ep_size=world, router_dtype="fp32")
 
@@ -198,7 +198,7 @@ def bench_layer(args, world: int, rank: int) -> None:
             rows.append((label, bench(fwd_bwd), fwd))
     try:
         pg = megatron_groups(world, rank)
-        from moe_dispatch.integrations.megatron_build import build_moe_layer
+        from moe_dispatch.integrations.megatron.build import build_moe_layer
         variants = [("", False, False), (", our dispatcher installed", True, False),
                     (", our dispatcher + row-stable GEMMs (install default)", True, True)]
         for kind in DISPATCHER_KINDS:

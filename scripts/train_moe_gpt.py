@@ -148,7 +148,7 @@ def seed_weights(model, seed: int) -> None:
     """Weights that depend only on the seed and the parameter, never on the EP size: each MoE
     layer's router and experts by global expert id (``load_seeded_weights``), every other matrix
     normal(0, 0.02) from its own generator (seeded by its name); norms and biases as built."""
-    from moe_dispatch.integrations.megatron_build import load_seeded_weights
+    from moe_dispatch.integrations.megatron.build import load_seeded_weights
 
     moe = [m for m in model.modules() if hasattr(m, "router") and hasattr(m, "local_expert_indices")]
     for i, layer in enumerate(moe):
@@ -217,8 +217,16 @@ def train(args: argparse.Namespace, model, device: torch.device, stream: torch.T
         losses.append(loss.item())
         mean_losses.append(mean.item() / dist.get_world_size())
     seconds = time.perf_counter() - start
-    dispatchers = sorted({type(m.token_dispatcher).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")})
+    dispatchers = sorted({_dispatcher_name(m) for m in model.modules() if hasattr(m, "token_dispatcher")})
     return dict(losses=losses, mean_losses=mean_losses, grads=grads, seconds=seconds, dispatchers=dispatchers)
+
+
+def _dispatcher_name(moe_layer) -> str:
+    """The class of the layer's dispatcher: ours inside its Megatron wrapper, or Megatron's own."""
+    from moe_dispatch.integrations.megatron import is_installed
+
+    ours = is_installed(moe_layer)
+    return type(moe_layer.token_dispatcher.dispatcher if ours else moe_layer.token_dispatcher).__name__
 
 
 def rank_main(local_rank: int, world: int, port: int, ep: int, args: argparse.Namespace, out_dir: str) -> None:
@@ -241,7 +249,7 @@ def rank_main(local_rank: int, world: int, port: int, ep: int, args: argparse.Na
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from moe_dispatch.integrations.megatron_build import prepare_megatron
+    from moe_dispatch.integrations.megatron.build import prepare_megatron
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
     prepare_megatron(device)

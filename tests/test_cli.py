@@ -96,7 +96,7 @@ def test_more_nccl_ranks_than_gpus_is_refused(spawned, capsys):
 
 
 def test_megatron_missing_is_a_flag_error(spawned, capsys, monkeypatch):
-    from moe_dispatch.integrations import megatron_check
+    from moe_dispatch.integrations.megatron import check as megatron_check
 
     monkeypatch.setattr(megatron_check, "megatron_unavailable", lambda: "--megatron needs megatron-core")
     with pytest.raises(SystemExit) as exc:

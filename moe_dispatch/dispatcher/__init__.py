@@ -4,15 +4,15 @@ in fp32 (fp64 for fp64 probs).
 
 Modules: ``layout`` (the size exchange: validation, sizes), ``exchange`` (the kinds' transport,
 forward and back), ``functional`` (dispatch / combine and the frozen handle), ``dispatchers``
-(the objects and Megatron's six-method adapter). Agreement across ranks and latched errors:
-``moe_dispatch.agreement``; the settings: ``moe_dispatch.config.DispatchConfig``.
+(the objects). Agreement across ranks and latched errors: ``moe_dispatch.agreement``; the
+settings: ``moe_dispatch.config.DispatchConfig``; Megatron's six-method interface:
+``moe_dispatch.integrations.megatron``.
 """
 from ..agreement import InputProblem, hidden_states_problem
 from ..config import DispatchConfig
 from .dispatchers import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher
 from .exchange import KINDS
 from .functional import DispatchHandle, combine, dispatch
-from .megatron_adapter import dispatcher_from_megatron
 
 __all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "DispatchConfig", "DispatchHandle", "InputProblem", "KINDS",
-           "build_dispatcher", "combine", "dispatch", "dispatcher_from_megatron", "hidden_states_problem"]
+           "build_dispatcher", "combine", "dispatch", "hidden_states_problem"]

@@ -25,7 +25,7 @@ they happened to agree bitwise on CPU bf16 and on one H200 bf16 case; that is no
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
@@ -33,12 +33,6 @@ from torch import nn
 from .activations import activate, scale_rows
 from .gemm import GemmStrategy, expert_gemm, select_gemm
 from .init import WEIGHT1, WEIGHT2, init_expert_weights
-from .megatron_state import (
-    from_megatron_grouped,
-    from_megatron_sequential,
-    to_megatron_grouped,
-    to_megatron_sequential,
-)
 
 
 class _LocalExperts(nn.Module):
@@ -147,32 +141,6 @@ class _LocalExperts(nn.Module):
             act = scale_rows(act, permuted_probs)
         s2 = select_gemm(act, w2, self.prefer_grouped, self.row_stable)
         return expert_gemm(act, w2, tokens_per_expert, s2, self.row_tile, offsets)
-
-    # ---- Megatron-core state dict layouts -------------------------------------------------
-
-    def megatron_state_dict(self, layout: str = "sequential", prefix: str = "") -> Dict[str, torch.Tensor]:
-        """These experts under Megatron-core's names: ``layout`` 'sequential' (SequentialMLP,
-        ``local_experts.{i}.linear_fc{1,2}.weight``) or 'grouped' (GroupedMLP ``weight1/2``)."""
-        if layout == "sequential":
-            return to_megatron_sequential(self.weight1.detach(), self.weight2.detach(), prefix)
-        if layout == "grouped":
-            return to_megatron_grouped(self.weight1.detach(), self.weight2.detach(), prefix)
-        raise ValueError(f"layout must be 'sequential' or 'grouped', got {layout!r}")
-
-    @torch.no_grad()
-    def load_megatron_state_dict(self, state_dict: Dict[str, torch.Tensor], layout: str = "sequential",
-                                 prefix: str = "") -> None:
-        """Inverse of `megatron_state_dict`; shapes must match these experts exactly."""
-        if layout == "sequential":
-            w1, w2 = from_megatron_sequential(state_dict, self.num_local_experts, prefix)
-        elif layout == "grouped":
-            w1, w2 = from_megatron_grouped(state_dict, self.num_local_experts, self.hidden_size, prefix)
-        else:
-            raise ValueError(f"layout must be 'sequential' or 'grouped', got {layout!r}")
-        for param, w, name in ((self.weight1, w1, "weight1"), (self.weight2, w2, "weight2")):
-            if w.shape != param.shape:
-                raise ValueError(f"{name}: Megatron tensor maps to {tuple(w.shape)}, expected {tuple(param.shape)}")
-            param.copy_(w)
 
     def extra_repr(self) -> str:
         return (

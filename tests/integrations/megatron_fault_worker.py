@@ -50,7 +50,7 @@ SETTING_BAD_RANK = 1
 
 
 def _layer(kind: str, pg, **overrides):
-    from moe_dispatch.integrations.megatron_build import build_moe_layer, load_seeded_weights, moe_transformer_config
+    from moe_dispatch.integrations.megatron.build import build_moe_layer, load_seeded_weights, moe_transformer_config
 
     settings = dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
                     moe_aux_loss_coeff=[1e-2, 1e-2, 1e-2], moe_router_score_function="sigmoid",
