@@ -15,12 +15,11 @@ on how many rows its expert received, on where the row sits, or on the other exp
 holds per GEMM strategy and activation as documented in `gemm` and `activations`. Weight
 gradients are per-expert sums over that expert's rows: deterministic, and equal at any EP size
 when the expert receives the same rows in the same order. ``row_stable=False`` allows faster
-paths that lose this (plain per-expert mm, or grouped_mm in CPU fp32).
+paths that lose this (plain per-expert mm, or grouped_mm).
 
-GroupedMLP and SequentialMLP are bitwise equal where both take the same strategy (CPU fp32:
-both "padded"; CUDA fp32: both "tiled"). Where GroupedMLP runs grouped_mm (CPU/CUDA bf16) the two
-are different kernels and may differ in the last bits; they agree within rounding. (In our tests
-they happened to agree bitwise on CPU bf16 and on one H200 bf16 case; that is not promised.)
+GroupedMLP and SequentialMLP are bitwise equal where both take the same strategy (CPU: both
+"ordered", every dtype; CUDA fp32: both "tiled"). Where GroupedMLP runs grouped_mm (CUDA bf16)
+the two are different kernels and may differ in the last bits; they agree within rounding.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ class _LocalExperts(nn.Module):
         """``config``: a `moe_dispatch.config.MoEConfig` (reads hidden_size, ffn_hidden_size,
         num_experts, activation, init_seed, params_dtype, probs_in_experts).
         ``row_stable``: False allows the faster non-row-stable paths (see the module docstring).
-        ``row_tile``: padding unit ("padded", CPU) or rows per GEMM call ("tiled", CUDA) of the
-        fallback paths; 0 = the device default (8 on CPU, 256 elsewhere)."""
+        ``row_tile``: rows per GEMM call of the "tiled" fallback (CUDA); 0 = 256."""
         super().__init__()
         if num_local_experts < 1 or local_expert_offset < 0:
             raise ValueError("num_local_experts must be >= 1 and local_expert_offset >= 0")
@@ -152,17 +150,17 @@ class _LocalExperts(nn.Module):
 
 class GroupedMLP(_LocalExperts):
     """Local experts through ``torch._grouped_mm`` where it is available and (by default)
-    row-stable: CUDA bf16 (sm90+), CPU bf16/fp16, with 16-byte aligned rows. Elsewhere the
-    row-stable loop ("padded" on CPU, "tiled" on CUDA); with ``row_stable=False``, grouped_mm
-    wherever it runs (also CPU fp32, not row-stable there) else the plain per-expert loop."""
+    row-stable: CUDA bf16 (sm90+) with 16-byte aligned rows. Elsewhere the row-stable paths
+    ("ordered" on CPU, "tiled" on CUDA); with ``row_stable=False``, grouped_mm wherever it runs
+    (also on CPU, not row-stable there) else the plain per-expert loop."""
 
     prefer_grouped = True
 
 
 class SequentialMLP(_LocalExperts):
-    """Local experts one at a time with plain mm: "padded" on CPU (rows padded to a multiple of
-    8), "tiled" on CUDA (fixed 256-row calls), so the kernel never changes with the row count.
-    ``row_stable=False`` multiplies exactly each expert's rows, as Megatron's SequentialMLP does
-    (faster, not row-stable)."""
+    """Local experts one at a time: "ordered" on CPU (no BLAS, a fixed summation order), "tiled"
+    on CUDA (plain mm in fixed 256-row calls), so a row's result never changes with the row count.
+    ``row_stable=False`` multiplies exactly each expert's rows with mm, as Megatron's
+    SequentialMLP does (faster, not row-stable)."""
 
     prefer_grouped = False
