@@ -86,6 +86,8 @@ class MoEConfig:
     experts multiply probs before fc2; default False applies probs in the fp32 combine),
     ``shared_expert_ffn_hidden_size``, ``params_dtype`` and ``init_seed`` (all weights are built
     from it on the CPU, so every rank builds the same ones; an int in [0, 2**63)).
+    ``strict_call_order``: check on the host, before each combine and backward exchange, that every
+    EP rank combines the same call (micro-batch); see ``DispatchConfig.strict_call_order``.
 
     Types are strict: bool fields take only True/False, int fields only ints (not bools or
     floats), float fields ints or floats; the Optional fields above take None as described.
@@ -117,9 +119,10 @@ class MoEConfig:
     pad_multiple: int = 1
     expert_impl: str = "grouped"
     shared_expert_ffn_hidden_size: Optional[int] = None
+    strict_call_order: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("pre_softmax", "enable_expert_bias", "pad_to_capacity", "probs_in_experts"):
+        for name in ("pre_softmax", "enable_expert_bias", "pad_to_capacity", "probs_in_experts", "strict_call_order"):
             _strict_bool(name, getattr(self, name))
         for name in ("hidden_size", "num_experts", "ffn_hidden_size", "pad_multiple"):
             _positive_int(name, getattr(self, name))

@@ -4,7 +4,8 @@ in fp32 (fp64 for fp64 probs).
 
 Modules: ``config`` (DispatchConfig), ``layout`` (the size exchange: agreement, validation, sizes),
 ``exchange`` (the kinds' transport, forward and back), ``functional`` (dispatch / combine and the
-frozen handle), ``dispatchers`` (the objects and Megatron's six-method adapter), ``comm``.
+frozen handle), ``dispatchers`` (the objects and Megatron's six-method adapter), ``identity``
+(which layer and step a collective belongs to), ``comm``.
 """
 from .config import DispatchConfig
 from .dispatchers import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher

@@ -26,6 +26,11 @@ class DispatchConfig:
         capacity_factor: with pad_to_capacity, every (expert, source rank) block has exactly
             ceil(T * topk / E * capacity_factor) rows (rounded up to pad_multiple).
         pad_to_capacity: fixed-size blocks (see capacity_factor).
+        strict_call_order: before each return exchange (the combine, and the backward's), compare
+            the handle's call across the group on the host (one 8-byte all-gather and one host
+            synchronisation each) and raise at once if ranks combine different calls. Default
+            False: the same comparison without a synchronisation, which poisons (NaN) and raises
+            at the next dispatch, but only if the calls' split sizes agree (README).
     """
 
     kind: str
@@ -37,6 +42,7 @@ class DispatchConfig:
     pad_multiple: int = 1
     capacity_factor: Optional[float] = None
     pad_to_capacity: bool = False
+    strict_call_order: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -49,7 +55,7 @@ class DispatchConfig:
             raise ValueError(f"topk={self.topk} exceeds num_experts={self.num_experts}")
         if self.router_dtype not in (None, "fp32", "fp64"):
             raise ValueError(f"router_dtype must be None, 'fp32' or 'fp64', got {self.router_dtype!r}")
-        for name in ("probs_in_experts", "pad_to_capacity"):
+        for name in ("probs_in_experts", "pad_to_capacity", "strict_call_order"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         cf = self.capacity_factor
@@ -70,7 +76,7 @@ class DispatchConfig:
                    hidden_size=config.hidden_size, router_dtype=config.router_dtype,
                    probs_in_experts=bool(config.probs_in_experts), pad_multiple=config.pad_multiple,
                    capacity_factor=config.capacity_factor if config.pad_to_capacity else None,
-                   pad_to_capacity=bool(config.pad_to_capacity))
+                   pad_to_capacity=bool(config.pad_to_capacity), strict_call_order=config.strict_call_order)
 
     def wire_probs_dtype(self, probs_dtype: torch.dtype) -> torch.dtype:
         """Probabilities travel and are applied in fp32, or fp64 when the router works in fp64.

@@ -24,6 +24,7 @@ from .comm import ProcessGroup, group_size_rank
 from .config import DispatchConfig, as_dispatch_config
 from .exchange import Received
 from .functional import DispatchHandle, Plan
+from .identity import StepCounter, new_layer_id
 from .layout import InputProblem, agree_config, check_ep_size, exchange_sizes, hidden_states_problem
 
 
@@ -61,7 +62,11 @@ class _Dispatcher:
     def __init__(self, config: Any, ep_group: ProcessGroup = None) -> None:
         """config: a MoEConfig or DispatchConfig (its kind must be this class's, if it has one);
         ep_group: the expert-parallel ProcessGroup (None: the default group, or one process).
-        Raises ValueError if num_experts is not divisible by the EP size."""
+        Raises ValueError if num_experts is not divisible by the EP size, or if ep_group does not
+        contain this process or was destroyed (before any collective).
+
+        The dispatcher takes the next layer id of its EP group (``identity``: construction order;
+        every rank must build its dispatchers on the group in the same order)."""
         self.config: DispatchConfig = as_dispatch_config(config, self.kind or None)
         self.ep_group = ep_group
         self.ep_size, self.ep_rank = group_size_rank(ep_group)
@@ -70,6 +75,16 @@ class _Dispatcher:
         self.local_expert_indices = list(range(first, first + self.num_local_experts))
         self._agreed = self.ep_size == 1  # configuration agreed with the group (once, lazily)
         self._step: _Step = None
+        self.layer_id = new_layer_id(ep_group)
+        self._steps = StepCounter(self.layer_id)  # this layer's forwards (identity.CallId)
+
+    def _prepare(self, hidden_states: Any, routing_map: Any, probs: Any, experts_need_grad: Optional[bool] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, Plan]:
+        """functional.prepare as this layer's next call."""
+        prepared = functional.prepare(hidden_states, routing_map, probs, self.config, self.ep_group,
+                                      self._steps.call(), experts_need_grad)
+        self._steps.advance()
+        return prepared
 
     @property
     def agreed(self) -> bool:
@@ -81,17 +96,21 @@ class _Dispatcher:
         only; dispatch does it too. A layer calls it before its own first collective, passing its
         own settings (router, experts) as (name, value) pairs to be agreed in the same exchange."""
         if not self._agreed:
-            agree_config(self.config, self.ep_group, device, settings)
+            agree_config(self.config, self.ep_group, device, settings, self.layer_id)
             self._agreed = True
 
     # ---- functional form -----------------------------------------------------------------
     def dispatch(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor,
-                 handle: Optional[DispatchHandle] = None) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+                 handle: Optional[DispatchHandle] = None, experts_need_grad: Optional[bool] = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """(expert_input [N, H], tokens_per_expert CPU int64 [El], handle); see functional.dispatch
-        (``handle``: reuse a previous step's, for activation recomputation)."""
+        (``handle``: reuse a previous step's, for activation recomputation). ``experts_need_grad``:
+        whether the experts that will run on the rows have trainable weights, for a caller that
+        knows (a layer); None: assumed under grad mode (the combine's output then requires grad on
+        every rank, so that every rank's backward runs the combine's backward exchange)."""
         if handle is None:
             self.agree(hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu"))
-            x, wire, plan = functional.prepare(hidden_states, routing_map, probs, self.config, self.ep_group)
+            x, wire, plan = self._prepare(hidden_states, routing_map, probs, experts_need_grad)
             rows, new = functional.finish(x, wire, functional.send_tokens(x, wire, plan), plan, hidden_states.shape)
             return rows, new.tokens_per_expert, new
         return functional.dispatch(hidden_states, routing_map, probs, self.config, self.ep_group, handle=handle)
@@ -104,7 +123,8 @@ class _Dispatcher:
         """Take part in this step's size exchange with a locally found problem: every rank of the
         group (those in dispatch, and this one) raises the same ValueError. Always raises."""
         self.agree(device)
-        exchange_sizes(None, None, None, self.config, self.ep_group, problem=problem, device=device)
+        exchange_sizes(None, None, None, self.config, self.ep_group, problem=problem, device=device,
+                       call=self._steps.call())
         raise AssertionError("exchange_sizes returned despite a problem")  # unreachable: it raises
 
     def check_layer_input(self, hidden_states: Any, device: torch.device) -> None:
@@ -121,7 +141,7 @@ class _Dispatcher:
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """Validate (all ranks), exchange sizes; returns (hidden [T, H], probs [T, E] fp32/fp64)."""
         self.agree(hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu"))
-        x, wire, plan = functional.prepare(hidden_states, routing_map, probs, self.config, self.ep_group)
+        x, wire, plan = self._prepare(hidden_states, routing_map, probs)
         self._step = _Prepared(plan, hidden_states.shape)
         return x, wire
 

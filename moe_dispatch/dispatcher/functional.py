@@ -12,6 +12,12 @@ Why the results are bitwise invariant (rank, dispatcher, EP size, batch):
 - the dispatch's backward is the same path: the gradient of every (token, expert) row goes back
   to the owner unreduced and is summed there in the same fixed order.
 
+Backward on every rank: the exchanges of the backward are collectives, so a rank whose own
+tensors need no gradient must still run them when another rank's do. The size exchange agrees on
+it (``Layout.dispatch_backward`` / ``combine_backward``); such a rank's dispatch and combine
+outputs are then made to require grad (``_grad_anchor``), so its backward, which must reach the
+layer's output, runs the exchanges too. Every rank calls backward, or none does.
+
 Receiver layout (rows given to the local experts, [N, H]): for each local expert e, for each
 source rank s ascending, a block of rows (s's tokens ascending, then capacity padding), then the
 expert's tail padding (pad_multiple). Owner buffer (rows returned to the owner, [M, H]): for each
@@ -30,7 +36,8 @@ from ..ops.permutation import make_slots, permute_rows
 from .comm import ProcessGroup, group_size_rank, to_device
 from .config import DispatchConfig, as_dispatch_config
 from .exchange import KINDS, Received, ReturnRoute, return_rows, return_runs, send_back
-from .layout import InputProblem, Layout, agree_config, dtype_code, exchange_sizes, latch_error
+from .identity import CallId, functional_counter
+from .layout import Layout, agree_config, dtype_code, exchange_sizes, latch_error
 
 Runs = tuple[torch.Tensor, torch.Tensor, int]  # (shifts, lengths) on the device, total positions
 
@@ -210,7 +217,8 @@ def make_plan(cfg: DispatchConfig, group: ProcessGroup, layout: Layout, routing_
         send = tuple(0 if d == me else layout.return_send_splits[d] for d in range(P))
         recv = tuple(0 if d == me else layout.return_recv_splits[d] for d in range(P))
         route = ReturnRoute(_runs_index((dev[at_route[0]], dev[at_route[1]], sum(ret[1]))),
-                            layout.return_send_splits[me], send, recv, sum(layout.tokens_per_local_expert), group)
+                            layout.return_send_splits[me], send, recv, sum(layout.tokens_per_local_expert), group,
+                            layout.call, cfg.strict_call_order)
     return Plan(config=cfg, group=group, layout=layout, routing_map=routing_map, hidden_dtype=hidden_dtype,
                 probs_dtype=probs_dtype, owner_map=owner_map, route=route, expert_runs=expert_runs,
                 expert_padded=dev[at_padded] if at_padded else None,
@@ -244,10 +252,11 @@ def pairs_to_dense(values: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:
 
 # ---- the steps ----------------------------------------------------------------------------------
 def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
-            problem: Optional[InputProblem] = None) -> tuple[torch.Tensor, torch.Tensor, Plan]:
+            call: CallId, experts_grad: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor, Plan]:
     """Size exchange (validates every rank's input, raises alike on all) and the step's Plan.
-    Returns (hidden as [T, H], probs in the wire dtype with autograd, plan)."""
-    layout = exchange_sizes(hidden, routing_map, probs, cfg, group, problem)
+    Returns (hidden as [T, H], probs in the wire dtype with autograd, plan). ``call``: the call's
+    identity; ``experts_grad``: see ``exchange_sizes``."""
+    layout = exchange_sizes(hidden, routing_map, probs, cfg, group, call=call, experts_grad=experts_grad)
     x = hidden.reshape(-1, hidden.shape[-1])
     wire = probs.to(cfg.wire_probs_dtype(probs.dtype))
     return x, wire, make_plan(cfg, group, layout, routing_map, x.dtype, wire.dtype)
@@ -270,7 +279,7 @@ class _Expand(torch.autograd.Function):
     tensors (detached, views of the exchange's buffer) carry the values."""
 
     @staticmethod
-    def forward(ctx, x, probs, recv_x, recv_probs, plan, expert_map):
+    def forward(ctx, x, probs, recv_x, recv_probs, plan, expert_map, anchor):
         rows, row_probs = permute_rows(recv_x, expert_map.slots, recv_probs, expert_map.num_out_tokens,
                                        expert_map.has_pad_rows)
         ctx.plan, ctx.expert_map, ctx.x_shape, ctx.probs_dtype = plan, expert_map, x.shape, recv_probs.dtype
@@ -289,13 +298,24 @@ class _Expand(torch.autograd.Function):
         if plan.route is None:
             rows, owner_probs, owner_map = grad_rows.contiguous(), grad_row_probs, ctx.expert_map
         else:
-            rows, owner_probs = send_back(grad_rows.contiguous(), grad_row_probs, plan.route)
+            rows, owner_probs = send_back(grad_rows.contiguous(), grad_row_probs, plan.route, code=105)
             owner_map = plan.owner_map
-        grad_x = unpermute(rows, owner_map, None).view(ctx.x_shape)
-        grad_probs = None
+        grad_x = grad_probs = None
+        if ctx.needs_input_grad[0]:  # else this rank ran the exchange for the others only
+            grad_x = unpermute(rows, owner_map, None).view(ctx.x_shape)
         if owner_probs is not None and ctx.needs_input_grad[1]:
             grad_probs = pairs_to_dense(owner_probs, owner_map)
-        return grad_x, grad_probs, None, None, None, None
+        return grad_x, grad_probs, None, None, None, None, None
+
+
+def _grad_anchor(needed: bool, tensor: torch.Tensor, *others: torch.Tensor) -> Optional[torch.Tensor]:
+    """A leaf that requires grad, when some rank's backward runs an exchange (``needed``, agreed in
+    the size exchange) but none of this rank's inputs to it requires grad: given to the exchange's
+    autograd function, it makes the output require grad, so this rank's backward runs the exchange
+    too. Its own gradient is never computed. None when not needed."""
+    if needed and torch.is_grad_enabled() and not any(t.requires_grad for t in (tensor, *others)):
+        return torch.zeros((), device=tensor.device, requires_grad=True)
+    return None
 
 
 def finish(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: Plan, hidden_shape: torch.Size,
@@ -304,7 +324,8 @@ def finish(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: Plan, hid
     if expert_map is None:
         expert_map = expert_row_map(plan, recv.routing)
     probs_in = probs if plan.config.probs_in_experts else probs.detach()
-    rows, row_probs = _Expand.apply(x, probs_in, recv.hidden, recv.probs, plan, expert_map)
+    anchor = _grad_anchor(plan.route is not None and plan.layout.dispatch_backward, x, probs_in)
+    rows, row_probs = _Expand.apply(x, probs_in, recv.hidden, recv.probs, plan, expert_map, anchor)
     offsets = torch.cumsum(expert_map.padded_tokens_per_expert, 0).to(torch.int32)
     handle = DispatchHandle(plan=plan, expert_map=expert_map, probs=probs, permuted_probs=row_probs,
                             hidden_shape=hidden_shape, expert_offsets=offsets)
@@ -377,7 +398,9 @@ def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tenso
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
     if group_size_rank(ep_group)[0] > 1:
         agree_config(cfg, ep_group, device)
-    x, wire, plan = prepare(hidden, routing_map, probs, cfg, ep_group)
+    counter = functional_counter(ep_group)
+    x, wire, plan = prepare(hidden, routing_map, probs, cfg, ep_group, counter.call())
+    counter.advance()
     rows, new = finish(x, wire, send_tokens(x, wire, plan), plan, hidden.shape)
     return rows, new.tokens_per_expert, new
 
@@ -413,7 +436,8 @@ def return_to_owners(expert_output: torch.Tensor, handle: DispatchHandle) -> tor
     """Checked expert rows [N, H] -> the owner buffer [M, H] (the expert rows themselves at EP 1)."""
     if handle.plan.route is None:
         return expert_output
-    return return_rows(expert_output, handle.plan.route)
+    anchor = _grad_anchor(handle.layout.combine_backward, expert_output)
+    return return_rows(expert_output, handle.plan.route, anchor)
 
 
 def owner_sum(rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -8,11 +8,15 @@ collective starts (no hang, no half-finished exchange). All split sizes are host
 
 The vector's length depends on E and P, and gloo aborts the process (NCCL hangs) when ranks
 gather different lengths. So before its first step a dispatcher agrees on its configuration in
-one fixed-size exchange (``agree_config``: [tag, P, fingerprint, settings hash]); a mismatch raises
-on every rank naming the field and the ranks. The settings are those of the layer around the
+one fixed-size exchange (``agree_config``: [tag, P, layer id, fingerprint, settings hash]); a
+mismatch raises on every rank naming the layers (a different call order: ``identity``), else the
+field and the ranks. The settings are those of the layer around the
 dispatcher (router, experts), whose differences would not upset the exchange but would make a
-token's result depend on its rank. Each step's vector carries the fingerprint's hash again, and a
-tag, in case ranks pair up different dispatchers.
+token's result depend on its rank. Each step's vector carries the fingerprint's hash again, a
+tag, and the call's identity (layer id, forward count: ``identity.CallId``), in case ranks pair up
+different dispatchers or calls; and whether each rank's hidden states, probs and experts need
+gradients, so that every rank runs the backward's collectives when any rank needs them
+(``Layout.dispatch_backward`` / ``combine_backward``).
 
 Errors found after the exchange (``combine`` given the wrong rows, a reused handle whose routing
 differs) cannot raise at once without stranding the other ranks in the next collective. They are
@@ -24,6 +28,7 @@ Notation: P = EP size, E = num_experts, El = E / P local experts; rank r owns gl
 """
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import zlib
@@ -34,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from ..ops.torch_twin import round_up
-from .comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
+from .comm import ProcessGroup, all_gather_rows, group_key, group_size_rank, read_host, to_device
 from .config import DispatchConfig
+from .identity import FUNCTIONAL_LAYER, CallId, layer_name
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.bool: 5,
                 torch.int64: 6, torch.int32: 7, torch.int16: 8, torch.int8: 9, torch.uint8: 10}
@@ -49,9 +55,12 @@ _SETTINGS_TAG = 0x4D6F4552  # marks agree_settings' message
 
 # Step message: host fields, then device fields, then counts [E] and sent [P].
 # err_*: an error the caller found locally (InputProblem); late_*: a latched error of an earlier step.
-_HOST_FIELDS = ("tag", "fingerprint", "err_code", "err_expected", "err_got",
+# layer_id, step: the call (identity.CallId); grad_mode: torch.is_grad_enabled(); *_grad: this
+# rank's hidden states / probs require grad, its experts have trainable weights (all under grad_mode).
+_HOST_FIELDS = ("tag", "fingerprint", "layer_id", "step", "err_code", "err_expected", "err_got",
                 "hidden_T", "hidden_H", "hidden_dtype", "map_T", "map_E", "map_dtype",
-                "probs_T", "probs_E", "probs_dtype", "probs_grad", "one_device")
+                "probs_T", "probs_E", "probs_dtype", "probs_grad", "one_device",
+                "grad_mode", "hidden_grad", "experts_grad")
 _DEVICE_FIELDS = ("max_k", "probs_nonfinite", "late_code", "late_expected", "late_got")
 _FIELDS = _HOST_FIELDS + _DEVICE_FIELDS
 _AT = {name: i for i, name in enumerate(_FIELDS)}
@@ -72,6 +81,17 @@ def _dtype_name(code: int) -> str:
     return _CODE_NAMES.get(code, f"dtype code {code}")
 
 
+# The return exchanges that compare their handle's call (``check_call``): latched code -> which.
+RETURN_CHECKS = {103: "combine", 104: "combine's backward", 105: "dispatch's backward"}
+
+
+def _call_mismatch(what: str, mine: int, other: int) -> str:
+    return (f"the previous {what} on this group paired rows of different calls: this rank's handle is "
+            f"{CallId.from_tag(mine)}, another rank's is {CallId.from_tag(other)} (micro-batches combined or "
+            f"backpropagated in another order on some rank?); the rows it received were NaN "
+            f"(strict_call_order=True raises before they move)")
+
+
 # code -> message(expected, got). Codes < 100 come from the caller (err_*), >= 100 are latched.
 _PROBLEMS = {
     1: lambda e, g: "hidden_states must be a tensor",
@@ -87,6 +107,7 @@ _PROBLEMS = {
                       f"the dispatched rows, got {_dtype_name(g)} (that step's outputs were NaN)",
     101: lambda e, g: "routing_map given to dispatch(handle=...) differs from the handle's routing "
                       "(that step's outputs were NaN)",
+    **{code: functools.partial(_call_mismatch, what) for code, what in RETURN_CHECKS.items()},
 }
 _DEVICE_CODES = {"cpu": 1, "cuda": 2}
 _DEVICE_NAMES = {v: k for k, v in _DEVICE_CODES.items()}
@@ -103,13 +124,6 @@ def device_code(device: torch.device) -> int:
 _LATCHED: dict = {}  # group -> [3] int64 (code, expected, got), on the device or the host
 
 
-def _group_key(group: ProcessGroup) -> Any:
-    """None and the default group are one group."""
-    if group is None and dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return group
-
-
 def latch_error(group: ProcessGroup, code: torch.Tensor | int, expected: torch.Tensor | int = 0,
                 got: torch.Tensor | int = 0, device: Optional[torch.device] = None) -> None:
     """Remember an error (code 0 = none; ints or device scalars) for the next size exchange on
@@ -119,14 +133,14 @@ def latch_error(group: ProcessGroup, code: torch.Tensor | int, expected: torch.T
     # host ints become fills on the device (a fill is a kernel, not a host-to-device copy)
     new = torch.stack([v.to(torch.int64).reshape(()) if isinstance(v, torch.Tensor)
                        else torch.full((), v, dtype=torch.int64, device=dev) for v in values])
-    old = _LATCHED.get(_group_key(group))
+    old = _LATCHED.get(group_key(group))
     if old is not None:  # keep the first error
         new = torch.where(old[0] != 0, old, new.to(old.device))
-    _LATCHED[_group_key(group)] = new
+    _LATCHED[group_key(group)] = new
 
 
 def _take_latched(group: ProcessGroup, device: torch.device) -> torch.Tensor:
-    late = _LATCHED.pop(_group_key(group), None)
+    late = _LATCHED.pop(group_key(group), None)
     if late is None:
         return torch.zeros(3, dtype=torch.int64, device=device)
     return late.to(device, non_blocking=True)
@@ -214,7 +228,7 @@ def agree_settings(settings: Settings, group: ProcessGroup, device: torch.device
     differ, every rank raises the same ValueError "<what> configuration mismatch", naming each
     setting that differs, its values and the ranks. No-op for a single process. For a collective
     outside the dispatcher (the router's loss counts), before its first call."""
-    P, _ = group_size_rank(group)
+    P, _ = group_size_rank(group, group_name)
     if P == 1:
         return
     rows = read_host(all_gather_rows(to_device([_SETTINGS_TAG, _settings_hash(settings)], device)[None], group)
@@ -227,23 +241,41 @@ def agree_settings(settings: Settings, group: ProcessGroup, device: torch.device
                                                                                          group_name)))
 
 
-def agree_config(cfg: DispatchConfig, group: ProcessGroup, device: torch.device, settings: Settings = ()) -> None:
-    """One fixed-size all-gather of (tag, P, fingerprint, hash of ``settings``); raises the same
-    ValueError on every rank if any field or setting differs, naming it and the ranks. No-op for
-    a single process. ``settings``: (name, value) pairs of the layer around the dispatcher
-    (router, experts), agreed as well; only when their hashes differ does a second exchange
-    gather them to name the one that differs."""
+def _order_problem(layers: list[int], steps: Optional[list[int]] = None) -> Optional[str]:
+    """The message when ranks are in different calls (None when they agree)."""
+    if len(set(layers)) > 1:
+        shown = [layer_name(v) if steps is None else str(CallId(v, s)) for v, s in zip(layers, steps or layers)]
+        return (f"MoE layers called in a different order across the EP group: this exchange pairs "
+                f"{_differ(layers, shown=shown)} (every rank must build its MoE layers on an EP group in "
+                f"the same order, which numbers them, and call them in the same order)")
+    if steps is not None and len(set(steps)) > 1:
+        return (f"{layer_name(layers[0])} is at different forwards across the EP group: {_differ(steps)} (a rank "
+                f"skipped or repeated a forward of this layer)")
+    return None
+
+
+def agree_config(cfg: DispatchConfig, group: ProcessGroup, device: torch.device, settings: Settings = (),
+                 layer_id: int = FUNCTIONAL_LAYER) -> None:
+    """One fixed-size all-gather of (tag, P, layer id, fingerprint, hash of ``settings``); raises
+    the same ValueError on every rank if the layer ids differ (the ranks are in different layers:
+    named), else if any field or setting differs, naming it and the ranks. No-op for a single
+    process. ``settings``: (name, value) pairs of the layer around the dispatcher (router,
+    experts), agreed as well; only when their hashes differ does a second exchange gather them to
+    name the one that differs. ``layer_id``: the dispatcher's (``identity``)."""
     P, _ = group_size_rank(group)
     if P == 1:
         return
-    mine = [_HANDSHAKE_TAG, P, *fingerprint(cfg), _settings_hash(settings)]
+    mine = [_HANDSHAKE_TAG, P, layer_id, *fingerprint(cfg), _settings_hash(settings)]
     rows = read_host(all_gather_rows(to_device(mine, device)[None], group).view(P, -1))
     if any(row[0] != _HANDSHAKE_TAG or row[1] != P for row in rows):
         raise ValueError(f"EP ranks {[r for r, row in enumerate(rows) if row[0] != _HANDSHAKE_TAG]} are not in the "
                          f"dispatcher's configuration exchange (ranks calling different collectives?)")
+    order = _order_problem([row[2] for row in rows])
+    if order:  # explains any field that differs too: the ranks compare different layers
+        raise ValueError(order)
     problems = []
     for i, (name, _) in enumerate(cfg.field_values()):
-        values = [row[2 + i] for row in rows]
+        values = [row[3 + i] for row in rows]
         if len(set(values)) > 1:
             problems.append(f"{name} differs across the EP group: {_differ([_show(name, v) for v in values])}")
     if problems:
@@ -269,8 +301,14 @@ class Layout:
         sent: [P][P], deduplicated tokens per (source, destination rank) of the alltoall dispatch.
         capacity: [P] rows of every (expert, source) block in pad-to-capacity mode; None dropless.
         pad_multiple: dropless mode pads each local expert's block to a multiple of this.
+        call: the call's identity (layer, forward count), the same on every rank.
         probs_grad: some rank's probs require grad (decided jointly, so that every rank runs the
             same collectives in the backward).
+        dispatch_backward: some rank's hidden states (or probs, with probs_in_experts) need
+            gradients: every rank's dispatch output then requires grad, so that every rank's
+            backward runs the dispatch's backward exchange.
+        combine_backward: dispatch_backward, or some rank's experts have trainable weights:
+            every rank's combine output requires grad (its backward exchange runs everywhere).
         max_experts_per_token: [P], the most experts one token of each source is routed to.
         local_blocks: [P][El], rows each source contributes to each local expert (capacity incl.).
         local_tail_pad: [El], pad rows after each local expert's blocks (dropless pad_multiple).
@@ -291,7 +329,10 @@ class Layout:
     sent: IntTable
     capacity: Optional[tuple[int, ...]]
     pad_multiple: int
+    call: CallId
     probs_grad: bool
+    dispatch_backward: bool
+    combine_backward: bool
     max_experts_per_token: tuple[int, ...]
     local_blocks: IntTable
     local_tail_pad: tuple[int, ...]
@@ -303,7 +344,9 @@ class Layout:
 
     @classmethod
     def build(cls, cfg: DispatchConfig, ep_size: int, rank: int, num_tokens: list[int], counts: list[list[int]],
-              sent: list[list[int]], probs_grad: bool, max_experts_per_token: list[int]) -> "Layout":
+              sent: list[list[int]], probs_grad: bool, max_experts_per_token: list[int],
+              call: CallId = CallId(FUNCTIONAL_LAYER, 0), dispatch_backward: bool = False,
+              combine_backward: bool = False) -> "Layout":
         P, E = ep_size, cfg.num_experts
         El = E // P
         capacity = tuple(cfg.capacity(t) for t in num_tokens) if cfg.pad_to_capacity else None
@@ -326,7 +369,8 @@ class Layout:
         return cls(
             ep_size=P, rank=rank, num_experts=E, num_local_experts=El, num_tokens=tuple(num_tokens),
             counts=tuple(map(tuple, counts)), sent=tuple(map(tuple, sent)), capacity=capacity, pad_multiple=m,
-            probs_grad=probs_grad, max_experts_per_token=tuple(max_experts_per_token),
+            call=call, probs_grad=probs_grad, dispatch_backward=dispatch_backward, combine_backward=combine_backward,
+            max_experts_per_token=tuple(max_experts_per_token),
             local_blocks=local_blocks, local_tail_pad=tail, block_starts=tuple(map(tuple, starts)),
             tokens_per_local_expert=tuple(n + t for n, t in zip(totals, tail)),
             owner_blocks=tuple(block(rank, e) for e in range(E)),
@@ -344,7 +388,7 @@ def check_ep_size(num_experts: int, ep_size: int) -> int:
 
 
 # ---- validation ---------------------------------------------------------------------------------
-def _describe(hidden: Any, routing_map: Any, probs: Any) -> list[int]:
+def _describe(hidden: Any, routing_map: Any, probs: Any, experts_grad: bool) -> list[int]:
     def shape2(x: Any, flatten: bool) -> tuple:
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or (not flatten and x.dim() != 2):
             return -1, -1
@@ -353,10 +397,15 @@ def _describe(hidden: Any, routing_map: Any, probs: Any) -> list[int]:
     def code(x: Any) -> int:
         return _DTYPE_CODES.get(x.dtype, 0) if isinstance(x, torch.Tensor) else -1
 
-    grad = int(isinstance(probs, torch.Tensor) and probs.requires_grad)
+    mode = torch.is_grad_enabled()  # without it no graph is built: nothing needs a gradient
+
+    def grad(x: Any) -> int:
+        return int(mode and isinstance(x, torch.Tensor) and x.requires_grad)
+
     devices = {x.device for x in (hidden, routing_map, probs) if isinstance(x, torch.Tensor)}
     return [*shape2(hidden, True), code(hidden), *shape2(routing_map, False), code(routing_map),
-            *shape2(probs, False), code(probs), grad, int(len(devices) <= 1)]
+            *shape2(probs, False), code(probs), grad(probs), int(len(devices) <= 1),
+            int(mode), grad(hidden), int(mode and experts_grad)]
 
 
 def _input_problems(f: dict, cfg: DispatchConfig) -> list[str]:
@@ -392,6 +441,14 @@ def _problems(rows: list[list[int]], cfg: DispatchConfig, fp_hash: int) -> list[
     for r, f in enumerate(fs):
         if f["late_code"]:
             out.append(f"{_PROBLEMS[f['late_code']](f['late_expected'], f['late_got'])} on EP rank {r}")
+    order = _order_problem([f["layer_id"] for f in fs], [f["step"] for f in fs])
+    if order:  # the ranks are in different calls: their inputs are not comparable
+        return [order] + out
+    modes = [f["grad_mode"] for f in fs]
+    if len(set(modes)) > 1:
+        out.append(f"torch.is_grad_enabled() differs across the EP group: {_differ([bool(m) for m in modes])} (every "
+                   f"rank must run the layer in the same grad mode: a rank under no_grad would skip the backward "
+                   f"exchanges the others wait in)")
     for r, f in enumerate(fs):
         mine = _input_problems(f, cfg)
         if not mine and f["probs_nonfinite"]:
@@ -407,7 +464,8 @@ def _problems(rows: list[list[int]], cfg: DispatchConfig, fp_hash: int) -> list[
 
 
 def exchange_sizes(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
-                   problem: Optional[InputProblem] = None, device: Optional[torch.device] = None) -> Layout:
+                   problem: Optional[InputProblem] = None, device: Optional[torch.device] = None,
+                   call: CallId = CallId(FUNCTIONAL_LAYER, 0), experts_grad: Optional[bool] = None) -> Layout:
     """Validate every rank's inputs and exchange the routing counts: one all-gather, one host
     synchronisation. Raises the same ValueError on every rank if any rank's input is bad, if
     ``problem`` is set on any rank, or if an error was latched on any rank (``latch_error``).
@@ -417,6 +475,9 @@ def exchange_sizes(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfi
             rank that passes ``problem``: only its description travels).
         problem: an error the caller found locally; this rank then takes part with zero counts.
         device: where the message lives (default: the inputs' device); NCCL needs CUDA.
+        call: this call's identity (every rank must send the same; see ``identity``).
+        experts_grad: whether this rank's experts have trainable weights (None: unknown, taken
+            as True under grad mode, so that the combine's backward exchange runs everywhere).
     """
     P, rank = group_size_rank(group)
     E = cfg.num_experts
@@ -425,7 +486,9 @@ def exchange_sizes(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfi
         device = next((x.device for x in (hidden, routing_map, probs) if isinstance(x, torch.Tensor)),
                       torch.device("cpu"))
     err = [problem.code, problem.expected, problem.got] if problem is not None else [0, 0, 0]
-    host = [_STEP_TAG, fingerprint_hash(cfg), *err, *_describe(hidden, routing_map, probs)]
+    experts_grad = True if experts_grad is None else experts_grad
+    host = [_STEP_TAG, fingerprint_hash(cfg), call.layer, call.step, *err,
+            *_describe(hidden, routing_map, probs, experts_grad)]
     local_ok = not _input_problems(dict(zip(_HOST_FIELDS, host)), cfg)
     late = _take_latched(group, device)
     if local_ok:
@@ -450,11 +513,15 @@ def exchange_sizes(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfi
     if problems:
         raise ValueError("invalid MoE dispatch input: " + "; ".join(problems))
     nf = len(_FIELDS)
+    probs_backward = cfg.probs_in_experts and any(row[_AT["probs_grad"]] for row in rows)
+    dispatch_backward = probs_backward or any(row[_AT["hidden_grad"]] for row in rows)
     counts_all = [row[nf:nf + E] for row in rows]
     layout = Layout.build(cfg, P, rank, num_tokens=[row[_AT["hidden_T"]] for row in rows], counts=counts_all,
                           sent=[row[nf + E:] for row in rows],
                           probs_grad=any(row[_AT["probs_grad"]] for row in rows),
-                          max_experts_per_token=[row[_AT["max_k"]] for row in rows])
+                          max_experts_per_token=[row[_AT["max_k"]] for row in rows], call=call,
+                          dispatch_backward=dispatch_backward,
+                          combine_backward=dispatch_backward or any(row[_AT["experts_grad"]] for row in rows))
     if layout.capacity is not None:
         caps = layout.capacity
         over = [(s, e, c) for s, row in enumerate(counts_all) for e, c in enumerate(row) if c > caps[s]]
@@ -485,3 +552,30 @@ def hidden_states_problem(hidden_states: Any, hidden_size: int, device: torch.de
     if hidden_states.device.type != device.type:
         return InputProblem(5, device_code(device), device_code(hidden_states.device))
     return None
+
+
+def check_call(group: ProcessGroup, call: CallId, code: int, strict: bool, device: torch.device
+               ) -> Optional[torch.Tensor]:
+    """Before a return exchange (``code``: a key of RETURN_CHECKS) of the handle of ``call``: one
+    all-gather of every rank's call tag (8 bytes each), so that rows of different calls (another
+    micro-batch's handle on some rank) are never taken for this call's.
+
+    strict: read the tags on the host (a synchronisation) and raise the same ValueError on every
+    rank, naming each rank's call, before any row moves. Otherwise (no synchronisation): returns a
+    device bool, True on every rank when the calls differ, for the caller to make the rows it
+    receives NaN; the error is latched and raised on every rank by the next size exchange on the
+    group. If the calls' split sizes differ too, the exchange itself fails first (gloo aborts the
+    process; NCCL hangs): only strict mode is safe then (README)."""
+    tags = all_gather_rows(torch.full((1,), call.tag, dtype=torch.int64, device=device), group)
+    if strict:
+        seen = read_host(tags)
+        if len(set(seen)) > 1:
+            calls = [CallId.from_tag(t) for t in seen]
+            raise ValueError(f"the {RETURN_CHECKS[code]} on the EP group pairs rows of different calls: "
+                             f"{_differ(seen, shown=[str(c) for c in calls])} (micro-batches combined or "
+                             f"backpropagated in another order on some rank?); no row was exchanged")
+        return None
+    differs = tags != call.tag
+    bad = differs.any()
+    latch_error(group, bad.long() * code, call.tag, tags[differs.long().argmax()])
+    return bad
