@@ -344,9 +344,8 @@ class Layout:
 
     @classmethod
     def build(cls, cfg: DispatchConfig, ep_size: int, rank: int, num_tokens: list[int], counts: list[list[int]],
-              sent: list[list[int]], probs_grad: bool, max_experts_per_token: list[int],
-              call: CallId = CallId(FUNCTIONAL_LAYER, 0), dispatch_backward: bool = False,
-              combine_backward: bool = False) -> "Layout":
+              sent: list[list[int]], probs_grad: bool, max_experts_per_token: list[int], *, call: CallId,
+              dispatch_backward: bool, combine_backward: bool) -> "Layout":
         P, E = ep_size, cfg.num_experts
         El = E // P
         capacity = tuple(cfg.capacity(t) for t in num_tokens) if cfg.pad_to_capacity else None
