@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agreement import hidden_states_problem
 from .config import MoEConfig
-from .dispatcher import build_dispatcher, hidden_states_problem
+from .dispatcher import build_dispatcher
 from .experts import GroupedMLP, SequentialMLP
 from .router import TopKRouter
 
@@ -70,7 +71,7 @@ class MoELayer(nn.Module):
         At the first forward the EP ranks agree on every MoEConfig field; one that differs is the
         same ValueError on every rank, naming the field and the ranks. Every rank must call its
         layers in the same order (each step's exchange names the layer, see
-        ``dispatcher.identity``), and every rank calls backward on a loss that depends on the
+        ``moe_dispatch.identity``), and every rank calls backward on a loss that depends on the
         output, or none does: when any rank's hidden states or experts need gradients the output
         requires grad on every rank, so that a rank that needs none still runs the backward's
         exchanges the others wait in."""

@@ -10,7 +10,8 @@ the receiver reads strided views of the packed buffer without unpacking copies.
   segments in the order (own rank, then the others ascending).
 - ``allgather``: every rank gathers every rank's [T_max, E] probs, routing and tokens (rows past
   a rank's T route nowhere) and keeps its own experts' columns; segments in rank order.
-Adding a kind: one send function of the same signature, registered in ``KINDS``.
+Adding a kind: its name in ``config.DISPATCHER_KINDS``, and here a send function of the same
+signature, registered in ``KINDS``.
 
 Return (combine, and the dispatch's backward): every expert row goes back unreduced to its
 token's owner (``send_back``). The reorder from the receiver layout (expert-major) to destination
@@ -19,15 +20,10 @@ buffer); the owner's own rows are copied into the head of the owner's buffer, ne
 collective. The kernels that produce these rows are the experts' GEMMs, so the reorder cannot be
 folded into a kernel of ours; a zero-copy alternative would be one send per (expert, destination)
 block. Mirror (``_ReturnRows.backward``): the owner's gradient rows go back the same way.
-Each return exchange first compares the handle's call across the group (``layout.check_call``,
+Each return exchange first compares the handle's call across the group (``agreement.check_call``,
 one 8-byte all-gather): rows of another call (a micro-batch combined out of order on some rank)
 become NaN and the error is raised on every rank at the next size exchange; with
 ``strict_call_order`` it is raised at once, before any row moves.
-
-Chunked overlap (design): the receiver layout is expert-major and every (expert, source) block's
-size is a host int (``Layout.local_blocks``), so an expert's rows can be returned as soon as that
-expert is done; ``ReturnRoute.index`` lists the rows destination-major, expert-minor, so a chunk
-of experts maps to contiguous runs of it.
 """
 from __future__ import annotations
 
@@ -36,11 +32,13 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from ..agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, ErrorLatch, check_call
+from ..comm import ProcessGroup, all_gather_rows, all_to_all_rows
+from ..config import DISPATCHER_KINDS
+from ..identity import CallId
 from ..ops.torch_twin import round_up
-from .comm import ProcessGroup, all_gather_rows, all_to_all_rows
 
 if TYPE_CHECKING:
-    from .identity import CallId
     from .layout import Layout
 
 
@@ -185,8 +183,11 @@ def _rank_order(P: int, me: int) -> tuple[int, ...]:
     return tuple(range(P))
 
 
-# The registry of dispatcher kinds. Nothing else lists them.
+# Each name of DISPATCHER_KINDS -> its implementation.
 KINDS: dict[str, Kind] = {"alltoall": Kind(send_alltoall, _own_first), "allgather": Kind(send_allgather, _rank_order)}
+if set(KINDS) != set(DISPATCHER_KINDS):
+    raise ImportError(f"exchange.KINDS {sorted(KINDS)} must implement exactly config.DISPATCHER_KINDS "
+                      f"{DISPATCHER_KINDS}")
 
 
 # ---- the return exchange ------------------------------------------------------------------------
@@ -195,14 +196,15 @@ class ReturnRoute:
     """Receiver-layout rows -> their owners.
 
     Attributes:
-        call: the dispatch's call (``identity.CallId``), compared across the group before each
-            exchange; strict: compare it on the host (``DispatchConfig.strict_call_order``).
         index: int64 [n_self + sum(send_splits)] on the device: receiver-layout rows, first this
             rank's own (expert-major), then the other owners' (destination-major, expert-minor).
         n_self: rows this rank keeps (its own tokens' rows on its own experts).
         send_splits / recv_splits: [P] rows sent to / received from each rank (0 for itself).
         num_rows: N, rows of the receiver layout (padding included).
         group: the EP process group.
+        latch: the group's ErrorLatch; call: the dispatch's call, compared across the group before
+            each exchange (``agreement.check_call``); strict: compare it on the host
+            (``DispatchConfig.strict_call_order``).
     """
 
     index: torch.Tensor
@@ -211,14 +213,14 @@ class ReturnRoute:
     recv_splits: tuple[int, ...]
     num_rows: int
     group: ProcessGroup
-    call: "CallId"
+    latch: ErrorLatch
+    call: CallId
     strict: bool
 
-
-def _check_call(route: ReturnRoute, code: int, device: torch.device) -> Optional[torch.Tensor]:
-    from .layout import check_call  # layout imports the config, which imports this module
-
-    return check_call(route.group, route.call, code, route.strict, device)
+    def check_call(self, code: int, device: torch.device) -> Optional[torch.Tensor]:
+        """agreement.check_call for this route's exchange ``code``: None, or a device bool that
+        is True when another rank is in another call (then the received rows must become NaN)."""
+        return check_call(self.group, self.latch, self.call, code, self.strict, device)
 
 
 def return_runs(layout: "Layout") -> tuple[list[int], list[int]]:
@@ -234,17 +236,15 @@ def return_runs(layout: "Layout") -> tuple[list[int], list[int]]:
 
 
 def send_back(rows: torch.Tensor, row_probs: Optional[torch.Tensor], route: ReturnRoute,
-              code: int = 103) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+              code: int = COMBINE_CALL) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """rows [N, H] (receiver layout), row_probs [N] or None -> the owner's buffer [M, H] (and
     [M]), segments (own experts, then the other expert ranks ascending). No autograd. ``code``:
-    which exchange this is (``layout.RETURN_CHECKS``: the combine, or the dispatch's backward)."""
+    which exchange this is (``agreement.RETURN_CHECKS``: the combine, or the dispatch's backward)."""
     fmt = RowFormat(rows.shape[1], rows.dtype, 1, row_probs.dtype if row_probs is not None else None, False)
     probs2 = row_probs[:, None] if row_probs is not None else None
     n_self, send_n = route.n_self, sum(route.send_splits)
     out = fmt.empty(n_self + sum(route.recv_splits), rows.device)
-    bad = None
-    if len(route.send_splits) > 1:
-        bad = _check_call(route, code, rows.device)
+    bad = route.check_call(code, rows.device) if len(route.send_splits) > 1 else None
     fmt.pack(out[:n_self], rows, probs2, None, route.index[:n_self])
     if len(route.send_splits) > 1:
         send = fmt.empty(send_n, rows.device)
@@ -268,7 +268,7 @@ def send_forth(grad: torch.Tensor, route: ReturnRoute) -> torch.Tensor:
     out = alloc((route.num_rows, grad.shape[1]))
     bad = None
     if len(route.send_splits) > 1:
-        bad = _check_call(route, 104, grad.device)
+        bad = route.check_call(COMBINE_BACKWARD_CALL, grad.device)
         recv = all_to_all_rows(grad[n_self:], route.send_splits, route.recv_splits, route.group)
         out.index_copy_(0, route.index[n_self:], recv)
     out.index_copy_(0, route.index[:n_self], grad[:n_self])

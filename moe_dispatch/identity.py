@@ -15,8 +15,8 @@ every call carries a ``CallId`` (layer, step), equal on every rank for the same 
   exchanges that succeeded. A failed one raises the same error on every rank, so the counts stay
   equal, and a layer works again after an error.
 
-The size exchange compares both (``layout``); the return exchanges (combine, and the backward's)
-compare the handle's tag across the group (``exchange.check_call``).
+The size exchange compares both (``dispatcher.layout``); the return exchanges (combine, and the
+backward's) compare the handle's tag across the group (``agreement.check_call``).
 """
 from __future__ import annotations
 
