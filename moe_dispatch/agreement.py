@@ -8,12 +8,16 @@ leave the others waiting in a collective. Three ways, each one fixed-size exchan
 - ``InputProblem`` (e.g. from ``hidden_states_problem``): a problem one rank finds in its input
   travels in the dispatcher's size exchange instead of the data (``_Dispatcher.raise_together``).
 - ``ErrorLatch``: an error found after the size exchange (``combine`` given the wrong rows, a
-  reused handle whose routing differs) cannot raise at once without stranding the other ranks in
-  the step's next collective. It is latched, and travels in the next size exchange on the same
-  group, where every rank raises it; meanwhile the flagged step's results are NaN.
+  reused handle whose routing differs, another call's rows in a return exchange: ``check_call``)
+  cannot raise at once without stranding the other ranks in the step's next collective. It is
+  latched, and travels in the next size exchange on the same group, where every rank raises it;
+  meanwhile the flagged step's results are NaN.
+Ranks in different calls (layers called in another order: ``identity``) are named as such
+(``order_problem``), before any field that differs between the two layers.
 """
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 from dataclasses import dataclass
@@ -24,6 +28,7 @@ import torch.distributed as dist
 
 from .comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
 from .config import DISPATCHER_KINDS, DispatchConfig
+from .identity import FUNCTIONAL_LAYER, CallId, layer_name
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.bool: 5,
                 torch.int64: 6, torch.int32: 7, torch.int16: 8, torch.int8: 9, torch.uint8: 10}
@@ -59,6 +64,19 @@ class InputProblem:
     got: int = 0
 
 
+# The return exchanges that compare their handle's call (``check_call``): latched code -> which.
+COMBINE_CALL, COMBINE_BACKWARD_CALL, DISPATCH_BACKWARD_CALL = 103, 104, 105
+RETURN_CHECKS = {COMBINE_CALL: "combine", COMBINE_BACKWARD_CALL: "combine's backward",
+                 DISPATCH_BACKWARD_CALL: "dispatch's backward"}
+
+
+def _call_mismatch(what: str, mine: int, other: int) -> str:
+    return (f"the previous {what} on this group paired rows of different calls: this rank's handle is "
+            f"{CallId.from_tag(mine)}, another rank's is {CallId.from_tag(other)} (micro-batches combined or "
+            f"backpropagated in another order on some rank?); the rows it received were NaN "
+            f"(strict_call_order=True raises before they move)")
+
+
 # code -> message(expected, got). Codes < 100 are a caller's InputProblem, >= 100 are latched.
 _PROBLEMS = {
     1: lambda e, g: "hidden_states must be a tensor",
@@ -74,6 +92,7 @@ _PROBLEMS = {
                       f"the dispatched rows, got {dtype_name(g)} (that step's outputs were NaN)",
     101: lambda e, g: "routing_map given to dispatch(handle=...) differs from the handle's routing "
                       "(that step's outputs were NaN)",
+    **{code: functools.partial(_call_mismatch, what) for code, what in RETURN_CHECKS.items()},
 }
 EXPERT_ROWS, REUSED_ROUTING, EXPERT_DTYPE = 100, 101, 102  # the latched codes
 
@@ -228,7 +247,7 @@ def agree_settings(settings: Settings, group: ProcessGroup, device: torch.device
     differ, every rank raises the same ValueError "<what> configuration mismatch", naming each
     setting that differs, its values and the ranks. No-op for a single process. For a collective
     outside the dispatcher (the router's loss counts), before its first call."""
-    P, _ = group_size_rank(group)
+    P, _ = group_size_rank(group, group_name)
     if P == 1:
         return
     rows = read_host(all_gather_rows(to_device([_SETTINGS_TAG, _settings_hash(settings)], device)[None], group)
@@ -241,26 +260,45 @@ def agree_settings(settings: Settings, group: ProcessGroup, device: torch.device
                                                                                          group_name)))
 
 
-def agree_config(cfg: DispatchConfig, group: ProcessGroup, device: torch.device, settings: Settings = ()) -> None:
-    """One fixed-size all-gather of (tag, P, fingerprint, hash of ``settings``); raises the same
-    ValueError on every rank if any field or setting differs, naming it and the ranks. No-op for
-    a single process. ``settings``: (name, value) pairs of the layer around the dispatcher
-    (router, experts), agreed as well; only when their hashes differ does a second exchange
-    gather them to name the one that differs.
+def order_problem(layers: list[int], steps: Optional[list[int]] = None) -> Optional[str]:
+    """The message when the ranks are in different calls (None when they agree): every rank's
+    layer id (and forward count, if given)."""
+    if len(set(layers)) > 1:
+        shown = [layer_name(v) if steps is None else str(CallId(v, s)) for v, s in zip(layers, steps or layers)]
+        return (f"MoE layers called in a different order across the EP group: this exchange pairs "
+                f"{differ(layers, shown=shown)} (every rank must build its MoE layers on an EP group in "
+                f"the same order, which numbers them, and call them in the same order)")
+    if steps is not None and len(set(steps)) > 1:
+        return (f"{layer_name(layers[0])} is at different forwards across the EP group: {differ(steps)} (a rank "
+                f"skipped or repeated a forward of this layer)")
+    return None
+
+
+def agree_config(cfg: DispatchConfig, group: ProcessGroup, device: torch.device, settings: Settings = (),
+                 layer_id: int = FUNCTIONAL_LAYER) -> None:
+    """One fixed-size all-gather of (tag, P, layer id, fingerprint, hash of ``settings``); raises
+    the same ValueError on every rank if the layer ids differ (the ranks are in different layers:
+    named), else if any field or setting differs, naming it and the ranks. No-op for a single
+    process. ``settings``: (name, value) pairs of the layer around the dispatcher (router,
+    experts), agreed as well; only when their hashes differ does a second exchange gather them to
+    name the one that differs. ``layer_id``: the dispatcher's (``identity``).
 
     The size exchange's length depends on E and P, and gloo aborts the process (NCCL hangs) when
     ranks gather different lengths: hence this fixed-size exchange first."""
     P, _ = group_size_rank(group)
     if P == 1:
         return
-    mine = [_HANDSHAKE_TAG, P, *fingerprint(cfg), _settings_hash(settings)]
+    mine = [_HANDSHAKE_TAG, P, layer_id, *fingerprint(cfg), _settings_hash(settings)]
     rows = read_host(all_gather_rows(to_device(mine, device)[None], group).view(P, -1))
     if any(row[0] != _HANDSHAKE_TAG or row[1] != P for row in rows):
         raise ValueError(f"EP ranks {[r for r, row in enumerate(rows) if row[0] != _HANDSHAKE_TAG]} are not in the "
                          f"dispatcher's configuration exchange (ranks calling different collectives?)")
+    order = order_problem([row[2] for row in rows])
+    if order:  # explains any field that differs too: the ranks compare different layers
+        raise ValueError(order)
     problems = []
     for i, (name, _) in enumerate(cfg.field_values()):
-        values = [row[2 + i] for row in rows]
+        values = [row[3 + i] for row in rows]
         if len(set(values)) > 1:
             problems.append(f"{name} differs across the EP group: {differ([_show(name, v) for v in values])}")
     if problems:
@@ -268,3 +306,31 @@ def agree_config(cfg: DispatchConfig, group: ProcessGroup, device: torch.device,
     if len({row[-1] for row in rows}) > 1:
         raise ValueError("layer configuration mismatch: " + "; ".join(_settings_problems(settings, group,
                                                                                        "EP group")))
+
+
+# ---- the call of a return exchange --------------------------------------------------------------
+def check_call(group: ProcessGroup, latch: ErrorLatch, call: CallId, code: int, strict: bool,
+               device: torch.device) -> Optional[torch.Tensor]:
+    """Before a return exchange (``code``: a key of RETURN_CHECKS) of the handle of ``call``: one
+    all-gather of every rank's call tag (8 bytes each), so that rows of different calls (another
+    micro-batch's handle on some rank) are never taken for this call's.
+
+    strict: read the tags on the host (a synchronisation) and raise the same ValueError on every
+    rank, naming each rank's call, before any row moves. Otherwise (no synchronisation): returns a
+    device bool, True on every rank when the calls differ, for the caller to make the rows it
+    receives NaN; the error is latched on ``latch`` and raised on every rank by the next size
+    exchange on the group. If the calls' split sizes differ too, the exchange itself fails first
+    (gloo aborts the process; NCCL hangs): only strict mode is safe then (README)."""
+    tags = all_gather_rows(torch.full((1,), call.tag, dtype=torch.int64, device=device), group)
+    if strict:
+        seen = read_host(tags)
+        if len(set(seen)) > 1:
+            calls = [str(CallId.from_tag(t)) for t in seen]
+            raise ValueError(f"the {RETURN_CHECKS[code]} on the EP group pairs rows of different calls: "
+                             f"{differ(seen, shown=calls)} (micro-batches combined or backpropagated in another "
+                             f"order on some rank?); no row was exchanged")
+        return None
+    differs = tags != call.tag
+    bad = differs.any()
+    latch.set(bad.long() * code, call.tag, tags[differs.long().argmax()])
+    return bad

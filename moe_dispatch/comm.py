@@ -7,7 +7,7 @@ buffer and waits on the current stream once (the step's one host synchronisation
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,13 +15,30 @@ import torch.distributed as dist
 ProcessGroup = Optional[dist.ProcessGroup]
 
 
-def group_size_rank(group: ProcessGroup) -> tuple[int, int]:
-    """(size, rank) of ``group``; (1, 0) without an initialised process group."""
+def group_key(group: ProcessGroup) -> Any:
+    """A dict key for ``group``: None and the default group are one group."""
+    if group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return group
+
+
+def group_size_rank(group: ProcessGroup, name: str = "ep_group") -> tuple[int, int]:
+    """(size, rank) of ``group``; (1, 0) without an initialised process group. Raises ValueError
+    naming ``name`` (the argument) if this process is not in the group or the group was destroyed:
+    torch would answer -1 (and the sizes computed from it fail far from the cause) or its own error."""
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
-            raise ValueError("ep_group was given but torch.distributed is not initialised")
+            raise ValueError(f"{name} was given but torch.distributed is not initialised")
         return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+    try:
+        rank = dist.get_rank(group)
+    except (ValueError, RuntimeError):  # torch: "Group <address> is not registered"
+        raise ValueError(f"{name} is not a live process group (destroyed with destroy_process_group?): "
+                         f"expected a group from torch.distributed.new_group") from None
+    if rank < 0:
+        raise ValueError(f"{name} does not contain this process (global rank {dist.get_rank()}): every rank "
+                         f"must pass a group it is a member of (new_group returns a placeholder on the others)")
+    return dist.get_world_size(group), rank
 
 
 def to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -76,6 +76,11 @@ class DispatchConfig:
         capacity_factor: with pad_to_capacity, every (expert, source rank) block has exactly
             ceil(T * topk / E * capacity_factor) rows (rounded up to pad_multiple).
         pad_to_capacity: fixed-size blocks (see capacity_factor).
+        strict_call_order: before each return exchange (the combine, and the backward's), compare
+            the handle's call across the group on the host (one 8-byte all-gather and one host
+            synchronisation each) and raise at once if ranks combine different calls. Default
+            False: the same comparison without a synchronisation, which poisons (NaN) and raises
+            at the next dispatch, but only if the calls' split sizes agree (README).
     """
 
     kind: str
@@ -87,6 +92,7 @@ class DispatchConfig:
     pad_multiple: int = 1
     capacity_factor: Optional[float] = None
     pad_to_capacity: bool = False
+    strict_call_order: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in DISPATCHER_KINDS:
@@ -97,7 +103,7 @@ class DispatchConfig:
             raise ValueError(f"topk={self.topk} exceeds num_experts={self.num_experts}")
         if self.router_dtype not in (None, "fp32", "fp64"):
             raise ValueError(f"router_dtype must be None, 'fp32' or 'fp64', got {self.router_dtype!r}")
-        for name in ("probs_in_experts", "pad_to_capacity"):
+        for name in ("probs_in_experts", "pad_to_capacity", "strict_call_order"):
             _strict_bool(name, getattr(self, name))
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf)
@@ -159,6 +165,8 @@ class MoEConfig:
     experts multiply probs before fc2; default False applies probs in the fp32 combine),
     ``shared_expert_ffn_hidden_size``, ``params_dtype`` and ``init_seed`` (all weights are built
     from it on the CPU, so every rank builds the same ones; an int in [0, 2**63)).
+    ``strict_call_order``: check on the host, before each combine and backward exchange, that every
+    EP rank combines the same call (micro-batch); see ``DispatchConfig.strict_call_order``.
 
     Types are strict: bool fields take only True/False, int fields only ints (not bools or
     floats), float fields ints or floats; the Optional fields above take None as described.
@@ -190,9 +198,10 @@ class MoEConfig:
     pad_multiple: int = 1
     expert_impl: str = "grouped"
     shared_expert_ffn_hidden_size: Optional[int] = None
+    strict_call_order: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("pre_softmax", "enable_expert_bias", "pad_to_capacity", "probs_in_experts"):
+        for name in ("pre_softmax", "enable_expert_bias", "pad_to_capacity", "probs_in_experts", "strict_call_order"):
             _strict_bool(name, getattr(self, name))
         for name in ("hidden_size", "num_experts", "ffn_hidden_size", "pad_multiple"):
             _positive_int(name, getattr(self, name))
@@ -270,7 +279,7 @@ class MoEConfig:
                               hidden_size=self.hidden_size, router_dtype=self.router_dtype,
                               probs_in_experts=self.probs_in_experts, pad_multiple=self.pad_multiple,
                               capacity_factor=self.capacity_factor if self.pad_to_capacity else None,
-                              pad_to_capacity=self.pad_to_capacity)
+                              pad_to_capacity=self.pad_to_capacity, strict_call_order=self.strict_call_order)
 
     def replace(self, **changes: Any) -> "MoEConfig":
         """A validated copy with some fields changed (the only way to change a frozen config)."""

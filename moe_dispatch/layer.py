@@ -82,10 +82,13 @@ class MoELayer(nn.Module):
         type) raises the same ValueError on every EP rank: a rank that finds it locally routes no
         tokens and takes part in the dispatcher's size exchange with the error, so no rank waits.
         At the first forward the EP ranks agree on every MoEConfig field; one that differs is the
-        same ValueError on every rank, naming the field and the ranks (``layer_index`` included: two
-        layers called in another order on another rank). Inside a DistributedDataParallel that owns
-        the routed experts across ranks holding different experts: a ValueError
-        (`moe_dispatch.parallel.check_ddp`)."""
+        same ValueError on every rank, naming the field and the ranks (``layer_index`` included).
+        Every rank must call its layers in the same order (each step's exchange names the layer, see
+        ``moe_dispatch.identity``), and every rank calls backward on a loss that depends on the
+        output, or none does: when any rank's hidden states or experts need gradients the output
+        requires grad on every rank, so that a rank that needs none still runs the backward's
+        exchanges the others wait in. Inside a DistributedDataParallel that owns the routed experts
+        across ranks holding different experts: a ValueError (`moe_dispatch.parallel.check_ddp`)."""
         device = self.experts.weight1.device
         check_ddp(self.experts)
         # Once per layer, before anything else runs: a configuration that differs across ranks
@@ -102,7 +105,11 @@ class MoELayer(nn.Module):
             self.dispatcher.raise_together(problem, device)
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         probs, routing_map = self.router(hidden_states)
-        expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(tokens, routing_map, probs)
+        # Whether this rank's experts train: agreed with the group in the size exchange, so that a
+        # rank whose inputs and experts need no gradient still runs the backward's exchanges.
+        experts_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.experts.parameters())
+        expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(tokens, routing_map, probs,
+                                                                           experts_need_grad=experts_grad)
         expert_output = self.experts(expert_input, tokens_per_expert, handle.permuted_probs,
                                      offsets=handle.expert_offsets)
         output = self.dispatcher.combine(expert_output, handle)

@@ -39,7 +39,8 @@ def cfg(**kw):
 def test_every_field_has_a_type_class():
     classified = BOOL_FIELDS + INT_FIELDS + OPTIONAL_INT_FIELDS + FLOAT_FIELDS + OPTIONAL_FLOAT_FIELDS + STR_FIELDS
     assert sorted(classified + ["params_dtype"]) == sorted(FIELDS)
-    assert BOOL_FIELDS == ["pre_softmax", "enable_expert_bias", "pad_to_capacity", "probs_in_experts"]
+    assert BOOL_FIELDS == ["pre_softmax", "enable_expert_bias", "pad_to_capacity", "probs_in_experts",
+                           "strict_call_order"]
 
 
 @pytest.mark.parametrize("field", BOOL_FIELDS)

@@ -108,6 +108,7 @@ def test_no_import_circle():
 @pytest.mark.parametrize("module, not_loaded", [
     ("moe_dispatch.config", ["moe_dispatch.dispatcher", "moe_dispatch.router", "moe_dispatch.ops"]),
     ("moe_dispatch.comm", ["moe_dispatch.config", "moe_dispatch.dispatcher"]),
+    ("moe_dispatch.identity", ["moe_dispatch.config", "moe_dispatch.dispatcher"]),
     ("moe_dispatch.agreement", ["moe_dispatch.dispatcher", "moe_dispatch.router", "moe_dispatch.ops"]),
 ])
 def test_leaf_modules_load_nothing_above_them(module, not_loaded):

@@ -4,8 +4,9 @@ in fp32 (fp64 for fp64 probs).
 
 Modules: ``layout`` (the size exchange: validation, sizes), ``exchange`` (the kinds' transport,
 forward and back), ``functional`` (dispatch / combine and the frozen handle), ``dispatchers``
-(the objects). Agreement across ranks and latched errors: ``moe_dispatch.agreement``; the
-settings: ``moe_dispatch.config.DispatchConfig``; Megatron's six-method interface:
+(the objects). Agreement across ranks and latched errors: ``moe_dispatch.agreement``; which layer
+and step a collective belongs to: ``moe_dispatch.identity``; the settings:
+``moe_dispatch.config.DispatchConfig``; Megatron's six-method interface:
 ``moe_dispatch.integrations.megatron``.
 """
 from ..agreement import InputProblem, hidden_states_problem

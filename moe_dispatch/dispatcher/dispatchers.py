@@ -9,6 +9,7 @@ import torch
 from ..agreement import GROUP_LATCHES, InputProblem, agree_config
 from ..comm import ProcessGroup, group_size_rank
 from ..config import DispatchConfig, MoEConfig, as_dispatch_config
+from ..identity import StepCounter, new_layer_id
 from . import functional
 from .functional import DispatchHandle, device_of
 from .layout import check_ep_size, exchange_sizes
@@ -20,7 +21,11 @@ class _Dispatcher:
     def __init__(self, config: MoEConfig | DispatchConfig, ep_group: ProcessGroup = None) -> None:
         """config: a MoEConfig or DispatchConfig (its kind must be this class's, if it has one);
         ep_group: the expert-parallel ProcessGroup (None: the default group, or one process).
-        Raises ValueError if num_experts is not divisible by the EP size."""
+        Raises ValueError if num_experts is not divisible by the EP size, or if ep_group does not
+        contain this process or was destroyed (before any collective).
+
+        The dispatcher takes the next layer id of its EP group (``identity``: construction order;
+        every rank must build its dispatchers on the group in the same order)."""
         self.config: DispatchConfig = as_dispatch_config(config, self.kind or None)
         self.ep_group = ep_group
         # Errors found after a size exchange wait here for the group's next one (shared with
@@ -31,6 +36,8 @@ class _Dispatcher:
         first = self.ep_rank * self.num_local_experts
         self.local_expert_indices = list(range(first, first + self.num_local_experts))
         self._agreed = self.ep_size == 1  # configuration agreed with the group (once, lazily)
+        self.layer_id = new_layer_id(ep_group)
+        self.steps = StepCounter(self.layer_id)  # this layer's forwards (identity.CallId)
 
     @property
     def agreed(self) -> bool:
@@ -42,18 +49,22 @@ class _Dispatcher:
         only; dispatch does it too. A layer calls it before its own first collective, passing its
         own settings (router, experts) as (name, value) pairs to be agreed in the same exchange."""
         if not self._agreed:
-            agree_config(self.config, self.ep_group, device, settings)
+            agree_config(self.config, self.ep_group, device, settings, self.layer_id)
             self._agreed = True
 
     # ---- functional form -----------------------------------------------------------------
     def dispatch(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor,
-                 handle: Optional[DispatchHandle] = None) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+                 handle: Optional[DispatchHandle] = None, experts_need_grad: Optional[bool] = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """(expert_input [N, H], tokens_per_expert CPU int64 [El], handle); see functional.dispatch
-        (``handle``: reuse a previous step's, for activation recomputation)."""
+        (``handle``: reuse a previous step's, for activation recomputation). ``experts_need_grad``:
+        whether the experts that will run on the rows have trainable weights, for a caller that
+        knows (a layer); None: assumed under grad mode (the combine's output then requires grad on
+        every rank, so that every rank's backward runs the combine's backward exchange)."""
         if handle is None:
             self.agree(device_of(hidden_states))
         return functional.dispatch(hidden_states, routing_map, probs, self.config, self.ep_group, handle=handle,
-                                   latch=self.latch, agreed=True)
+                                   latch=self.latch, agreed=True, steps=self.steps, experts_grad=experts_need_grad)
 
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """expert_output [N, H] -> hidden_states' shape; see functional.combine."""
@@ -64,7 +75,8 @@ class _Dispatcher:
         ``agreement.hidden_states_problem``): every rank of the group (those in dispatch, and this
         one) raises the same ValueError. Always raises."""
         self.agree(device)
-        exchange_sizes(None, None, None, self.config, self.ep_group, self.latch, problem=problem, device=device)
+        exchange_sizes(None, None, None, self.config, self.ep_group, self.latch, problem=problem, device=device,
+                       call=self.steps.call())
         raise AssertionError("exchange_sizes returned despite a problem")  # unreachable: it raises
 
 

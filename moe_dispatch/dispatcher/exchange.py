@@ -20,6 +20,10 @@ buffer); the owner's own rows are copied into the head of the owner's buffer, ne
 collective. The kernels that produce these rows are the experts' GEMMs, so the reorder cannot be
 folded into a kernel of ours; a zero-copy alternative would be one send per (expert, destination)
 block. Mirror (``_ReturnRows.backward``): the owner's gradient rows go back the same way.
+Each return exchange first compares the handle's call across the group (``agreement.check_call``,
+one 8-byte all-gather): rows of another call (a micro-batch combined out of order on some rank)
+become NaN and the error is raised on every rank at the next size exchange; with
+``strict_call_order`` it is raised at once, before any row moves.
 """
 from __future__ import annotations
 
@@ -28,8 +32,10 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from ..agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, ErrorLatch, check_call
 from ..comm import ProcessGroup, all_gather_rows, all_to_all_rows
 from ..config import DISPATCHER_KINDS
+from ..identity import CallId
 from ..ops.torch_twin import round_up
 
 if TYPE_CHECKING:
@@ -196,6 +202,9 @@ class ReturnRoute:
         send_splits / recv_splits: [P] rows sent to / received from each rank (0 for itself).
         num_rows: N, rows of the receiver layout (padding included).
         group: the EP process group.
+        latch: the group's ErrorLatch; call: the dispatch's call, compared across the group before
+            each exchange (``agreement.check_call``); strict: compare it on the host
+            (``DispatchConfig.strict_call_order``).
     """
 
     index: torch.Tensor
@@ -204,6 +213,14 @@ class ReturnRoute:
     recv_splits: tuple[int, ...]
     num_rows: int
     group: ProcessGroup
+    latch: ErrorLatch
+    call: CallId
+    strict: bool
+
+    def check_call(self, code: int, device: torch.device) -> Optional[torch.Tensor]:
+        """agreement.check_call for this route's exchange ``code``: None, or a device bool that
+        is True when another rank is in another call (then the received rows must become NaN)."""
+        return check_call(self.group, self.latch, self.call, code, self.strict, device)
 
 
 def return_runs(layout: "Layout") -> tuple[list[int], list[int]]:
@@ -218,20 +235,26 @@ def return_runs(layout: "Layout") -> tuple[list[int], list[int]]:
     return shifts, lengths
 
 
-def send_back(rows: torch.Tensor, row_probs: Optional[torch.Tensor],
-              route: ReturnRoute) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def send_back(rows: torch.Tensor, row_probs: Optional[torch.Tensor], route: ReturnRoute,
+              code: int = COMBINE_CALL) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """rows [N, H] (receiver layout), row_probs [N] or None -> the owner's buffer [M, H] (and
-    [M]), segments (own experts, then the other expert ranks ascending). No autograd."""
+    [M]), segments (own experts, then the other expert ranks ascending). No autograd. ``code``:
+    which exchange this is (``agreement.RETURN_CHECKS``: the combine, or the dispatch's backward)."""
     fmt = RowFormat(rows.shape[1], rows.dtype, 1, row_probs.dtype if row_probs is not None else None, False)
     probs2 = row_probs[:, None] if row_probs is not None else None
     n_self, send_n = route.n_self, sum(route.send_splits)
     out = fmt.empty(n_self + sum(route.recv_splits), rows.device)
+    bad = route.check_call(code, rows.device) if len(route.send_splits) > 1 else None
     fmt.pack(out[:n_self], rows, probs2, None, route.index[:n_self])
     if len(route.send_splits) > 1:
         send = fmt.empty(send_n, rows.device)
         fmt.pack(send, rows, probs2, None, route.index[n_self:])
         all_to_all_rows(send, route.recv_splits, route.send_splits, route.group, out=out[n_self:])
     hidden, probs, _ = fmt.views(out)
+    if bad is not None:  # another call's rows: the whole step's rows become NaN
+        for part in (hidden, probs):
+            if part is not None:
+                part.masked_fill_(bad, float("nan"))
     return hidden, (probs[:, 0] if probs is not None else None)
 
 
@@ -243,10 +266,14 @@ def send_forth(grad: torch.Tensor, route: ReturnRoute) -> torch.Tensor:
     # row is written below and needs no fill.
     alloc = grad.new_empty if route.index.shape[0] == route.num_rows else grad.new_zeros
     out = alloc((route.num_rows, grad.shape[1]))
+    bad = None
     if len(route.send_splits) > 1:
+        bad = route.check_call(COMBINE_BACKWARD_CALL, grad.device)
         recv = all_to_all_rows(grad[n_self:], route.send_splits, route.recv_splits, route.group)
         out.index_copy_(0, route.index[n_self:], recv)
     out.index_copy_(0, route.index[:n_self], grad[:n_self])
+    if bad is not None:  # another call's gradient rows: every row of this backward becomes NaN
+        out.masked_fill_(bad, float("nan"))
     return out
 
 
@@ -254,15 +281,17 @@ class _ReturnRows(torch.autograd.Function):
     """send_back with autograd: the backward moves the gradient rows back (never sums them)."""
 
     @staticmethod
-    def forward(ctx, rows, route):
+    def forward(ctx, rows, route, anchor):
         ctx.route = route
         return send_back(rows, None, route)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        return send_forth(grad, ctx.route), None
+        return send_forth(grad, ctx.route), None, None
 
 
-def return_rows(rows: torch.Tensor, route: ReturnRoute) -> torch.Tensor:
-    """rows [N, H] (receiver layout) -> the owner's buffer [M, H], with autograd."""
-    return _ReturnRows.apply(rows, route)
+def return_rows(rows: torch.Tensor, route: ReturnRoute, anchor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """rows [N, H] (receiver layout) -> the owner's buffer [M, H], with autograd. ``anchor``: a
+    leaf that requires grad, to make the output require grad when rows does not (so that this
+    rank's backward runs the mirror exchange that other ranks' backward runs)."""
+    return _ReturnRows.apply(rows, route, anchor)

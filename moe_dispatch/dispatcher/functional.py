@@ -14,6 +14,12 @@ Why the results are bitwise invariant (rank, dispatcher, EP size, batch):
 - the dispatch's backward is the same path: the gradient of every (token, expert) row goes back
   to the owner unreduced and is summed there in the same fixed order.
 
+Backward on every rank: the exchanges of the backward are collectives, so a rank whose own
+tensors need no gradient must still run them when another rank's do. The size exchange agrees on
+it (``Layout.dispatch_backward`` / ``combine_backward``); such a rank's dispatch and combine
+outputs are then made to require grad (``_grad_anchor``), so its backward, which must reach the
+layer's output, runs the exchanges too. Every rank calls backward, or none does.
+
 Receiver layout (rows given to the local experts, [N, H]): for each local expert e, for each
 source rank s ascending, a block of rows (s's tokens ascending, then capacity padding), then the
 expert's tail padding (pad_multiple). Owner buffer (rows returned to the owner, [M, H]): for each
@@ -28,6 +34,7 @@ from typing import Any, Optional
 import torch
 
 from ..agreement import (
+    DISPATCH_BACKWARD_CALL,
     EXPERT_DTYPE,
     EXPERT_ROWS,
     GROUP_LATCHES,
@@ -39,6 +46,7 @@ from ..agreement import (
 )
 from ..comm import ProcessGroup, to_device
 from ..config import DispatchConfig, MoEConfig, as_dispatch_config
+from ..identity import StepCounter, functional_counter
 from ..ops import RowIdMap, unpermute
 from ..ops.permutation import make_slots, permute_rows, runs_index
 from .exchange import KINDS, Received, ReturnRoute, return_rows, return_runs, send_back
@@ -188,7 +196,8 @@ def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, layou
         send = tuple(0 if d == me else layout.return_send_splits[d] for d in range(P))
         recv = tuple(0 if d == me else layout.return_recv_splits[d] for d in range(P))
         route = ReturnRoute(runs_index(dev[at_route[0]], dev[at_route[1]], sum(ret[1])),
-                            layout.return_send_splits[me], send, recv, sum(layout.tokens_per_local_expert), group)
+                            layout.return_send_splits[me], send, recv, sum(layout.tokens_per_local_expert), group,
+                            latch, layout.call, cfg.strict_call_order)
     return Plan(config=cfg, group=group, latch=latch, layout=layout, routing_map=routing_map, hidden_dtype=hidden_dtype,
                 probs_dtype=probs_dtype, owner_map=owner_map, route=route, expert_runs=expert_runs,
                 expert_padded=dev[at_padded] if at_padded else None,
@@ -222,10 +231,15 @@ def pairs_to_dense(values: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:
 
 # ---- the steps ----------------------------------------------------------------------------------
 def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
-            latch: ErrorLatch, problem: Optional[InputProblem] = None) -> tuple[torch.Tensor, torch.Tensor, Plan]:
+            latch: ErrorLatch, problem: Optional[InputProblem] = None, *, steps: StepCounter,
+            experts_grad: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor, Plan]:
     """Size exchange (validates every rank's input, raises alike on all) and the step's Plan.
-    Returns (hidden as [T, H], probs in the wire dtype with autograd, plan)."""
-    layout = exchange_sizes(hidden, routing_map, probs, cfg, group, latch, problem)
+    Returns (hidden as [T, H], probs in the wire dtype with autograd, plan). ``steps``: the
+    layer's forward counter (``identity``; advanced once the exchange succeeded); ``experts_grad``:
+    see ``exchange_sizes``."""
+    layout = exchange_sizes(hidden, routing_map, probs, cfg, group, latch, problem, call=steps.call(),
+                            experts_grad=experts_grad)
+    steps.advance()
     x = hidden.reshape(-1, hidden.shape[-1])
     wire = probs.to(cfg.wire_probs_dtype(probs.dtype))
     return x, wire, make_plan(cfg, group, latch, layout, routing_map, x.dtype, wire.dtype)
@@ -248,7 +262,7 @@ class _Expand(torch.autograd.Function):
     tensors (detached, views of the exchange's buffer) carry the values."""
 
     @staticmethod
-    def forward(ctx, x, probs, recv_x, recv_probs, plan, expert_map):
+    def forward(ctx, x, probs, recv_x, recv_probs, plan, expert_map, anchor):
         rows, row_probs = permute_rows(recv_x, expert_map.slots, recv_probs, expert_map.num_out_tokens,
                                        expert_map.has_pad_rows)
         ctx.plan, ctx.expert_map, ctx.x_shape, ctx.probs_dtype = plan, expert_map, x.shape, recv_probs.dtype
@@ -267,13 +281,25 @@ class _Expand(torch.autograd.Function):
         if plan.route is None:
             rows, owner_probs, owner_map = grad_rows.contiguous(), grad_row_probs, ctx.expert_map
         else:
-            rows, owner_probs = send_back(grad_rows.contiguous(), grad_row_probs, plan.route)
+            rows, owner_probs = send_back(grad_rows.contiguous(), grad_row_probs, plan.route,
+                                          code=DISPATCH_BACKWARD_CALL)
             owner_map = plan.owner_map
-        grad_x = unpermute(rows, owner_map, None).view(ctx.x_shape)
-        grad_probs = None
+        grad_x = grad_probs = None
+        if ctx.needs_input_grad[0]:  # else this rank ran the exchange for the others only
+            grad_x = unpermute(rows, owner_map, None).view(ctx.x_shape)
         if owner_probs is not None and ctx.needs_input_grad[1]:
             grad_probs = pairs_to_dense(owner_probs, owner_map)
-        return grad_x, grad_probs, None, None, None, None
+        return grad_x, grad_probs, None, None, None, None, None
+
+
+def _grad_anchor(needed: bool, tensor: torch.Tensor, *others: torch.Tensor) -> Optional[torch.Tensor]:
+    """A leaf that requires grad, when some rank's backward runs an exchange (``needed``, agreed in
+    the size exchange) but none of this rank's inputs to it requires grad: given to the exchange's
+    autograd function, it makes the output require grad, so this rank's backward runs the exchange
+    too. Its own gradient is never computed. None when not needed."""
+    if needed and torch.is_grad_enabled() and not any(t.requires_grad for t in (tensor, *others)):
+        return torch.zeros((), device=tensor.device, requires_grad=True)
+    return None
 
 
 def finish(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: Plan, hidden_shape: torch.Size,
@@ -282,7 +308,8 @@ def finish(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: Plan, hid
     if expert_map is None:
         expert_map = expert_row_map(plan, recv.routing)
     probs_in = probs if plan.config.probs_in_experts else probs.detach()
-    rows, row_probs = _Expand.apply(x, probs_in, recv.hidden, recv.probs, plan, expert_map)
+    anchor = _grad_anchor(plan.route is not None and plan.layout.dispatch_backward, x, probs_in)
+    rows, row_probs = _Expand.apply(x, probs_in, recv.hidden, recv.probs, plan, expert_map, anchor)
     offsets = torch.cumsum(expert_map.padded_tokens_per_expert, 0).to(torch.int32)
     owner_map = expert_map if plan.owner_map is None else plan.owner_map
     handle = DispatchHandle(plan=plan, expert_map=expert_map, owner_map=owner_map, probs=probs,
@@ -331,6 +358,7 @@ def device_of(hidden: Any) -> torch.device:
 def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor,
              config: MoEConfig | DispatchConfig, ep_group: ProcessGroup = None, kind: Optional[str] = None,
              handle: Optional[DispatchHandle] = None, *, latch: Optional[ErrorLatch] = None, agreed: bool = False,
+             steps: Optional[StepCounter] = None, experts_grad: Optional[bool] = None,
              ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send tokens to the ranks of their experts.
 
@@ -345,6 +373,10 @@ def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tenso
             moves. The routing is compared on the device, without a host sync (see ``_reuse``).
         latch: the group's ErrorLatch (default: ``GROUP_LATCHES.of(ep_group)``).
         agreed: the caller (a dispatcher object) has already agreed on the configuration.
+        steps: the caller's (a layer's) forward counter (default: the functional dispatches' on
+            the group; ``identity``).
+        experts_grad: whether the experts that will run on the rows have trainable weights (None:
+            assumed under grad mode); see ``layout.exchange_sizes``.
 
     Returns:
         expert_input [N, H]: rows for the local experts, expert-major; within an expert ascending
@@ -364,7 +396,8 @@ def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tenso
     if not agreed:
         agree_config(cfg, ep_group, device_of(hidden))
     latch = GROUP_LATCHES.of(ep_group) if latch is None else latch
-    x, wire, plan = prepare(hidden, routing_map, probs, cfg, ep_group, latch)
+    steps = functional_counter(ep_group) if steps is None else steps
+    x, wire, plan = prepare(hidden, routing_map, probs, cfg, ep_group, latch, steps=steps, experts_grad=experts_grad)
     rows, new = finish(x, wire, send_tokens(x, wire, plan), plan, hidden.shape)
     return rows, new.plan.tokens_per_expert, new
 
@@ -400,7 +433,8 @@ def return_to_owners(expert_output: torch.Tensor, handle: DispatchHandle) -> tor
     """Checked expert rows [N, H] -> the owner buffer [M, H] (the expert rows themselves at EP 1)."""
     if handle.plan.route is None:
         return expert_output
-    return return_rows(expert_output, handle.plan.route)
+    anchor = _grad_anchor(handle.plan.layout.combine_backward, expert_output)
+    return return_rows(expert_output, handle.plan.route, anchor)
 
 
 def owner_sum(rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -5,8 +5,12 @@ hash of its configuration in one int64 vector; one all-gather gives every rank e
 vector and one host synchronisation reads it. Every rank then runs the same validation on the same
 gathered data, so bad input on any rank raises the same ValueError on every rank before any data
 collective starts (no hang, no half-finished exchange). All split sizes are host ints from then on.
-The vector also carries an error latched by an earlier step (``agreement.ErrorLatch``), and the
-configuration's fingerprint hash with a tag, in case ranks pair up different dispatchers.
+The vector also carries an error latched by an earlier step (``agreement.ErrorLatch``), the
+configuration's fingerprint hash with a tag, in case ranks pair up different dispatchers, and the
+call's identity (layer id, forward count: ``identity.CallId``), in case ranks pair up different
+layers or calls. And whether each rank's hidden states, probs and experts need gradients, so that
+every rank runs the backward's collectives when any rank needs them (``Layout.dispatch_backward``
+/ ``combine_backward``).
 
 Notation: P = EP size, E = num_experts, El = E / P local experts; rank r owns global experts
 [r * El, (r + 1) * El).
@@ -19,9 +23,19 @@ from typing import Any, Optional
 
 import torch
 
-from ..agreement import ErrorLatch, InputProblem, differ, dtype_code, dtype_name, fingerprint_hash, problem_message
+from ..agreement import (
+    ErrorLatch,
+    InputProblem,
+    differ,
+    dtype_code,
+    dtype_name,
+    fingerprint_hash,
+    order_problem,
+    problem_message,
+)
 from ..comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
 from ..config import DispatchConfig
+from ..identity import CallId
 from ..ops.torch_twin import round_up
 
 _HIDDEN_DTYPES = tuple(dtype_code(d) for d in (torch.float32, torch.float16, torch.bfloat16))
@@ -30,9 +44,12 @@ _STEP_TAG = 0x4D6F4553  # marks a step's size message
 
 # Step message: host fields, then device fields, then counts [E] and sent [P].
 # err_*: an error the caller found locally (InputProblem); late_*: a latched error of an earlier step.
-_HOST_FIELDS = ("tag", "fingerprint", "err_code", "err_expected", "err_got",
+# layer_id, step: the call (identity.CallId); grad_mode: torch.is_grad_enabled(); *_grad: this
+# rank's hidden states / probs require grad, its experts have trainable weights (all under grad_mode).
+_HOST_FIELDS = ("tag", "fingerprint", "layer_id", "step", "err_code", "err_expected", "err_got",
                 "hidden_T", "hidden_H", "hidden_dtype", "map_T", "map_E", "map_dtype",
-                "probs_T", "probs_E", "probs_dtype", "probs_grad", "one_device")
+                "probs_T", "probs_E", "probs_dtype", "probs_grad", "one_device",
+                "grad_mode", "hidden_grad", "experts_grad")
 _DEVICE_FIELDS = ("max_k", "probs_nonfinite", "late_code", "late_expected", "late_got")
 _FIELDS = _HOST_FIELDS + _DEVICE_FIELDS
 _AT = {name: i for i, name in enumerate(_FIELDS)}
@@ -54,8 +71,14 @@ class Layout:
         sent: [P][P], deduplicated tokens per (source, destination rank) of the alltoall dispatch.
         capacity: [P] rows of every (expert, source) block in pad-to-capacity mode; None dropless.
         pad_multiple: dropless mode pads each local expert's block to a multiple of this.
+        call: the call's identity (layer, forward count), the same on every rank.
         probs_grad: some rank's probs require grad (decided jointly, so that every rank runs the
             same collectives in the backward).
+        dispatch_backward: some rank's hidden states (or probs, with probs_in_experts) need
+            gradients: every rank's dispatch output then requires grad, so that every rank's
+            backward runs the dispatch's backward exchange.
+        combine_backward: dispatch_backward, or some rank's experts have trainable weights:
+            every rank's combine output requires grad (its backward exchange runs everywhere).
         max_experts_per_token: [P], the most experts one token of each source is routed to.
         local_blocks: [P][El], rows each source contributes to each local expert (capacity incl.).
         local_tail_pad: [El], pad rows after each local expert's blocks (dropless pad_multiple).
@@ -76,7 +99,10 @@ class Layout:
     sent: IntTable
     capacity: Optional[tuple[int, ...]]
     pad_multiple: int
+    call: CallId
     probs_grad: bool
+    dispatch_backward: bool
+    combine_backward: bool
     max_experts_per_token: tuple[int, ...]
     local_blocks: IntTable
     local_tail_pad: tuple[int, ...]
@@ -88,7 +114,8 @@ class Layout:
 
     @classmethod
     def build(cls, cfg: DispatchConfig, ep_size: int, rank: int, num_tokens: list[int], counts: list[list[int]],
-              sent: list[list[int]], probs_grad: bool, max_experts_per_token: list[int]) -> "Layout":
+              sent: list[list[int]], probs_grad: bool, max_experts_per_token: list[int], *, call: CallId,
+              dispatch_backward: bool, combine_backward: bool) -> "Layout":
         P, E = ep_size, cfg.num_experts
         El = E // P
         capacity = tuple(cfg.capacity(t) for t in num_tokens) if cfg.pad_to_capacity else None
@@ -111,7 +138,8 @@ class Layout:
         return cls(
             ep_size=P, rank=rank, num_experts=E, num_local_experts=El, num_tokens=tuple(num_tokens),
             counts=tuple(map(tuple, counts)), sent=tuple(map(tuple, sent)), capacity=capacity, pad_multiple=m,
-            probs_grad=probs_grad, max_experts_per_token=tuple(max_experts_per_token),
+            call=call, probs_grad=probs_grad, dispatch_backward=dispatch_backward, combine_backward=combine_backward,
+            max_experts_per_token=tuple(max_experts_per_token),
             local_blocks=local_blocks, local_tail_pad=tail, block_starts=tuple(map(tuple, starts)),
             tokens_per_local_expert=tuple(n + t for n, t in zip(totals, tail)),
             owner_blocks=tuple(block(rank, e) for e in range(E)),
@@ -129,7 +157,7 @@ def check_ep_size(num_experts: int, ep_size: int) -> int:
 
 
 # ---- validation ---------------------------------------------------------------------------------
-def _describe(hidden: Any, routing_map: Any, probs: Any) -> list[int]:
+def _describe(hidden: Any, routing_map: Any, probs: Any, experts_grad: bool) -> list[int]:
     def shape2(x: Any, flatten: bool) -> tuple:
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or (not flatten and x.dim() != 2):
             return -1, -1
@@ -138,10 +166,15 @@ def _describe(hidden: Any, routing_map: Any, probs: Any) -> list[int]:
     def code(x: Any) -> int:
         return dtype_code(x.dtype) if isinstance(x, torch.Tensor) else -1
 
-    grad = int(isinstance(probs, torch.Tensor) and probs.requires_grad)
+    mode = torch.is_grad_enabled()  # without it no graph is built: nothing needs a gradient
+
+    def grad(x: Any) -> int:
+        return int(mode and isinstance(x, torch.Tensor) and x.requires_grad)
+
     devices = {x.device for x in (hidden, routing_map, probs) if isinstance(x, torch.Tensor)}
     return [*shape2(hidden, True), code(hidden), *shape2(routing_map, False), code(routing_map),
-            *shape2(probs, False), code(probs), grad, int(len(devices) <= 1)]
+            *shape2(probs, False), code(probs), grad(probs), int(len(devices) <= 1),
+            int(mode), grad(hidden), int(mode and experts_grad)]
 
 
 def _input_problems(f: dict, cfg: DispatchConfig) -> list[str]:
@@ -177,6 +210,14 @@ def _problems(rows: list[list[int]], cfg: DispatchConfig, fp_hash: int) -> list[
     for r, f in enumerate(fs):
         if f["late_code"]:
             out.append(f"{problem_message(f['late_code'], f['late_expected'], f['late_got'])} on EP rank {r}")
+    order = order_problem([f["layer_id"] for f in fs], [f["step"] for f in fs])
+    if order:  # the ranks are in different calls: their inputs are not comparable
+        return [order] + out
+    modes = [f["grad_mode"] for f in fs]
+    if len(set(modes)) > 1:
+        out.append(f"torch.is_grad_enabled() differs across the EP group: {differ([bool(m) for m in modes])} (every "
+                   f"rank must run the layer in the same grad mode: a rank under no_grad would skip the backward "
+                   f"exchanges the others wait in)")
     for r, f in enumerate(fs):
         mine = _input_problems(f, cfg)
         if not mine and f["probs_nonfinite"]:
@@ -193,7 +234,8 @@ def _problems(rows: list[list[int]], cfg: DispatchConfig, fp_hash: int) -> list[
 
 def exchange_sizes(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
                    latch: ErrorLatch, problem: Optional[InputProblem] = None,
-                   device: Optional[torch.device] = None) -> Layout:
+                   device: Optional[torch.device] = None, *, call: CallId,
+                   experts_grad: Optional[bool] = None) -> Layout:
     """Validate every rank's inputs and exchange the routing counts: one all-gather, one host
     synchronisation. Raises the same ValueError on every rank if any rank's input is bad, if
     ``problem`` is set on any rank, or if an error was latched on any rank's ``latch`` (the
@@ -204,6 +246,9 @@ def exchange_sizes(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfi
             rank that passes ``problem``: only its description travels).
         problem: an error the caller found locally; this rank then takes part with zero counts.
         device: where the message lives (default: the inputs' device); NCCL needs CUDA.
+        call: this call's identity (every rank must send the same; see ``identity``).
+        experts_grad: whether this rank's experts have trainable weights (None: unknown, taken
+            as True under grad mode, so that the combine's backward exchange runs everywhere).
     """
     P, rank = group_size_rank(group)
     E = cfg.num_experts
@@ -212,7 +257,9 @@ def exchange_sizes(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfi
         device = next((x.device for x in (hidden, routing_map, probs) if isinstance(x, torch.Tensor)),
                       torch.device("cpu"))
     err = [problem.code, problem.expected, problem.got] if problem is not None else [0, 0, 0]
-    host = [_STEP_TAG, fingerprint_hash(cfg), *err, *_describe(hidden, routing_map, probs)]
+    experts_grad = True if experts_grad is None else experts_grad
+    host = [_STEP_TAG, fingerprint_hash(cfg), call.layer, call.step, *err,
+            *_describe(hidden, routing_map, probs, experts_grad)]
     local_ok = not _input_problems(dict(zip(_HOST_FIELDS, host)), cfg)
     late = latch.take(device)
     if local_ok:
@@ -237,11 +284,15 @@ def exchange_sizes(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfi
     if problems:
         raise ValueError("invalid MoE dispatch input: " + "; ".join(problems))
     nf = len(_FIELDS)
+    probs_backward = cfg.probs_in_experts and any(row[_AT["probs_grad"]] for row in rows)
+    dispatch_backward = probs_backward or any(row[_AT["hidden_grad"]] for row in rows)
     counts_all = [row[nf:nf + E] for row in rows]
     layout = Layout.build(cfg, P, rank, num_tokens=[row[_AT["hidden_T"]] for row in rows], counts=counts_all,
                           sent=[row[nf + E:] for row in rows],
                           probs_grad=any(row[_AT["probs_grad"]] for row in rows),
-                          max_experts_per_token=[row[_AT["max_k"]] for row in rows])
+                          max_experts_per_token=[row[_AT["max_k"]] for row in rows], call=call,
+                          dispatch_backward=dispatch_backward,
+                          combine_backward=dispatch_backward or any(row[_AT["experts_grad"]] for row in rows))
     if layout.capacity is not None:
         caps = layout.capacity
         over = [(s, e, c) for s, row in enumerate(counts_all) for e, c in enumerate(row) if c > caps[s]]

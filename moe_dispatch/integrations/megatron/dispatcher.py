@@ -87,7 +87,7 @@ class MegatronTokenDispatcher:
         """Validate (all ranks), exchange sizes; returns (hidden [T, H], probs [T, E] fp32/fp64)."""
         self.dispatcher.agree(functional.device_of(hidden_states))
         x, wire, plan = functional.prepare(hidden_states, routing_map, probs, self.config, self.ep_group,
-                                           self.dispatcher.latch)
+                                           self.dispatcher.latch, steps=self.dispatcher.steps)
         self._step = _Prepared(plan, hidden_states.shape)
         return x, wire
 
