@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..autograd import refuse_double_backward
 from ..ops import RowIdMap, unpermute
 from ..ops.permutation import make_slots, permute_rows
 from .comm import ProcessGroup, group_size_rank, to_device
@@ -282,6 +283,7 @@ class _Expand(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows, grad_row_probs):
+        refuse_double_backward("_Expand")
         plan = ctx.plan
         if ctx.send_probs_grad and grad_row_probs is None:
             grad_row_probs = torch.zeros(grad_rows.shape[0], dtype=ctx.probs_dtype, device=grad_rows.device)

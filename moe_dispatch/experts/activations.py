@@ -24,6 +24,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..autograd import refuse_double_backward
+
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693147180369123816490  # high bits of ln 2: n * _LN2_HI is exact for |n| < 2**20
 _LN2_LO = 1.90821492927058770002e-10
@@ -100,6 +102,7 @@ class _ExactActivation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        refuse_double_backward("_ExactActivation")
         (x,) = ctx.saved_tensors
         dydx = _CPU_FORMULAS[ctx.name][1](x.to(torch.float64))
         return _round(grad.to(torch.float64) * dydx, x.dtype), None
@@ -152,6 +155,7 @@ class _ScaleRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        refuse_double_backward("_ScaleRows")
         act, probs = ctx.saved_tensors
         ct = torch.promote_types(torch.promote_types(act.dtype, probs.dtype), torch.float32)
         g = grad.to(ct)

@@ -34,6 +34,8 @@ from typing import List, Literal, Optional
 
 import torch
 
+from ..autograd import refuse_double_backward
+
 GemmStrategy = Literal["grouped", "padded", "tiled", "loop"]
 
 # "padded" on CPU: MKL fp32 sgemm has one kernel class for M >= 4 (1..16 threads tried); 8 leaves
@@ -112,6 +114,7 @@ class _GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        refuse_double_backward("_GroupedMM")
         x, w, offs = ctx.saved_tensors
         if grad.shape[0] == 0:  # no rows: an empty tensor may carry strides grouped_mm rejects
             return torch.zeros_like(x), torch.zeros_like(w), None
@@ -168,6 +171,7 @@ class _LoopMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        refuse_double_backward("_LoopMM")
         x, w = ctx.saved_tensors
         counts, row_tile, tiled = ctx.args
         grad = _dense(grad)
