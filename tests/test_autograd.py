@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from moe_dispatch import MoEConfig, MoELayer, dispatch, permute, sort_chunks, unpermute
-from moe_dispatch.dispatcher.exchange import KINDS, ReturnRoute, return_rows
+from moe_dispatch.config import DISPATCHER_KINDS
+from moe_dispatch.dispatcher.exchange import ReturnRoute, return_rows
 from moe_dispatch.experts.activations import activate, scale_rows
 from moe_dispatch.experts.gemm import expert_gemm
 from moe_dispatch.router.gating import gating_linear
@@ -17,7 +18,7 @@ from moe_dispatch.router.losses import attach_loss
 
 from .dispatcher.harness import run_ranks
 
-DISPATCHERS = sorted(KINDS)
+DISPATCHERS = DISPATCHER_KINDS
 
 
 def _leaf(*shape: int) -> torch.Tensor:

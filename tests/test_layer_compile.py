@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from moe_dispatch import MoEConfig, MoELayer
-from moe_dispatch.dispatcher.exchange import KINDS
+from moe_dispatch.config import DISPATCHER_KINDS
 
 from .dispatcher.harness import run_ranks
 
-DISPATCHERS = sorted(KINDS)
+DISPATCHERS = DISPATCHER_KINDS
 
 
 def _step(fn, layer: MoELayer, x: torch.Tensor) -> list[torch.Tensor]:
