@@ -110,6 +110,8 @@ def test_no_import_circle():
     ("moe_dispatch.comm", ["moe_dispatch.config", "moe_dispatch.dispatcher"]),
     ("moe_dispatch.identity", ["moe_dispatch.config", "moe_dispatch.dispatcher"]),
     ("moe_dispatch.agreement", ["moe_dispatch.dispatcher", "moe_dispatch.router", "moe_dispatch.ops"]),
+    ("moe_dispatch.autograd", ["moe_dispatch.dispatcher", "moe_dispatch.router", "moe_dispatch.ops",
+                               "moe_dispatch.experts"]),
 ])
 def test_leaf_modules_load_nothing_above_them(module, not_loaded):
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('moe_dispatch')))"

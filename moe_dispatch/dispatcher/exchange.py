@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from ..agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, ErrorLatch, check_call
+from ..autograd import refuse_double_backward
 from ..comm import ProcessGroup, all_gather_rows, all_to_all_rows
 from ..config import DISPATCHER_KINDS
 from ..identity import CallId
@@ -88,14 +89,38 @@ class RowFormat:
         """buf's rows = the rows ``index`` of hidden [R, H], probs [R, k], routing [R, k] (all rows
         in order without index). The hidden rows are copied straight into the buffer (one pass);
         the small probs and routing parts through an index_select."""
+        if index is not None:
+            probs = probs.index_select(0, index) if probs is not None else None
+            routing = routing.index_select(0, index) if routing is not None else None
+        self.write(buf, hidden, probs, routing, index)
+
+    def write(self, buf: torch.Tensor, hidden: torch.Tensor, probs: Optional[torch.Tensor],
+              routing: Optional[torch.Tensor], hidden_index: Optional[torch.Tensor] = None) -> None:
+        """buf's rows = probs [n, k], routing [n, k] and the rows ``hidden_index`` of hidden [R, H]
+        (hidden [n, H] itself without it).
+
+        The byte views are taken here, from ``buf``, and written at once: under torch.compile,
+        views of one buffer in different dtypes that reach a graph as separate inputs and are
+        written there make AOT autograd rebuild them from one "synthetic base", which cannot
+        reinterpret bytes (a PyTorch internal assert)."""
         h, p, r = self.views(buf)
-        if index is None:
-            h.copy_(hidden)
-        else:
-            torch.index_select(hidden, 0, index, out=h)
-        for view, part in ((p, probs), (r, routing)):
-            if view is not None:
-                view.copy_(part if index is None else part.index_select(0, index))
+        _gather_rows_into(h, hidden, hidden_index)
+        if p is not None:
+            p.copy_(probs)
+        if r is not None:
+            r.copy_(routing)
+
+
+def _gather_rows_into(out: torch.Tensor, src: torch.Tensor, index: Optional[torch.Tensor]) -> None:
+    """out [n, H] (a strided view) = src[index] (src itself without index). Eager: one pass
+    (index_select with out=). torch.compile breaks the graph at an out= that is not contiguous,
+    so there a gather and a copy, which the compiler can fuse."""
+    if index is None:
+        out.copy_(src)
+    elif torch.compiler.is_compiling():
+        out.copy_(src.index_select(0, index))
+    else:
+        torch.index_select(src, 0, index, out=out)
 
 
 @dataclass(frozen=True)
@@ -138,11 +163,7 @@ def send_alltoall(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tenso
     dest = pairs[:, 0] + (pairs[:, 0] >= me).long()
     token = pairs[:, 1]
     send = fmt.empty(sum(in_splits), x.device)
-    h, p, r = fmt.views(send)
-    torch.index_select(x, 0, token, out=h)
-    p.copy_(probs3[token, dest])
-    if r is not None:
-        r.copy_(local[token, dest])
+    fmt.write(send, x, probs3[token, dest], local[token, dest] if with_routing else None, token)
     all_to_all_rows(send, out_splits, in_splits, group, out=recv[n_self:])
     hidden, rprobs, routing = fmt.views(recv)
     return Received(hidden, rprobs, routing, _own_first(P, me))
@@ -287,6 +308,7 @@ class _ReturnRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward("_ReturnRows")
         return send_forth(grad, ctx.route), None, None
 
 

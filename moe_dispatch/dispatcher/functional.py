@@ -44,6 +44,7 @@ from ..agreement import (
     agree_config,
     dtype_code,
 )
+from ..autograd import refuse_double_backward
 from ..comm import ProcessGroup, to_device
 from ..config import DispatchConfig, MoEConfig, as_dispatch_config
 from ..identity import StepCounter, functional_counter
@@ -274,6 +275,7 @@ class _Expand(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows, grad_row_probs):
+        refuse_double_backward("_Expand")
         plan = ctx.plan
         if ctx.send_probs_grad and grad_row_probs is None:
             grad_row_probs = torch.zeros(grad_rows.shape[0], dtype=ctx.probs_dtype, device=grad_rows.device)

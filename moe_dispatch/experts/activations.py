@@ -24,6 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..autograd import refuse_double_backward
 from ..fixed_order import tree_sum
 
 _LOG2E = 1.4426950408889634
@@ -102,6 +103,7 @@ class _ExactActivation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        refuse_double_backward("_ExactActivation")
         (x,) = ctx.saved_tensors
         dydx = _CPU_FORMULAS[ctx.name][1](x.to(torch.float64))
         return _round(grad.to(torch.float64) * dydx, x.dtype), None
@@ -146,6 +148,7 @@ class _ScaleRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        refuse_double_backward("_ScaleRows")
         act, probs = ctx.saved_tensors
         ct = torch.promote_types(torch.promote_types(act.dtype, probs.dtype), torch.float32)
         g = grad.to(ct)

@@ -36,6 +36,7 @@ from typing import List, Literal, Optional
 
 import torch
 
+from ..autograd import refuse_double_backward
 from ..fixed_order import ordered_mm
 
 GemmStrategy = Literal["grouped", "ordered", "tiled", "loop"]
@@ -105,6 +106,7 @@ class _GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        refuse_double_backward("_GroupedMM")
         x, w, offs = ctx.saved_tensors
         if grad.shape[0] == 0:  # no rows: an empty tensor may carry strides grouped_mm rejects
             return torch.zeros_like(x), torch.zeros_like(w), None
@@ -170,6 +172,7 @@ class _LoopMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        refuse_double_backward("_LoopMM")
         x, w = ctx.saved_tensors
         counts, row_tile = ctx.args
         grad = _dense(grad)

@@ -20,6 +20,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from ..autograd import refuse_double_backward
 from . import guard, torch_twin
 from .torch_twin import round_up
 
@@ -110,6 +111,7 @@ def _permute_setup(ctx, inputs, output):
 
 
 def _permute_backward(ctx, grad_out, grad_out_probs):
+    refuse_double_backward("moe_dispatch::permute_rows")
     (slots,) = ctx.saved_tensors
     grad_probs = None
     if ctx.has_probs:
@@ -156,6 +158,7 @@ def _unpermute_setup(ctx, inputs, output):
 
 
 def _unpermute_backward(ctx, grad_out):
+    refuse_double_backward("moe_dispatch::unpermute_rows")
     rows, slots, probs = ctx.saved_tensors
     grad_rows, grad_probs = _unpermute_bwd_op(grad_out.contiguous(), rows, slots, probs, ctx.has_pad_rows,
                                               ctx.max_slots)
@@ -181,6 +184,7 @@ def _gather_setup(ctx, inputs, output):
 
 
 def _gather_backward(ctx, grad):
+    refuse_double_backward("moe_dispatch::gather_rows")
     index, inverse_index = ctx.saved_tensors
     # A permutation: the gradient is the inverse gather, no sums involved.
     return _gather_rows_op(grad.contiguous(), inverse_index, index), None, None

@@ -28,6 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..autograd import refuse_double_backward
 from ..fixed_order import ordered_mm
 
 FALLBACK_ROW_BLOCK = 128
@@ -82,6 +83,7 @@ class _GatingLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], None]:
+        refuse_double_backward("_GatingLinear")
         hidden, weight = ctx.saved_tensors
         grad = grad.to(ctx.dtype)
         grad_hidden = grad_weight = None

@@ -10,6 +10,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from ..autograd import refuse_double_backward
 from .topk import compute_dtype, stable_topk_indices
 
 
@@ -31,6 +32,7 @@ class AuxLossScaler(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        refuse_double_backward("AuxLossScaler")
         (loss,) = ctx.saved_tensors
         scale = AuxLossScaler.loss_scale
         if isinstance(scale, torch.Tensor):

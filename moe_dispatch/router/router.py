@@ -148,6 +148,9 @@ class TopKRouter(nn.Module):
         logits = self.gating(hidden.reshape(-1, hidden.shape[-1]))
         return self.routing(logits, seq_length=seq_length, batch=batch)
 
+    # Eager under torch.compile: inductor's generated softmax / sigmoid (and their backward) round
+    # differently from ATen's, and a token's bits must not depend on how the layer is run.
+    @torch.compiler.disable
     def routing(
         self, logits: torch.Tensor, seq_length: Optional[int] = None, batch: int = 1
     ) -> Tuple[torch.Tensor, torch.Tensor]:
