@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agreement import hidden_states_problem
 from .config import MoEConfig
-from .dispatcher import build_dispatcher, hidden_states_problem
+from .dispatcher import build_dispatcher
 from .experts import GroupedMLP, SequentialMLP
 from .router import TopKRouter
 

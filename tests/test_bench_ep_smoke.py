@@ -13,10 +13,11 @@ EP1_LAYERS = ["ours alltoall, grouped row-stable experts",
 
 
 def test_bench_ep_cpu_smoke():
-    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_ep.py"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
-                           "--cpu-smoke", "--what", "dispatch,layer,profile-layer", "--ep1-layers", "installed",
-                           "--profile-rows", "5"], capture_output=True, text=True, timeout=180,
+    root = Path(__file__).resolve().parent.parent
+    # tests/bench_ep_cpu.py: the script's --cpu-smoke run with the test suite's CPU shims applied.
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+                           "tests.bench_ep_cpu", "--what", "dispatch,layer,profile-layer", "--ep1-layers", "installed",
+                           "--profile-rows", "5"], capture_output=True, text=True, timeout=180, cwd=root,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -31,10 +32,10 @@ def test_bench_ep_cpu_smoke():
 
 def test_bench_ep_cpu_smoke_ep1_layers():
     """The EP-1 part alone, every layer (ours, Megatron after install(), stock), both gradient modes."""
-    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_ep.py"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(script),
-                           "--cpu-smoke", "--what", "ep1"], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m",
+                           "tests.bench_ep_cpu", "--what", "ep1"], capture_output=True, text=True, timeout=180,
+                          cwd=root, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for layer in EP1_LAYERS:
         for step in ("grads reset each step", "grads accumulating"):

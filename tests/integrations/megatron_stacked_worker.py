@@ -40,7 +40,7 @@ def _use_stack_copy(layer) -> None:
 
 
 def _stacked(layer) -> tuple:
-    from moe_dispatch.integrations.megatron_experts import expert_weights, stacked_view
+    from moe_dispatch.integrations.megatron.experts import expert_weights, stacked_view
 
     return tuple(stacked_view(expert_weights(layer.experts, p)) is not None for p in ("linear_fc1", "linear_fc2"))
 
@@ -123,7 +123,7 @@ def _state_dicts(pg, dtype) -> dict:
     buffer.seek(0)
     ours.load_state_dict(torch.load(buffer, weights_only=True))
     rec = {"stock_sd": _sd(stock), "ours_sd": _sd(ours), "stacked": _stacked(ours)}
-    from moe_dispatch.integrations.megatron_experts import expert_weights, stacked_view
+    from moe_dispatch.integrations.megatron.experts import expert_weights, stacked_view
 
     # The stack itself holds the loaded weights (load_state_dict copied into the views).
     rec["stack_fc1"] = stacked_view(expert_weights(ours.experts, "linear_fc1")).clone()

@@ -1,4 +1,5 @@
-"""Megatron's SequentialMLP experts on our row-stable GEMMs, reading the weights where they live.
+"""Megatron's SequentialMLP experts on our row-stable GEMMs, reading the weights where they live
+(``make_row_stable``).
 
 ``stack_expert_weights`` (run by ``make_row_stable``) moves each projection's El expert weights
 into one storage [El, out, in] (Megatron's Linear layout, expert-major) and makes every
@@ -17,7 +18,7 @@ Conversions (``.to``, ``.cuda``, ``.bfloat16``) re-stack afterwards.
 
 Numerics: the same GEMM strategies (``moe_dispatch.experts.expert_gemm``) on the transposed
 view of the stack; the weight gradient of expert e is ``dy_e^T @ x_e`` computed directly in the
-[out, in] layout (one grouped_mm, or one mm per expert).
+[out, in] layout (one grouped_mm, or one product per expert: ``ordered_mm`` on CPU, mm elsewhere).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from ..experts.gemm import expert_gemm, select_gemm
+from ...experts.gemm import expert_gemm, select_gemm
+from ...fixed_order import ordered_mm
 
 __all__ = ["expert_linear", "expert_weights", "restack_after_conversion", "stack_expert_weights", "stacked_view",
            "warn_copied"]
@@ -166,9 +168,12 @@ class _ExpertLinear(torch.autograd.Function):
             dw = torch._grouped_mm(grad.t(), x, offs=offsets)
         else:
             counts = [int(c) for c in tokens_per_expert.tolist()]
+            # expert_gemm's own weight-gradient product per strategy, operands swapped: each entry
+            # is the same products summed in the same order, so the bits are those of its transpose.
+            mm = ordered_mm if strategy == "ordered" else torch.mm
             dw = w.new_empty(w.shape)
             for e, (xe, ge) in enumerate(zip(torch.split(x, counts), torch.split(grad, counts))):
-                dw[e] = ge.t() @ xe  # an empty expert gives zeros
+                dw[e] = mm(ge.t(), xe)  # an empty expert gives zeros
         if dw.dtype != weights[0].dtype:
             dw = dw.to(weights[0].dtype)
         return (dx, None, None, None) + tuple(dw.unbind(0))
