@@ -4,15 +4,18 @@ forward + backward, ours beside megatron-core's in the same run.
     torchrun --nproc-per-node 2 scripts/bench_ep.py [--what dispatch,layer] [--tokens 8192]
     torchrun --nproc-per-node 2 -m tests.bench_ep_cpu   # --cpu-smoke: gloo, tiny: checks the script runs
     torchrun --nproc-per-node 1 scripts/bench_ep.py --what layer   # the EP-1 layer on one GPU
+    torchrun --nproc-per-node 1 scripts/bench_ep.py --what ep1,profile-layer --ep1-layers ours,installed
+        # EP 1 only: ours beside Megatron after install(), grads reset and accumulating, and profiles
 
 Round trip: identity experts; ours (alltoall, allgather), Megatron's MoEAlltoAll/MoEAllGather
 token dispatchers, and a raw all_to_all_single of the K-copy rows there and back. The byte floor
 is the bytes this rank must send to other ranks (deduplicated tokens on dispatch, K-copy rows on
 combine) over the all-to-all bandwidth measured here (the raw exchange).
 Layer: hidden 4096, ffn 1024, 64 experts, top-6, bf16, fp32 router; Megatron's MoELayer with
-SequentialMLP and no TransformerEngine (what a user without TE gets). First the EP-1 layer (each
-rank alone) with gradients reset every step beside gradients accumulating, with the host
-synchronisations and host<->device copies per step (torch.profiler).
+SequentialMLP and no TransformerEngine (what a user without TE gets). First the EP-1 layers (each
+rank alone: ours, Megatron after install(), stock Megatron; ``--ep1-layers``) with gradients reset
+every step beside gradients accumulating, with the host synchronisations and host<->device copies
+per step (torch.profiler). ``profile-layer``: torch.profiler top-kernels tables of those layers.
 Times are medians of CUDA-event timings on rank 0 over a fixed number of iterations that every
 rank runs: triton.testing.do_bench sizes its loop from a per-rank estimate, and ranks that loop a
 different number of times over collectives hang.
@@ -34,11 +37,13 @@ from moe_dispatch.config import DISPATCHER_KINDS
 from moe_dispatch.dispatcher import build_dispatcher
 
 DEVICE = torch.device("cuda")
+WARMUP, ITERS = 5, 30  # --cpu-smoke: 1, 2 (the smoke run checks that the script runs, not times)
 
 
-def bench(fn, warmup: int = 5, iters: int = 30) -> float:
-    """Median ms of fn over `iters` timed calls (CUDA events; host clock on CPU); the same count
-    on every rank."""
+def bench(fn, warmup: int = 0, iters: int = 0) -> float:
+    """Median ms of fn over `iters` (default ITERS) timed calls after `warmup` (default WARMUP)
+    (CUDA events; host clock on CPU); the same count on every rank."""
+    warmup, iters = warmup or WARMUP, iters or ITERS
     cuda = DEVICE.type == "cuda"
     for _ in range(warmup):
         fn()
@@ -234,34 +239,90 @@ def host_waits(fn, steps: int = 3) -> str:
     return f"{counts['syncs']:g} / {counts['copies']:g}"
 
 
-def bench_layer_ep1(args, single) -> None:
-    """The EP-1 layer (each rank alone, group ``single``), forward + backward, with the gradients
-    reset every step beside gradients accumulating into .grad."""
+def _ep1_layers(args, single, world: int, rank: int, which: str):
+    """(label, layer, x, dy, forward + backward) of the EP-1 layers named in ``which`` ('ours',
+    'installed': Megatron after install(), 'stock': Megatron's own), each rank alone."""
     T, E, K, H, F = args.tokens, args.experts, args.topk, args.hidden, args.ffn
-    config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=F, params_dtype=torch.bfloat16,
-                       load_balancing_type="none")
-    layer = MoELayer(config, single, layer_index=0).to(DEVICE)
     x = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16)
+    out = []
+    if "ours" in which:
+        config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=F, params_dtype=torch.bfloat16,
+                           load_balancing_type="none")
+        ours_layer = MoELayer(config, single, layer_index=0).to(DEVICE)
+        out.append(("ours alltoall, grouped row-stable experts", ours_layer, x, lambda: ours_layer(x).backward(g)))
+    megatron = [(name, ours) for name, ours in (("installed", True), ("stock", False)) if name in which]
+    if megatron:
+        from moe_dispatch.integrations.megatron.build import build_moe_layer, process_groups
+        megatron_groups(world, rank)  # Megatron's set-up (and the CPU shims on --cpu-smoke)
+        pg = process_groups(single, single)
+        xm = x.detach().view(T, 1, H).clone().requires_grad_()
+        gm = g.view(T, 1, H)
+        for name, ours in megatron:
+            layer = build_moe_layer(megatron_config(H, E, K, F, 1, "alltoall"), pg, ours=ours, device=DEVICE)
+            label = ("Megatron alltoall after install() (row-stable GEMMs, stacked expert weights)" if ours else
+                     "Megatron alltoall stock, SequentialMLP, no TE")
 
-    def accumulate():
-        layer(x).backward(g)
+            def fwd_bwd(layer=layer):
+                layer(xm)[0].backward(gm)
+            out.append((label, layer, xm, fwd_bwd))
+    return out
 
-    def reset():
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        layer(x).backward(g)
-    rows = [("grads reset each step", bench(reset), host_waits(reset)),
-            ("grads accumulating into .grad", bench(accumulate), host_waits(accumulate))]
+
+def bench_layer_ep1(args, single, world: int, rank: int) -> None:
+    """The EP-1 layers (each rank alone, group ``single``): ours, Megatron after install() and stock
+    Megatron (``--ep1-layers``), forward + backward with the gradients reset every step beside
+    gradients accumulating into .grad."""
+    T, E, K, H, F = args.tokens, args.experts, args.topk, args.hidden, args.ffn
+    rows = []
+    for label, layer, x, fwd_bwd in _ep1_layers(args, single, world, rank, args.ep1_layers):
+        def reset(layer=layer, x=x, fwd_bwd=fwd_bwd):
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            fwd_bwd()
+
+        def accumulate(fwd_bwd=fwd_bwd):
+            fwd_bwd()
+        rows.append((label, "grads reset each step", bench(reset), host_waits(reset)))
+        rows.append((label, "grads accumulating into .grad", bench(accumulate), host_waits(accumulate)))
+        del layer
     flops = 2 * 3 * T * K * H * F * 2
-    say(f"\n## EP-1 MoELayer forward + backward (ours, alltoall, grouped row-stable experts): {T} tokens, H={H}, "
-        f"ffn={F}, E={E}, K={K}, bf16, fp32 router; expert GEMM work {flops / 1e12:.2f} TFLOP")
+    say(f"\n## EP-1 MoELayer forward + backward: {T} tokens, H={H}, ffn={F}, E={E}, K={K}, bf16, fp32 router; "
+        f"expert GEMM work {flops / 1e12:.2f} TFLOP")
     say("# A training step that calls optimizer.zero_grad(set_to_none=True) (PyTorch's default) pays 'grads reset "
         "each step': its backward writes .grad. 'Accumulating' is what micro-batches after the first pay under "
         "gradient accumulation (one extra read-add-write of every weight gradient).")
-    say("| EP-1 layer step | fwd+bwd (ms) | host syncs / host<->device copies per step |\n|---|---|---|")
-    for name, ms, waits in rows:
-        say(f"| EP-1 ours alltoall, {name} | {ms:.2f} | {waits} |")
+    say("| EP-1 layer | step | fwd+bwd (ms) | host syncs / host<->device copies per step |\n|---|---|---|---|")
+    for label, name, ms, waits in rows:
+        say(f"| EP-1 {label} | {name} | {ms:.2f} | {waits} |")
+
+
+def profile_layer_ep1(args, single, world: int, rank: int) -> None:
+    """torch.profiler top-kernels tables (rank 0) of the EP-1 layers named by ``--ep1-layers``,
+    forward + backward x5, gradients reset and accumulating; not a benchmark."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = DEVICE.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    for label, layer, x, fwd_bwd in _ep1_layers(args, single, world, rank, args.ep1_layers):
+        for mode in ("reset", "accumulating"):
+            def step(layer=layer, x=x, fwd_bwd=fwd_bwd, mode=mode):
+                if mode == "reset":
+                    layer.zero_grad(set_to_none=True)
+                    x.grad = None
+                fwd_bwd()
+            for _ in range(WARMUP):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+            with profile(activities=activities) as prof:
+                for _ in range(5 if cuda else 1):
+                    step()
+                if cuda:
+                    torch.cuda.synchronize()
+            say(f"\n## profile: EP-1 {label}, grads {mode}, fwd+bwd x5, rank 0 (sorted by {sort})")
+            say(prof.key_averages().table(sort_by=sort, row_limit=args.profile_rows, max_name_column_width=70))
 
 
 def profile_dispatch(args, world: int, rank: int) -> None:
@@ -326,12 +387,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--topk", type=int, default=6)
+    parser.add_argument("--ep1-layers", default="ours,installed,stock",
+                        help="EP-1 layers for the 'ep1' and 'profile-layer' parts: ours, installed, stock")
+    parser.add_argument("--profile-rows", type=int, default=25, help="rows of each profile table")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo on CPU at a tiny size: does the script run?")
     args = parser.parse_args(argv)
-    global DEVICE
+    global DEVICE, WARMUP, ITERS
     local_rank = int(os.environ["LOCAL_RANK"])
     if args.cpu_smoke:
         DEVICE = torch.device("cpu")
+        WARMUP, ITERS = 1, 2
         args.tokens, args.hidden, args.ffn, args.experts, args.topk = 64, 64, 32, 8, 2
         dist.init_process_group("gloo")
         name = "CPU (smoke run; times mean nothing)"
@@ -342,14 +407,22 @@ def main(argv: list[str] | None = None) -> None:
         name = torch.cuda.get_device_name()
     world, rank = dist.get_world_size(), dist.get_rank()
     say(f"# {name} x{world}, torch {torch.__version__}, triton {triton.__version__}")
-    if "profile" in args.what:
+    parts = args.what.split(",")
+    unknown = set(parts) - {"profile", "dispatch", "layer", "ep1", "profile-layer"}
+    if unknown:
+        raise SystemExit(f"--what: unknown parts {sorted(unknown)}; expected profile, dispatch, layer, ep1, "
+                         "profile-layer")
+    single = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
+    if "profile" in parts:
         profile_dispatch(args, world, rank)
-    if "dispatch" in args.what:
+    if "dispatch" in parts:
         bench_dispatch(args, world, rank)
-    if "layer" in args.what:
-        single = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
-        bench_layer_ep1(args, single)
+    if "layer" in parts or "ep1" in parts:
+        bench_layer_ep1(args, single, world, rank)
+    if "layer" in parts:
         bench_layer(args, world, rank)
+    if "profile-layer" in parts:
+        profile_layer_ep1(args, single, world, rank)
     dist.destroy_process_group()
 
 

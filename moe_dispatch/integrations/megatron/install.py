@@ -42,7 +42,11 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
             through our row-stable GEMMs (``make_row_stable``), same parameters. Needed for the
             contract on GPUs, where cuBLAS is not row-stable. False keeps Megatron's own GEMMs
             (then results equal Megatron's stock numerics, and the contract holds only where
-            those GEMMs are row-stable, e.g. CPU bf16).
+            those GEMMs are row-stable, e.g. CPU bf16). The experts' weights then become views of
+            one stacked storage per projection (same Parameter objects and state dict, see
+            ``make_row_stable``): call install before wrapping the model in Megatron's
+            DistributedDataParallel (it warns when DDP already moved them: each forward then
+            copies them). Optimizers may be built before or after.
 
     Raises:
         ValueError: a setting we cannot honour (``check_supported``), or an EP group whose

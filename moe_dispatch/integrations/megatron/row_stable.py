@@ -3,10 +3,13 @@ row's result then does not depend on the rows sharing the GEMM call, which cuBLA
 ``mm`` below 8 rows) does not promise."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from .config import moe_config_from_megatron
 from .supported import check_row_stable_supported, row_stable_activation
+
+if TYPE_CHECKING:
+    import torch
 
 
 def make_row_stable(moe_layer: Any) -> Any:
@@ -15,10 +18,16 @@ def make_row_stable(moe_layer: Any) -> Any:
     The layer keeps its modules, parameters and state-dict names; two forwards are replaced:
     - ``router.gating``: logits = hidden @ weight.T in the router dtype through
       ``moe_dispatch.router.gating_linear`` (bitwise independent of the other rows);
-    - ``experts.forward``: the local experts' fc1 / fc2 weights stacked ([El, H, F1], [El, F, H])
-      into ``moe_dispatch.experts.expert_gemm`` (grouped_mm where row-stable, else the padded /
-      tiled fallbacks), Megatron's activation, and the probs multiplied into the activation in
-      fp32 and rounded once, exactly as Megatron's MLP does before fc2.
+    - ``experts.forward``: ``moe_dispatch.experts.expert_gemm`` (grouped_mm where row-stable, else
+      the ordered / tiled fallbacks) on the local experts' fc1 / fc2 weights, Megatron's
+      activation, and the probs multiplied into the activation in fp32 and rounded once, exactly
+      as Megatron's MLP does before fc2.
+    The expert weights are first moved into one stacked storage per projection
+    (``experts.stack_expert_weights``: same Parameter objects, names, shapes and state-dict keys;
+    each weight a view of its slice), which the GEMMs read without a copy and whose gradients
+    arrive as contiguous [out, in] slices. Call it before wrapping the model in Megatron's
+    DistributedDataParallel: weights DDP has already moved into its buffer stay there (then every
+    forward copies them, with a warning). Optimizers may be built before or after.
     Results agree with Megatron's own GEMMs within rounding (not bitwise: other kernels).
     Returns moe_layer. Raises ValueError (``check_row_stable_supported``) for unsupported layers.
     """
@@ -27,8 +36,8 @@ def make_row_stable(moe_layer: Any) -> Any:
     import torch
 
     from ...experts.activations import activate, scale_rows
-    from ...experts.gemm import expert_gemm, select_gemm
     from ...router.gating import gating_linear
+    from .experts import expert_linear, expert_weights, restack_after_conversion, stack_expert_weights, warn_copied
 
     check_row_stable_supported(moe_layer)
     config, experts, router = moe_layer.config, moe_layer.experts, moe_layer.router
@@ -44,14 +53,30 @@ def make_row_stable(moe_layer: Any) -> Any:
     def experts_forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                         permuted_probs: torch.Tensor):
         x = permuted_local_hidden_states
-        tokens_per_expert = torch.as_tensor(tokens_per_expert)
-        w1 = torch.stack([e.linear_fc1.weight.t() for e in self.local_experts]).to(x.dtype)  # [El, H, F1]
-        w2 = torch.stack([e.linear_fc2.weight.t() for e in self.local_experts]).to(x.dtype)  # [El, F, H]
-        h = expert_gemm(x, w1, tokens_per_expert, select_gemm(x, w1, True, True))
+        if not isinstance(tokens_per_expert, torch.Tensor):
+            tokens_per_expert = torch.as_tensor(tokens_per_expert)
+        offsets = _expert_offsets(self, tokens_per_expert)
+        h = expert_linear(x, expert_weights(self, "linear_fc1"), tokens_per_expert, offsets, self)
         act = scale_rows(activate(h, activation), permuted_probs)
-        return expert_gemm(act, w2, tokens_per_expert, select_gemm(act, w2, True, True)), None
+        return expert_linear(act, expert_weights(self, "linear_fc2"), tokens_per_expert, offsets, self), None
 
+    if not stack_expert_weights(experts):
+        warn_copied(experts, stacklevel=3)
+    restack_after_conversion(experts)
     router.gating = types.MethodType(gating, router)
     experts.forward = types.MethodType(experts_forward, experts)
+    experts._moe_dispatch_dispatcher = moe_layer.token_dispatcher
     moe_layer._moe_dispatch_row_stable = True
     return moe_layer
+
+
+def _expert_offsets(experts: Any, tokens_per_expert: "torch.Tensor") -> Optional["torch.Tensor"]:
+    """The dispatcher's device offsets (int32 [El], cumsum of the rows per expert) when
+    tokens_per_expert is this step's own, so grouped_mm copies nothing host-to-device; else None."""
+    from .dispatcher import MegatronTokenDispatcher
+
+    dispatcher = getattr(experts, "_moe_dispatch_dispatcher", None)
+    handle = dispatcher.handle if isinstance(dispatcher, MegatronTokenDispatcher) else None
+    if handle is not None and handle.plan.tokens_per_expert is tokens_per_expert:
+        return handle.expert_offsets
+    return None
