@@ -117,7 +117,7 @@ def test_double_backward_is_a_clear_error(name):
 
 
 def test_layer_double_backward_is_a_clear_error():
-    layer = MoELayer(MoEConfig(hidden_size=8, num_experts=4, topk=2, ffn_hidden_size=16))
+    layer = MoELayer(MoEConfig(hidden_size=8, num_experts=4, topk=2, ffn_hidden_size=16), layer_index=0)
     x = _leaf(6, 8)
     with pytest.raises(RuntimeError, match=_message(r"\S+")):
         torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
@@ -126,7 +126,8 @@ def test_layer_double_backward_is_a_clear_error():
 def _layer_worker(rank: int, world_size: int) -> dict:
     out = {}
     for kind in DISPATCHERS:
-        layer = MoELayer(MoEConfig(hidden_size=8, num_experts=4, topk=2, ffn_hidden_size=16, dispatcher=kind))
+        config = MoEConfig(hidden_size=8, num_experts=4, topk=2, ffn_hidden_size=16, dispatcher=kind)
+        layer = MoELayer(config, layer_index=0)
         x = _leaf(5 + rank, 8)
         try:
             torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)

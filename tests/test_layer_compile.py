@@ -33,7 +33,7 @@ def _compile_worker(rank: int, world_size: int, backend: str, steps: int) -> dic
     for kind in DISPATCHERS:
         # probs_in_experts: the probs' gradient also travels back through the exchange
         layer = MoELayer(MoEConfig(hidden_size=8, num_experts=2 * world_size, topk=2, ffn_hidden_size=16,
-                                   dispatcher=kind, probs_in_experts=kind == "alltoall"))
+                                   dispatcher=kind, probs_in_experts=kind == "alltoall"), layer_index=0)
         g = torch.Generator().manual_seed(10 + rank)
         # Two steps of different batches (rank-dependent sizes): new counts, new host ints.
         batches = [torch.randn(5 + rank, 8, generator=g), torch.randn(3 + 2 * rank, 8, generator=g)][:steps]

@@ -34,7 +34,8 @@ def _tokens(rank: int, seed: int = 0) -> torch.Tensor:
 def layer_order_cases(rank: int) -> dict:
     """Layers A and B of one model (same config but the seed); rank 1 calls them B, A."""
     group = dist.group.WORLD
-    a, b = MoELayer(_layer_config(init_seed=1), group), MoELayer(_layer_config(init_seed=2), group)
+    a = MoELayer(_layer_config(init_seed=1), group, layer_index=0)
+    b = MoELayer(_layer_config(init_seed=2), group, layer_index=1)
     x = _tokens(rank)
     first, second = (a, b) if rank == 0 else (b, a)
     out = {"ids": (a.dispatcher.layer_id, b.dispatcher.layer_id)}
@@ -108,7 +109,7 @@ def microbatch_cases(rank: int) -> dict:
 def _grad_step(rank: int, kind: str, hidden_grad: bool = True, experts_grad: bool = True,
                router_grad: bool = True) -> dict:
     """One layer step; the flags apply to rank 1 (rank 0 needs every gradient)."""
-    layer = MoELayer(_layer_config(dispatcher=kind), dist.group.WORLD)
+    layer = MoELayer(_layer_config(dispatcher=kind), dist.group.WORLD, layer_index=0)
     mine = rank == 0
     for p in layer.experts.parameters():
         p.requires_grad_(mine or experts_grad)
@@ -128,7 +129,7 @@ def autograd_cases(rank: int) -> dict:
                          hidden=_grad_step(rank, kind, hidden_grad=False),
                          experts=_grad_step(rank, kind, experts_grad=False),
                          nothing=_grad_step(rank, kind, hidden_grad=False, experts_grad=False, router_grad=False))
-    layer = MoELayer(_layer_config(), dist.group.WORLD)
+    layer = MoELayer(_layer_config(), dist.group.WORLD, layer_index=0)
     x = _tokens(rank)
 
     def no_grad_on_rank1():
@@ -147,9 +148,9 @@ def group_cases(rank: int) -> dict:
     dist.destroy_process_group(gone)
     data = batch(torch.float32, seed=rank, n=8)
     return {
-        "outside_layer": _outcome(lambda: MoELayer(cfg, only_rank0) and None)[:2],
+        "outside_layer": _outcome(lambda: MoELayer(cfg, only_rank0, layer_index=0) and None)[:2],
         "outside_dispatcher": _outcome(lambda: AllToAllDispatcher(config(), only_rank0) and None)[:2],
-        "destroyed_layer": _outcome(lambda: MoELayer(cfg, gone) and None)[:2],
+        "destroyed_layer": _outcome(lambda: MoELayer(cfg, gone, layer_index=0) and None)[:2],
         "destroyed_functional": _outcome(lambda: dispatch(data["x"], data["rmap"], data["probs"], config(), gone)
                                          and None)[:2],
     }
@@ -161,7 +162,7 @@ def host_read_cases(rank: int) -> dict:
 
     out = {}
     for strict in (False, True):
-        layer = MoELayer(_layer_config(strict_call_order=strict), dist.group.WORLD)
+        layer = MoELayer(_layer_config(strict_call_order=strict), dist.group.WORLD, layer_index=0)
         x = _tokens(rank).requires_grad_()
         layer(x).sum().backward()
         with count_host_transfers() as counts:
