@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from moe_dispatch import MoEConfig, MoELayer, dispatch, permute, sort_chunks, unpermute
+from moe_dispatch.agreement import ErrorLatch
 from moe_dispatch.config import DISPATCHER_KINDS
 from moe_dispatch.dispatcher.exchange import ReturnRoute, return_rows
 from moe_dispatch.experts.activations import activate, scale_rows
 from moe_dispatch.experts.gemm import expert_gemm
+from moe_dispatch.identity import FUNCTIONAL_LAYER, CallId
 from moe_dispatch.router.gating import gating_linear
 from moe_dispatch.router.losses import attach_loss
 
@@ -88,7 +90,8 @@ def _expand():
 def _return_rows():
     # One rank's route (nothing crosses the wire): the function itself, without a process group.
     rows = _leaf(6, 8)
-    route = ReturnRoute(torch.tensor([5, 4, 3, 2, 1, 0]), 6, (0,), (0,), 6, None)
+    route = ReturnRoute(torch.tensor([5, 4, 3, 2, 1, 0]), 6, (0,), (0,), 6, None, ErrorLatch(),
+                        CallId(FUNCTIONAL_LAYER, 0), strict=False)
     return return_rows(rows, route), (rows,)
 
 
