@@ -28,7 +28,9 @@ def stack_copy_forward(activation: str):
         w1 = torch.stack([e.linear_fc1.weight.t() for e in self.local_experts]).to(x.dtype)
         w2 = torch.stack([e.linear_fc2.weight.t() for e in self.local_experts]).to(x.dtype)
         h = expert_gemm(x, w1, tokens_per_expert, select_gemm(x, w1, True, True))
-        act = scale_rows(activate(h, activation), permuted_probs)
+        act = activate(h, activation)
+        if self._moe_dispatch_dispatcher.config.probs_in_experts:  # else the combine applies them
+            act = scale_rows(act, permuted_probs)
         return expert_gemm(act, w2, tokens_per_expert, select_gemm(act, w2, True, True)), None
     return forward
 

@@ -22,7 +22,9 @@ def moe_config_from_megatron(transformer_config: Any, *, megatron_layer: bool = 
     (``install``, ``dispatcher_from_megatron``). Megatron's router and experts keep running, so
     only the dispatch fields are read (experts, top-k, sizes, router dtype, capacity padding,
     dispatcher kind, params dtype); ``probs_in_experts=True`` because Megatron's experts
-    multiply the probs themselves (the combine then sums unweighted: probs applied once); the
+    multiply the probs themselves (the combine then sums unweighted: probs applied once;
+    ``install`` overrides it with False for its row-stable experts, which leave them to the
+    combine); the
     router / expert fields keep neutral values that no Megatron setting can make invalid.
     Capacity dropping is Megatron's router's, so the dispatcher sees a capacity only when
     Megatron pads each expert to it (``moe_pad_expert_input_to_capacity``).

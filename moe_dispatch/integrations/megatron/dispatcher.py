@@ -104,8 +104,9 @@ class MegatronTokenDispatcher:
         """Returns (permuted_tokens [N, H], tokens_per_expert CPU int64 [El], permuted_probs [N]).
 
         With probs_in_experts=False the combine applies the probs, so experts must ignore
-        permuted_probs (returned detached, for inspection). Megatron's own experts always multiply
-        by them: ``dispatcher_from_megatron`` sets probs_in_experts=True for them."""
+        permuted_probs (returned detached, for inspection): ``make_row_stable``'s experts do.
+        Megatron's own experts always multiply by them: they need probs_in_experts=True (the
+        default of ``dispatcher_from_megatron``)."""
         step = self._expect(_Sent, "token_dispatch")
         recv = Received(hidden_states, probs, step.recv.routing, step.recv.order)
         rows, handle = functional.finish(step.x, step.probs, recv, step.plan, step.hidden_shape)
@@ -151,16 +152,19 @@ class MegatronTokenDispatcher:
                          "expected False (the layer then runs the shared experts itself)")
 
 
-def dispatcher_from_megatron(config: Any, pg_collection: Any) -> MegatronTokenDispatcher:
+def dispatcher_from_megatron(config: Any, pg_collection: Any, *,
+                             probs_in_experts: bool = True) -> MegatronTokenDispatcher:
     """Our dispatcher on ``pg_collection.ep`` behind Megatron's interface, in Megatron's argument
     order ``(config, pg_collection)``.
 
     Args:
         config: a Megatron ``TransformerConfig``, converted with
-            ``moe_config_from_megatron(config, megatron_layer=True)``: the dispatcher serves
-            Megatron's own router and experts, which multiply the probs themselves, so it runs in
-            ``probs_in_experts`` mode and the probs are applied once. A ``MoEConfig`` is used as is.
-            (A TransformerConfig is told apart by its ``num_moe_experts`` field.)
+            ``moe_config_from_megatron(config, megatron_layer=True)``. A ``MoEConfig`` is used as
+            is. (A TransformerConfig is told apart by its ``num_moe_experts`` field.)
+        probs_in_experts: for a TransformerConfig: True (default) for Megatron's own experts,
+            which multiply ``permuted_probs`` themselves (the combine then sums unweighted: probs
+            applied once); False for experts that ignore them (``make_row_stable``'s, which
+            ``install`` sets up), so the combine weights the rows in its fp32 sum.
         pg_collection: Megatron's ProcessGroupCollection (``.ep``; ``.expt_tp`` and ``.tp_ep``
             are checked when present, see ``check_groups``).
 
@@ -169,7 +173,7 @@ def dispatcher_from_megatron(config: Any, pg_collection: Any) -> MegatronTokenDi
             across EP ranks only.
     """
     if hasattr(config, "num_moe_experts"):  # Megatron's TransformerConfig
-        config = moe_config_from_megatron(config, megatron_layer=True)
+        config = moe_config_from_megatron(config, megatron_layer=True, probs_in_experts=probs_in_experts)
     return MegatronTokenDispatcher(build_dispatcher(config, check_groups(pg_collection)))
 
 

@@ -52,9 +52,10 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
         ValueError: a setting we cannot honour (``check_supported``), or an EP group whose
             split of the experts differs from the layer's.
 
-    The dispatcher is ``dispatcher_from_megatron(moe_layer.config, groups)``: probs applied once,
-    by Megatron's experts. Idempotent: installing twice keeps one of ours (rebuilt from the same
-    groups). Call it before the first forward; the dispatcher keeps one step's state between
+    The dispatcher is ``dispatcher_from_megatron(moe_layer.config, groups, probs_in_experts=...)``:
+    with ``row_stable_gemms`` the combine applies the probs in its fp32 sum (our experts' forward
+    ignores ``permuted_probs``), else Megatron's experts multiply them (once either way).
+    Idempotent: installing twice keeps one of ours (rebuilt from the same groups). Call it before the first forward; the dispatcher keeps one step's state between
     dispatch and combine.
     """
     config = moe_layer.config
@@ -62,7 +63,8 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
     warn_if_untested()
     if row_stable_gemms:
         check_row_stable_supported(moe_layer)
-    dispatcher = dispatcher_from_megatron(config, _groups_of(moe_layer, pg_collection))
+    dispatcher = dispatcher_from_megatron(config, _groups_of(moe_layer, pg_collection),
+                                          probs_in_experts=not row_stable_gemms)
     expected = list(megatron_field(moe_layer, "local_expert_indices", dispatcher.local_expert_indices))
     if dispatcher.local_expert_indices != expected:
         raise ValueError(f"EP group mismatch: the dispatcher's local experts {dispatcher.local_expert_indices} "

@@ -19,9 +19,12 @@ def make_row_stable(moe_layer: Any) -> Any:
     - ``router.gating``: logits = hidden @ weight.T in the router dtype through
       ``moe_dispatch.router.gating_linear`` (bitwise independent of the other rows);
     - ``experts.forward``: ``moe_dispatch.experts.expert_gemm`` (grouped_mm where row-stable, else
-      the ordered / tiled fallbacks) on the local experts' fc1 / fc2 weights, Megatron's
-      activation, and the probs multiplied into the activation in fp32 and rounded once, exactly
-      as Megatron's MLP does before fc2.
+      the ordered / tiled fallbacks) on the local experts' fc1 / fc2 weights and Megatron's
+      activation. The probs: when the layer's dispatcher is ours with ``probs_in_experts=False``
+      (what ``install`` builds), the experts ignore ``permuted_probs`` and the combine weights each
+      expert row by its prob inside its fixed-order fp32 sum (no separate multiply pass, forward or
+      backward); otherwise they are multiplied into the activation in fp32 and rounded once, as
+      Megatron's MLP does before fc2.
     The expert weights are first moved into one stacked storage per projection
     (``experts.stack_expert_weights``: same Parameter objects, names, shapes and state-dict keys;
     each weight a view of its slice), which the GEMMs read without a copy and whose gradients
@@ -57,7 +60,9 @@ def make_row_stable(moe_layer: Any) -> Any:
             tokens_per_expert = torch.as_tensor(tokens_per_expert)
         offsets = _expert_offsets(self, tokens_per_expert)
         h = expert_linear(x, expert_weights(self, "linear_fc1"), tokens_per_expert, offsets, self)
-        act = scale_rows(activate(h, activation), permuted_probs)
+        act = activate(h, activation)
+        if _experts_apply_probs(self):
+            act = scale_rows(act, permuted_probs)
         return expert_linear(act, expert_weights(self, "linear_fc2"), tokens_per_expert, offsets, self), None
 
     if not stack_expert_weights(experts):
@@ -68,6 +73,14 @@ def make_row_stable(moe_layer: Any) -> Any:
     experts._moe_dispatch_dispatcher = moe_layer.token_dispatcher
     moe_layer._moe_dispatch_row_stable = True
     return moe_layer
+
+
+def _experts_apply_probs(experts: Any) -> bool:
+    """False only when the layer's dispatcher is ours and its combine applies the probs."""
+    from .dispatcher import MegatronTokenDispatcher
+
+    dispatcher = getattr(experts, "_moe_dispatch_dispatcher", None)
+    return not isinstance(dispatcher, MegatronTokenDispatcher) or dispatcher.config.probs_in_experts
 
 
 def _expert_offsets(experts: Any, tokens_per_expert: "torch.Tensor") -> Optional["torch.Tensor"]:
