@@ -55,8 +55,8 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
     The dispatcher is ``dispatcher_from_megatron(moe_layer.config, groups, probs_in_experts=...)``:
     with ``row_stable_gemms`` the combine applies the probs in its fp32 sum (our experts' forward
     ignores ``permuted_probs``), else Megatron's experts multiply them (once either way).
-    Idempotent: installing twice keeps one of ours (rebuilt from the same groups). Call it before the first forward; the dispatcher keeps one step's state between
-    dispatch and combine.
+    Idempotent: installing twice keeps one of ours (rebuilt from the same groups). Call it
+    before the first forward; the dispatcher keeps one step's state between dispatch and combine.
     """
     config = moe_layer.config
     check_supported(config)
