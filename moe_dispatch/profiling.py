@@ -1,14 +1,21 @@
 """What a step makes the host wait for on CUDA: ``host_waits`` counts the synchronisations torch
 makes and the host<->device copies the GPU runs per call (scripts/bench_ep.py's "host waits"
-column; the GPU tests assert a layer step makes none it does not need)."""
+column; the GPU tests assert a layer step makes none it does not need). ``gpu_idle`` says, from
+a torch.profiler trace, how long the GPU sat idle and which part of the step the host was in
+when it finally launched the next kernel (scripts/bench_ep.py's profile tables)."""
 from __future__ import annotations
 
+import bisect
 import warnings
-from typing import Callable
+from collections import defaultdict
+from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["host_waits"]
+__all__ = ["gpu_idle", "host_waits"]
+
+# CPU events that name a part of the step: record_function ranges and autograd's backward nodes.
+_PHASE_PREFIXES = ("autograd::engine::evaluate_function: ",)
 
 
 def host_waits(step: Callable[[], None], steps: int = 3, warmup: int = 2) -> dict:
@@ -40,3 +47,78 @@ def host_waits(step: Callable[[], None], steps: int = 3, warmup: int = 2) -> dic
     copies = {kind: sum(1 for n in names if n.startswith(f"Memcpy {kind}")) for kind in ("HtoD", "DtoH", "DtoD")}
     return dict(syncs=len(syncs) / steps, copies=(copies["HtoD"] + copies["DtoH"]) / steps,
                 detail=dict(copies, sync_warnings=sorted(set(syncs))))
+
+
+def _is_phase(event: Any) -> bool:
+    return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith(_PHASE_PREFIXES)
+
+
+def _phase_name(event: Any) -> str:
+    name = event.name
+    for prefix in _PHASE_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def gpu_idle(events: Iterable[Any], steps: int, min_gap_us: float = 1.0, depth: int = 2) -> dict:
+    """GPU idle time of a profiled run, attributed to what the host was doing.
+
+    Args:
+        events: ``prof.events()`` of a torch.profiler run with CPU and CUDA activities. Read:
+            ``name``, ``device_type``, ``time_range`` (.start, .end in us), ``thread``, ``id``,
+            ``linked_correlation_id`` and ``is_user_annotation``.
+        steps: the steps the run made (figures are per step).
+        min_gap_us: shorter gaps between kernels are left out of ``idle_us`` (launch jitter).
+        depth: the innermost ``depth`` phases named in a row's key.
+    Returns:
+        ``busy_us`` / ``idle_us``: per step, the union of kernel intervals and the gaps between
+        them (first kernel to last); ``rows``: [(phase, idle_us per step, gaps per step)],
+        largest first. A gap's phase is where the host was when it launched the kernel that ended
+        the gap: the record_function ranges and backward nodes enclosing that launch (innermost
+        ``depth``, outer first) and the op that launched it. The GPU waited on the host there.
+    """
+    events = list(events)
+    kernels = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CPU),
+                     key=lambda e: e.time_range.start)
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    launches: dict = {}  # correlation id -> (launch time, launching op)
+    ops = {e.id: e for e in cpu if not getattr(e, "linked_correlation_id", 0)}
+    for e in cpu:
+        linked = getattr(e, "linked_correlation_id", 0)
+        if linked and linked in ops:  # a runtime call (cudaLaunchKernel, ...) made by op ``linked``
+            launches.setdefault(linked, (e.time_range.start, ops[linked]))
+    phases = defaultdict(list)  # thread -> [(start, end, name)]
+    for e in cpu:
+        if _is_phase(e):
+            phases[e.thread].append((e.time_range.start, e.time_range.end, _phase_name(e)))
+    for spans in phases.values():
+        spans.sort()
+    busy = idle = 0.0
+    rows: dict = defaultdict(lambda: [0.0, 0])
+    end = None
+    for k in kernels:
+        start, stop = k.time_range.start, k.time_range.end
+        if end is None:
+            busy += stop - start
+            end = stop
+            continue
+        gap = start - end
+        if gap > min_gap_us:
+            idle += gap
+            when, op = launches.get(getattr(k, "linked_correlation_id", 0), (None, None))
+            if op is None:
+                key = f"(launch not traced) -> {k.name[:40]}"
+            else:
+                spans = phases.get(op.thread, [])
+                hi = bisect.bisect_right(spans, (when, float("inf"), ""))
+                enclosing = [name for s0, s1, name in spans[:hi] if s1 >= when]
+                key = " / ".join(enclosing[-depth:] + [op.name])
+            rows[key][0] += gap
+            rows[key][1] += 1
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    table = sorted(((key, total / steps, count / steps) for key, (total, count) in rows.items()),
+                   key=lambda row: -row[1])
+    return dict(busy_us=busy / steps, idle_us=idle / steps, rows=table)

@@ -297,32 +297,71 @@ def bench_layer_ep1(args, single, world: int, rank: int) -> None:
         say(f"| EP-1 {label} | {name} | {ms:.2f} | {waits} |")
 
 
+_PHASES = {"router": ("forward",), "experts": ("forward",),
+           "dispatcher": ("dispatch", "combine"),  # ours
+           "token_dispatcher": ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
+                                "combine_preprocess", "token_combine", "combine_postprocess")}  # Megatron's
+
+
+def label_phases(layer) -> None:
+    """Wrap the layer's router, experts and dispatcher calls in record_function ranges named after
+    them, so that ``profiling.gpu_idle`` can say in which part of the step the GPU waited."""
+    from torch.profiler import record_function
+
+    for part, methods in _PHASES.items():
+        owner = getattr(layer, part, None)
+        for method in methods if owner is not None else ():
+            original = getattr(owner, method)
+
+            def wrapped(*a, _fn=original, _name=f"{part}.{method}", **k):
+                with record_function(_name):
+                    return _fn(*a, **k)
+            setattr(owner, method, wrapped)
+
+
 def profile_layer_ep1(args, single, world: int, rank: int) -> None:
-    """torch.profiler top-kernels tables (rank 0) of the EP-1 layers named by ``--ep1-layers``,
-    forward + backward x5, gradients reset and accumulating; not a benchmark."""
-    from torch.profiler import ProfilerActivity, profile
+    """torch.profiler tables (rank 0) of the EP-1 layers named by ``--ep1-layers``, forward +
+    backward x5, gradients reset and accumulating: the top kernels, the ops with their input
+    shapes, and the GPU's idle time by the part of the step the host was in when it launched the
+    next kernel (``profiling.gpu_idle``); not a benchmark."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = DEVICE.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    steps = 5 if cuda else 1
     for label, layer, x, fwd_bwd in _ep1_layers(args, single, world, rank, args.ep1_layers):
+        label_phases(layer)
         for mode in ("reset", "accumulating"):
             def step(layer=layer, x=x, fwd_bwd=fwd_bwd, mode=mode):
                 if mode == "reset":
                     layer.zero_grad(set_to_none=True)
                     x.grad = None
-                fwd_bwd()
+                with record_function("step"):
+                    fwd_bwd()
             for _ in range(WARMUP):
                 step()
             if cuda:
                 torch.cuda.synchronize()
-            with profile(activities=activities) as prof:
-                for _ in range(5 if cuda else 1):
+            with profile(activities=activities, record_shapes=True) as prof:
+                for _ in range(steps):
                     step()
                 if cuda:
                     torch.cuda.synchronize()
-            say(f"\n## profile: EP-1 {label}, grads {mode}, fwd+bwd x5, rank 0 (sorted by {sort})")
-            say(prof.key_averages().table(sort_by=sort, row_limit=args.profile_rows, max_name_column_width=70))
+            say(f"\n## profile: EP-1 {label}, grads {mode}, fwd+bwd x{steps}, rank 0 (sorted by {sort})")
+            averages = prof.key_averages()
+            say(averages.table(sort_by=sort, row_limit=args.profile_rows, max_name_column_width=70))
+            say(f"\n### the same, ops by input shape (top {args.profile_rows})")
+            by_shape = prof.key_averages(group_by_input_shape=True)
+            say(by_shape.table(sort_by=sort, row_limit=args.profile_rows, max_name_column_width=40,
+                               max_shapes_column_width=60))
+            if cuda:
+                idle = profiling.gpu_idle(prof.events(), steps)
+                say(f"\n### GPU idle per step: {idle['idle_us'] / 1e3:.2f} ms idle, {idle['busy_us'] / 1e3:.2f} ms "
+                    "busy (first kernel to last); where the host was when it launched the kernel after each gap")
+                say("| host phase / launching op | GPU idle (us per step) | gaps per step |\n|---|---|---|")
+                for key, us, count in idle["rows"][:args.profile_rows]:
+                    say(f"| {key} | {us:.1f} | {count:.1f} |")
 
 
 def profile_dispatch(args, world: int, rank: int) -> None:

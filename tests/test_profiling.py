@@ -1,0 +1,52 @@
+"""moe_dispatch.profiling.gpu_idle on a hand-made trace (the CPU suite has no CUDA kernels)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from torch.autograd import DeviceType
+
+from moe_dispatch.profiling import gpu_idle
+
+
+def _event(name, start, end, device=DeviceType.CPU, id=0, linked=0, thread=1, annotation=False):
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device, id=id,
+                           linked_correlation_id=linked, thread=thread, is_user_annotation=annotation)
+
+
+def _trace():
+    """Two steps. Kernels: k1 [0, 10], k2 [10.5, 20] (a 0.5 us gap: busy), k3 [50, 60] launched at
+    45 inside 'experts' by aten::mm (30 us idle), k4 [55, 70] overlapping k3, k5 [100, 110]
+    launched at 95 by AccumulateGrad in backward (30 us idle)."""
+    cuda = DeviceType.CUDA
+    return [
+        _event("step", 0, 200, annotation=True),
+        _event("experts", 40, 48, annotation=True),
+        _event("aten::mm", 44, 46, id=3),
+        _event("cudaLaunchKernel", 45, 45.5, linked=3),
+        _event("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 90, 99, thread=2),
+        _event("aten::add_", 94, 96, id=5, thread=2),
+        _event("cudaLaunchKernel", 95, 95.2, linked=5, thread=2),
+        _event("k1", 0, 10, cuda, id=101, linked=1),
+        _event("k2", 10.5, 20, cuda, id=102, linked=2),
+        _event("k3", 50, 60, cuda, id=103, linked=3),
+        _event("k4", 55, 70, cuda, id=104, linked=4),
+        _event("k5", 100, 110, cuda, id=105, linked=5),
+    ]
+
+
+def test_gpu_idle_attributes_gaps_to_the_launching_phase():
+    result = gpu_idle(_trace(), steps=2)
+    assert result["busy_us"] == pytest.approx((10 + 9.5 + 20 + 10) / 2)
+    assert result["idle_us"] == pytest.approx((30 + 30) / 2)  # the 0.5 us gap is under min_gap_us
+    rows = {key: (idle, count) for key, idle, count in result["rows"]}
+    assert rows == {"step / experts / aten::mm": (15.0, 0.5),
+                    "torch::autograd::AccumulateGrad / aten::add_": (15.0, 0.5)}
+
+
+def test_gpu_idle_untraced_launch_and_depth():
+    events = [e for e in _trace() if e.name != "cudaLaunchKernel"]
+    rows = [key for key, _, _ in gpu_idle(events, steps=1, depth=1)["rows"]]
+    assert rows == ["(launch not traced) -> k3", "(launch not traced) -> k5"]
+    rows = [key for key, _, _ in gpu_idle(_trace(), steps=1, depth=1)["rows"]]
+    assert "experts / aten::mm" in rows
