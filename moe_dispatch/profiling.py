@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -61,13 +61,29 @@ def _phase_name(event: Any) -> str:
     return name
 
 
+def _is_runtime(event: Any) -> bool:
+    """A CUDA runtime / driver call (cudaLaunchKernel, cuLaunchKernelEx, ...), not a torch op."""
+    return event.name.startswith(("cuda", "cu"))
+
+
+def _innermost_op(spans: list, when: float) -> Optional[str]:
+    """The innermost torch op (not a runtime call) running at ``when`` in ``spans`` (one thread's
+    (start, end, event) of ops, sorted by start; the last 2000 that started before are searched)."""
+    hi = bisect.bisect_right(spans, (when, float("inf")), key=lambda span: span[:2])
+    for start, end, event in reversed(spans[max(0, hi - 2000):hi]):
+        if end >= when and not _is_runtime(event):
+            return event.name
+    return None
+
+
 def gpu_idle(events: Iterable[Any], steps: int, min_gap_us: float = 1.0, depth: int = 2) -> dict:
     """GPU idle time of a profiled run, attributed to what the host was doing.
 
     Args:
         events: ``prof.events()`` of a torch.profiler run with CPU and CUDA activities. Read:
             ``name``, ``device_type``, ``time_range`` (.start, .end in us), ``thread``, ``id``,
-            ``linked_correlation_id`` and ``is_user_annotation``.
+            ``linked_correlation_id`` (a kernel's: the id of the CPU runtime call that launched
+            it) and ``is_user_annotation``.
         steps: the steps the run made (figures are per step).
         min_gap_us: shorter gaps between kernels are left out of ``idle_us`` (launch jitter).
         depth: the innermost ``depth`` phases named in a row's key.
@@ -76,49 +92,47 @@ def gpu_idle(events: Iterable[Any], steps: int, min_gap_us: float = 1.0, depth: 
         them (first kernel to last); ``rows``: [(phase, idle_us per step, gaps per step)],
         largest first. A gap's phase is where the host was when it launched the kernel that ended
         the gap: the record_function ranges and backward nodes enclosing that launch (innermost
-        ``depth``, outer first) and the op that launched it. The GPU waited on the host there.
+        ``depth``, outer first) and the torch op that launched it. The GPU waited on the host there.
     """
     events = list(events)
-    kernels = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CPU),
-                     key=lambda e: e.time_range.start)
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    launches: dict = {}  # correlation id -> (launch time, launching op)
-    ops = {e.id: e for e in cpu if not getattr(e, "linked_correlation_id", 0)}
+    phase_names = {e.name for e in cpu if _is_phase(e)}
+    # record_function ranges also appear on the GPU timeline: they are not kernels
+    kernels = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CPU
+                      and not getattr(e, "is_user_annotation", False) and e.name not in phase_names),
+                     key=lambda e: e.time_range.start)
+    by_id = {e.id: e for e in cpu}
+    threads = (defaultdict(list), defaultdict(list))  # (ops, phases): thread -> [(start, end, event)] by start
     for e in cpu:
-        linked = getattr(e, "linked_correlation_id", 0)
-        if linked and linked in ops:  # a runtime call (cudaLaunchKernel, ...) made by op ``linked``
-            launches.setdefault(linked, (e.time_range.start, ops[linked]))
-    phases = defaultdict(list)  # thread -> [(start, end, name)]
-    for e in cpu:
-        if _is_phase(e):
-            phases[e.thread].append((e.time_range.start, e.time_range.end, _phase_name(e)))
-    for spans in phases.values():
-        spans.sort()
+        threads[_is_phase(e)][e.thread].append((e.time_range.start, e.time_range.end, e))
+    for spans in (*threads[0].values(), *threads[1].values()):
+        spans.sort(key=lambda span: span[:2])
     busy = idle = 0.0
     rows: dict = defaultdict(lambda: [0.0, 0])
     end = None
     for k in kernels:
         start, stop = k.time_range.start, k.time_range.end
-        if end is None:
-            busy += stop - start
-            end = stop
-            continue
-        gap = start - end
-        if gap > min_gap_us:
-            idle += gap
-            when, op = launches.get(getattr(k, "linked_correlation_id", 0), (None, None))
-            if op is None:
-                key = f"(launch not traced) -> {k.name[:40]}"
-            else:
-                spans = phases.get(op.thread, [])
-                hi = bisect.bisect_right(spans, (when, float("inf"), ""))
-                enclosing = [name for s0, s1, name in spans[:hi] if s1 >= when]
-                key = " / ".join(enclosing[-depth:] + [op.name])
-            rows[key][0] += gap
-            rows[key][1] += 1
-        if stop > end:
-            busy += stop - max(start, end)
+        if end is not None and start - end > min_gap_us:
+            idle += start - end
+            row = rows[_gap_key(k, by_id, threads, depth)]
+            row[0] += start - end
+            row[1] += 1
+        if end is None or stop > end:
+            busy += stop - (start if end is None else max(start, end))
             end = stop
     table = sorted(((key, total / steps, count / steps) for key, (total, count) in rows.items()),
                    key=lambda row: -row[1])
     return dict(busy_us=busy / steps, idle_us=idle / steps, rows=table)
+
+
+def _gap_key(kernel: Any, by_id: dict, threads: dict, depth: int) -> str:
+    """'phase / ... / op' of the host when it launched ``kernel`` (see ``gpu_idle``)."""
+    launch = by_id.get(getattr(kernel, "linked_correlation_id", 0))
+    if launch is None:
+        return f"(launch not traced) -> {kernel.name[:40]}"
+    when = launch.time_range.start
+    ops, phases = threads[0][launch.thread], threads[1][launch.thread]
+    op = _innermost_op(ops, when) if _is_runtime(launch) else launch.name
+    hi = bisect.bisect_right(phases, (when, float("inf")), key=lambda span: span[:2])
+    enclosing = [_phase_name(e) for s0, s1, e in phases[:hi] if s1 >= when]
+    return " / ".join(enclosing[-depth:] + [op or "(no torch op)"])

@@ -15,23 +15,26 @@ def _event(name, start, end, device=DeviceType.CPU, id=0, linked=0, thread=1, an
 
 
 def _trace():
-    """Two steps. Kernels: k1 [0, 10], k2 [10.5, 20] (a 0.5 us gap: busy), k3 [50, 60] launched at
-    45 inside 'experts' by aten::mm (30 us idle), k4 [55, 70] overlapping k3, k5 [100, 110]
-    launched at 95 by AccumulateGrad in backward (30 us idle)."""
+    """Two steps, as kineto links them: a kernel's linked_correlation_id is the id of the runtime
+    call that launched it. Kernels: k1 [0, 10], k2 [10.5, 20] (a 0.5 us gap: jitter), k3 [50, 60]
+    launched at 45 inside 'experts' by aten::mm (30 us idle), k4 [55, 70] overlapping k3, k5
+    [100, 110] launched at 95 by aten::add_ in AccumulateGrad's backward node (30 us idle). The
+    'experts' range also shows on the GPU timeline; it is no kernel."""
     cuda = DeviceType.CUDA
     return [
         _event("step", 0, 200, annotation=True),
         _event("experts", 40, 48, annotation=True),
         _event("aten::mm", 44, 46, id=3),
-        _event("cudaLaunchKernel", 45, 45.5, linked=3),
+        _event("cudaLaunchKernel", 45, 45.5, id=13),
         _event("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 90, 99, thread=2),
         _event("aten::add_", 94, 96, id=5, thread=2),
-        _event("cudaLaunchKernel", 95, 95.2, linked=5, thread=2),
-        _event("k1", 0, 10, cuda, id=101, linked=1),
-        _event("k2", 10.5, 20, cuda, id=102, linked=2),
-        _event("k3", 50, 60, cuda, id=103, linked=3),
-        _event("k4", 55, 70, cuda, id=104, linked=4),
-        _event("k5", 100, 110, cuda, id=105, linked=5),
+        _event("cudaLaunchKernel", 95, 95.2, id=15, thread=2),
+        _event("k1", 0, 10, cuda, id=101, linked=11),
+        _event("k2", 10.5, 20, cuda, id=102, linked=12),
+        _event("experts", 30, 70, cuda, id=106, annotation=True),
+        _event("k3", 50, 60, cuda, id=103, linked=13),
+        _event("k4", 55, 70, cuda, id=104, linked=14),
+        _event("k5", 100, 110, cuda, id=105, linked=15),
     ]
 
 
@@ -45,7 +48,7 @@ def test_gpu_idle_attributes_gaps_to_the_launching_phase():
 
 
 def test_gpu_idle_untraced_launch_and_depth():
-    events = [e for e in _trace() if e.name != "cudaLaunchKernel"]
+    events = [e for e in _trace() if e.name != "cudaLaunchKernel"]  # launches not traced
     rows = [key for key, _, _ in gpu_idle(events, steps=1, depth=1)["rows"]]
     assert rows == ["(launch not traced) -> k3", "(launch not traced) -> k5"]
     rows = [key for key, _, _ in gpu_idle(_trace(), steps=1, depth=1)["rows"]]
