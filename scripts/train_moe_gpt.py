@@ -10,7 +10,9 @@ its data-parallel group (expert gradients over the expert-data-parallel group), 
 does.
 
 What it shows, per EP size, for each dispatcher (allgather, alltoall):
-- the loss curve (``--svg``: a plain SVG, one line per run);
+- the loss curves (``--svg``: a plain SVG, one panel per EP size and variant, both dispatchers in
+  it) and the largest loss difference between the dispatchers on any rank, per step (``--diff-svg``:
+  log scale, ours drawn on its 0 baseline, stock Megatron above it);
 - that the loss, every expert weight gradient and every router weight gradient are bitwise
   identical between allgather and alltoall at every step (our dispatcher: a claim that fails
   the run; stock Megatron: shown for comparison);
@@ -22,6 +24,7 @@ Where it runs:
 megatron-core's MoE code needs CUDA, so this script refuses CPU ranks. The test suite runs it on
 CPU gloo ranks (2 by default, EP 1 and 2) through its test-only shims, from a checkout:
     python -m tests.integrations.train_moe_gpt_cpu --stock --svg BENCHMARKS_train_loss.svg
+Rank 0 prints a progress line at least every 2 s; the table's legend says which rows are ours.
 """
 from __future__ import annotations
 
