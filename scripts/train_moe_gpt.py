@@ -525,6 +525,8 @@ def main(argv: list[str] | None = None, rank_fn: Callable = rank_main) -> int:
     rows, series, dump, by_ep = [], {}, {}, {}
     with tempfile.TemporaryDirectory() as out_dir:
         for ep in sizes:
+            print(f"  ... {time.perf_counter() - args.t0:6.1f} s  EP {ep}: starting {world} ranks (each imports "
+                  "megatron-core and builds its models: seconds before the first step)", flush=True)
             if spawn_ranks(rank_fn, world, ep, args, out_dir, name="train_moe_gpt"):
                 return 1
             ranks = [json.loads(Path(out_dir, f"ep{ep}-rank{r}.json").read_text()) for r in range(world)]
