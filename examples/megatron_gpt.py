@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from moe_dispatch.config import DISPATCHER_KINDS
 from moe_dispatch.integrations.megatron import deterministic_moe_spec  # moe-dispatch
 
 VOCAB, SEQ, BATCH = 128, 32, 4
@@ -32,7 +33,7 @@ VOCAB, SEQ, BATCH = 128, 32, 4
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides the ranks and the 8 experts)")
-    p.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall")
+    p.add_argument("--dispatcher", choices=DISPATCHER_KINDS, default="alltoall")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--save", default="megatron_gpt_checkpoint", help="directory for the checkpoint")
     return p.parse_args(argv)

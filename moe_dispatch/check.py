@@ -258,7 +258,8 @@ def run_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
                                            layer_index=0).to(device), x, upstream)
 
     results = contract_checks(args, device, sizes, dispatchers, run)
-    layer = MoELayer(base.replace(dispatcher=dispatchers[0]), ep_group=groups[sizes[-1]]).to(device)
+    layer = MoELayer(base.replace(dispatcher=dispatchers[0]), ep_group=groups[sizes[-1]],
+                     layer_index=0).to(device)
     return results + combine_rows(args, device, layer, sizes)
 
 

@@ -23,7 +23,7 @@ def one_rank(tmp_path):
 def _layer(args) -> MoELayer:
     config = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk,
                        ffn_hidden_size=args.ffn, init_seed=args.seed)
-    return MoELayer(config)
+    return MoELayer(config, layer_index=0)
 
 
 def test_reference_rows_differ_and_ours_is_within_one_rounding(one_rank):
