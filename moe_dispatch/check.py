@@ -1,11 +1,19 @@
 """`moe-dispatch check`: prove the contract on this machine.
 
-Builds a small MoE layer on N ranks and checks, bitwise, that a token's output and gradients are
-(a) identical on every rank holding it, (b) identical with the allgather and the alltoall
-dispatcher, (c) identical at every EP size, and (d) unchanged when the other tokens of the batch
-change (the report's truncation test: zero tokens 90 onwards). Prints a table and a throughput
-line; exits nonzero on any FAIL. With --megatron, megatron-core's MoELayer is checked too: with its
-stock dispatcher (reference rows, shown as PASS or DIFF) and with ours installed (rows that count).
+Builds a small MoE layer on N ranks, runs forward + backward and checks, bitwise, that a token's
+output, input gradient and router weight gradient are the same:
+  every rank     on every rank that holds the same tokens;
+  dispatcher     with the allgather and the alltoall dispatcher;
+  EP size        at every expert-parallel size;
+  batch          when the other tokens of the batch change: tokens 90 onwards zeroed (the first 90
+                 must not change), and one token run alone against the same token in the batch.
+It then compares our output with the float64 sum of the same expert outputs (within one final
+rounding), and prints reference rows that are not ours and are expected to differ: the same expert
+outputs combined as a reduce-scatter combine does (each EP rank rounds its partial sum to the
+activation dtype before the ranks' partials are added), at EP 1 and at larger EP sizes.
+Exits nonzero on any FAIL of our rows; reference rows (DIFF) never fail the check. With --megatron,
+megatron-core's MoELayer is checked too: with its stock dispatcher (reference rows, PASS or DIFF)
+and with ours installed (rows that count).
 
 Launch plainly (it spawns the ranks itself: 4 CPU ranks on gloo by default, one rank per GPU on
 NCCL where CUDA is present) or under torchrun, which sets the ranks:
@@ -17,6 +25,7 @@ NCCL where CUDA is present) or under torchrun, which sets the ranks:
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import time
 from dataclasses import dataclass
@@ -97,9 +106,12 @@ def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a, b)
 
 
+_START = time.perf_counter()
+
+
 def _progress(rank: int, text: str) -> None:
     if rank == 0:
-        print(f"  ... {text}", flush=True)
+        print(f"  ... {time.perf_counter() - _START:5.1f} s  {text}", flush=True)
 
 
 def _ep_groups(world: int, sizes: list[int]) -> dict[int, dist.ProcessGroup]:
@@ -146,6 +158,17 @@ def check_plan(args: argparse.Namespace, world: int) -> tuple[list[int], list[st
     return sizes, dispatchers
 
 
+def check_tokens(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens shared by every rank [T, H], upstream gradient [T, H], this rank's own tokens [T, H])."""
+    dtype = DTYPES[args.dtype]
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    shared_x = torch.randn((args.tokens, args.hidden), generator=gen).to(dtype).to(device)
+    upstream = torch.randn((args.tokens, args.hidden), generator=gen).to(dtype).to(device)
+    own_gen = torch.Generator().manual_seed(args.seed + 100 + dist.get_rank())
+    own_x = torch.randn((args.tokens, args.hidden), generator=own_gen).to(dtype).to(device)
+    return shared_x, upstream, own_x
+
+
 # run(kind, ep, x, upstream) -> (output, input grad, router weight grad) of one forward + backward
 # of a freshly zeroed layer with that dispatcher and EP size, on this rank's tokens x [T, H].
 RunFn = Callable[[str, int, torch.Tensor, torch.Tensor], tuple]
@@ -153,20 +176,18 @@ RunFn = Callable[[str, int, torch.Tensor, torch.Tensor], tuple]
 
 def contract_checks(args: argparse.Namespace, device: torch.device, sizes: list[int], dispatchers: list[str],
                     run: RunFn, label: str = "", informational: bool = False) -> list[Result]:
-    """Checks (a)-(d) of one kind of layer (``run``), on the check's tokens (the same for every
-    kind of layer); rows prefixed with ``label``. Collective: every rank calls it alike."""
+    """The contract's rows (every rank, dispatcher, EP size, batch) for one kind of layer
+    (``run``), on the check's tokens (the same for every kind of layer); rows prefixed with
+    ``label``. Collective: every rank calls it alike."""
     rank = dist.get_rank()
-    dtype = DTYPES[args.dtype]
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    shared_x = torch.randn((args.tokens, args.hidden), generator=gen).to(dtype).to(device)
-    upstream = torch.randn((args.tokens, args.hidden), generator=gen).to(dtype).to(device)
-    own_gen = torch.Generator().manual_seed(args.seed + 100 + rank)
-    own_x = torch.randn((args.tokens, args.hidden), generator=own_gen).to(dtype).to(device)
+    shared_x, upstream, own_x = check_tokens(args, device)
 
-    results: list[Result] = []
+    # (section, row): rows print by section (every rank, dispatcher, EP size, batch), whatever
+    # order they are computed in.
+    results: list[tuple[int, Result]] = []
 
-    def add(check: str, diff: float, same: bool) -> None:
-        results.append(Result(label + check, diff, same, informational))
+    def add(section: int, check: str, diff: float, same: bool) -> None:
+        results.append((section, Result(label + check, diff, same, informational)))
 
     outs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
     for kind in dispatchers:
@@ -174,7 +195,7 @@ def contract_checks(args: argparse.Namespace, device: torch.device, sizes: list[
             _progress(rank, f"{label}{kind} dispatcher, EP {ep}")
             identical = run(kind, ep, shared_x, upstream)
             diff, same = _all_equal_across(None, identical)
-            add(f"(a) identical tokens, every rank: {kind}, EP {ep}", diff, same)
+            add(0, f"every rank, same tokens: {kind}, EP {ep}", diff, same)
             outs[(kind, ep)] = run(kind, ep, own_x, upstream)
 
     first = outs[(dispatchers[0], sizes[0])]
@@ -185,26 +206,31 @@ def contract_checks(args: argparse.Namespace, device: torch.device, sizes: list[
             other = outs[(kind, ep)]
             diff = max(_max_diff(a, b) for a, b in zip(first, other))
             same = all(_bitwise(a, b) for a, b in zip(first, other))
-            check = "(b) allgather vs alltoall" if kind != dispatchers[0] and ep == sizes[0] else "(c) EP size"
-            add(f"{check}: {dispatchers[0]} EP {sizes[0]} vs {kind} EP {ep}", diff, same)
+            if kind == dispatchers[0]:
+                add(2, f"EP size: EP {sizes[0]} vs EP {ep}, {kind}", diff, same)
+            elif ep == sizes[0]:
+                add(1, f"dispatcher: {dispatchers[0]} vs {kind}, EP {ep}", diff, same)
+            else:
+                add(2, f"EP size and dispatcher: {dispatchers[0]} EP {sizes[0]} vs {kind} EP {ep}", diff, same)
 
     # Keep fewer tokens than the batch holds, or the truncation would zero nothing.
     keep = args.truncate_at if args.truncate_at < args.tokens else args.tokens // 2
     for kind in dispatchers:
         ep = sizes[-1]
-        _progress(rank, f"{label}truncation test, {kind}, EP {ep}")
+        _progress(rank, f"{label}batch: other tokens changed, {kind}, EP {ep}")
         truncated = own_x.clone()
         truncated[keep:] = 0
         out_t, grad_t, _ = run(kind, ep, truncated, upstream)
         full_out, full_grad, _ = outs[(kind, ep)]
         diff = max(_max_diff(out_t[:keep], full_out[:keep]), _max_diff(grad_t[:keep], full_grad[:keep]))
         same = _bitwise(out_t[:keep], full_out[:keep]) and _bitwise(grad_t[:keep], full_grad[:keep])
-        add(f"(d) truncation (tokens {keep}+ zeroed): {kind}, EP {ep}", diff, same)
+        add(3, f"batch: tokens {keep}+ zeroed, tokens 0-{keep - 1} unchanged: {kind}, EP {ep}", diff, same)
         one_out, one_grad, _ = run(kind, ep, own_x[:1], upstream[:1])
         diff = max(_max_diff(one_out, full_out[:1]), _max_diff(one_grad, full_grad[:1]))
-        add(f"(d) one token alone vs in the batch: {kind}, EP {ep}", diff,
+        add(3, f"batch: token 0 alone vs in the batch: {kind}, EP {ep}", diff,
             _bitwise(one_out, full_out[:1]) and _bitwise(one_grad, full_grad[:1]))
-    return _gather_results(results, device)
+    ordered = [r for _, r in sorted(results, key=lambda item: item[0])]  # stable: keeps order in a section
+    return _gather_results(ordered, device)
 
 
 def _gather_results(results: list[Result], device: torch.device) -> list[Result]:
@@ -231,7 +257,96 @@ def run_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
         return _run_layer(lambda: MoELayer(base.replace(dispatcher=kind), ep_group=groups[ep],
                                            layer_index=0).to(device), x, upstream)
 
-    return contract_checks(args, device, sizes, dispatchers, run)
+    results = contract_checks(args, device, sizes, dispatchers, run)
+    layer = MoELayer(base.replace(dispatcher=dispatchers[0]), ep_group=groups[sizes[-1]],
+                     layer_index=0).to(device)
+    return results + combine_rows(args, device, layer, sizes)
+
+
+def _ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` numbers in the binade of each float64 value (subnormals: the
+    smallest spacing)."""
+    info = torch.finfo(dtype)
+    _, exponent = torch.frexp(values.abs().clamp_min(info.tiny))
+    return torch.ldexp(torch.full_like(values, info.eps), exponent - 1)
+
+
+REFERENCE_LABEL = "reference, not ours: "
+
+
+@torch.no_grad()
+def expert_outputs(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs [T, E] fp32/fp64, zero where not routed; y [T, E, H] every expert's output for every
+    token routed to it, zero elsewhere) for our MoELayer ``layer`` on x [T, H]: its router, and
+    all E experts rebuilt on this rank from the same seed (row-stable, so a row's output does not
+    depend on which other rows its expert gets)."""
+    config = layer.config
+    probs, routing_map = layer.router(x)
+    experts = type(layer.experts)(config, config.num_experts, 0).to(x.device)
+    rows = [routing_map[:, e].nonzero().flatten() for e in range(config.num_experts)]
+    counts = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    out = experts(x[torch.cat(rows)], counts)
+    y = torch.zeros((x.shape[0], config.num_experts, x.shape[1]), dtype=out.dtype, device=x.device)
+    for e, (r, block) in enumerate(zip(rows, out.split(counts.tolist()))):
+        y[r, e] = block
+    return probs, y
+
+
+def reduce_scatter_combine(probs: torch.Tensor, y: torch.Tensor, ep: int) -> torch.Tensor:
+    """probs [T, E], y [T, E, H] -> [T, H] in y's dtype, combined as a reduce-scatter combine does
+    at EP size ``ep``: each EP rank sums p * y over its own experts (ascending, in probs' dtype)
+    and rounds that partial sum to y's dtype; the ranks' partials are then added in fp32 (in rank
+    order) and rounded again. A token whose experts sit on different ranks is rounded twice, so
+    its output depends on the EP size. Not ours: a reference that shows what the contract buys."""
+    num_experts = probs.shape[1]
+    products = probs[:, :, None] * y.to(probs.dtype)
+    total = torch.zeros(y.shape[0], y.shape[2], dtype=torch.float32, device=y.device)
+    for block in products.split(num_experts // ep, dim=1):
+        partial = torch.zeros_like(block[:, 0])
+        for e in range(block.shape[1]):  # one term at a time: the fixed ascending order
+            partial = partial + block[:, e]
+        total = total + partial.to(y.dtype).float()
+    return total.to(y.dtype)
+
+
+def combine_rows(args: argparse.Namespace, device: torch.device, layer: torch.nn.Module,
+                 sizes: list[int]) -> list[Result]:
+    """Our layer's output against the float64 combine of the same expert outputs (a row that
+    counts: within one final rounding), and reference rows (informational, not ours): the same
+    expert outputs combined by ``reduce_scatter_combine``, EP 1 against each larger EP size.
+    Collective: every rank calls it alike."""
+    rank = dist.get_rank()
+    _progress(rank, "ours vs float64, and the reference combine")
+    _, _, own_x = check_tokens(args, device)
+    dtype = DTYPES[args.dtype]
+    with torch.no_grad():
+        ours = layer(own_x).double()
+        probs, y = expert_outputs(layer, own_x)
+    products = probs.double()[:, :, None] * y.double()
+    exact = products.sum(1)
+    err = (ours - exact).abs()
+    # One final rounding (half a ulp) plus the error of the sum in probs' dtype: K products and
+    # K - 1 additions, each within half an ulp of that dtype of sum |p * y|; counted twice, since
+    # the final rounding is to the number nearest the computed sum, not the exact one.
+    accumulation = torch.finfo(probs.dtype).eps / 2 * (2 * args.topk - 1) * products.abs().sum(1)
+    bound = 0.5 * _ulp(exact, dtype) + 2 * accumulation
+    within = bool((err <= bound).all())
+    # bf16/fp16: the error in ulps of the output dtype; fp32 (no final rounding to speak of): the
+    # error as a fraction of the bound
+    scale = bound if dtype == torch.float32 else _ulp(exact, dtype)
+    worst = torch.tensor([float((err / scale).max())], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    measured = (f"{float(worst):.2f} of the fp32 sum's error bound" if dtype == torch.float32 else
+                f"{float(worst):.2f} ulp of {args.dtype} (bound 1/2 + fp32 sum error)")
+    rows = [Result(f"ours vs float64 sum of the same expert outputs: {measured}", float(err.max()), within)]
+    single = reduce_scatter_combine(probs, y, 1)
+    for ep in [s for s in sizes if s > 1] or [2]:
+        if args.experts % ep:
+            continue
+        other = reduce_scatter_combine(probs, y, ep)
+        rows.append(Result(f"{REFERENCE_LABEL}reduce-scatter combine, EP 1 vs EP {ep}", _max_diff(single, other),
+                           _bitwise(single, other), informational=True))
+    return _gather_results(rows, device)
 
 
 def _megatron_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
@@ -270,18 +385,38 @@ def throughput(args: argparse.Namespace, device: torch.device) -> str:
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / steps
-    return (f"throughput: {args.tokens * world / seconds:,.0f} tokens/s forward+backward "
-            f"({world} ranks, EP {world}, {config.dispatcher}, {args.tokens} tokens per rank, {args.dtype})")
+    where = (f"{world} CPU ranks on gloo, one thread each" if device.type == "cpu"
+             else f"{world} ranks on {torch.cuda.get_device_name(device)}")
+    return (f"throughput (timing of this small layer, not checked and not a benchmark): "
+            f"{args.tokens * world / seconds:,.0f} tokens/s forward+backward; {where}, EP {world}, "
+            f"{config.dispatcher}, {args.tokens} tokens per rank, {args.dtype}")
 
 
-def _print_table(results: list[Result]) -> None:
+LEGEND = """\
+Each row runs forward + backward and compares output, input gradient and router weight gradient
+bitwise; the second column is the largest elementwise difference (0: bitwise equal)."""
+
+REFERENCE_LEGEND = """\
+Reference rows (not ours, informational: DIFF is expected and never fails the check): the same
+expert outputs combined as a reduce-scatter combine does (each EP rank rounds its experts' partial
+sum to {dtype}, then the ranks' partials are added). A token whose experts sit on different ranks
+is rounded twice, so its output changes with the EP size; our combine sums a token's expert
+outputs in one fixed order in fp32 and rounds once, at every EP size.{same}"""
+
+
+def _print_table(results: list[Result], dtype: str) -> None:
+    """The rows, with a legend above and, under reference rows, what they compute."""
+    print(LEGEND)
     width = max(len(r.check) for r in results)
     print(f"{'check':<{width}} | {'max |diff|':>10} | result")
     print("-" * (width + 22))
     for r in results:
         print(f"{r.check:<{width}} | {r.max_diff:>10.3e} | {r.status}")
-    if any(r.informational for r in results):
-        print("(reference rows: stock megatron-core, shown beside ours; DIFF there does not fail the check)")
+    reference = [r for r in results if r.check.startswith(REFERENCE_LABEL)]
+    if reference:
+        same = ("\n(Here the partials need no rounding, probs and activations sharing a dtype, so these rows "
+                "match.)" if all(r.passed for r in reference) else "")
+        print(REFERENCE_LEGEND.format(dtype=dtype, same=same))
 
 
 def _worker(local_rank: int, world: int, port: int, backend: str, args: argparse.Namespace) -> None:
@@ -302,12 +437,17 @@ def main_worker(args: argparse.Namespace, backend: str) -> int:
             print(f"moe-dispatch check: {dist.get_world_size()} ranks on {backend} ({device.type}), "
                   f"{args.tokens} tokens per rank, H={args.hidden}, E={args.experts}, K={args.topk}, "
                   f"{args.dtype}, router {args.router_dtype}", flush=True)
+        # torch's custom ops (our permute/unpermute) import torch._dynamo on their first call: a
+        # one-time wait of seconds, said here rather than left silent in the first row.
+        _progress(rank, "importing torch._dynamo (torch's custom ops need it, once per process)")
+        importlib.import_module("torch._dynamo")
+
         results = run_checks(args, device)
         if args.megatron:
             results += _megatron_checks(args, device)
         line = throughput(args, device)
         if rank == 0:
-            _print_table(results)
+            _print_table(results, args.dtype)
             if args.megatron:
                 from .integrations.megatron.check import explain
                 for note in explain(results):

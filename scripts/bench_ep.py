@@ -150,6 +150,7 @@ def bench_dispatch(args, world: int, rank: int) -> None:
                  bench(remote_only_round_trip)))
 
     for kind in DISPATCHER_KINDS:
+        say(f"# measuring ours {kind} round trip ...")
         rows.append((f"ours {kind} round trip", bench(our_round_trip(args, kind, x, routing_map, probs))))
     try:
         pg = megatron_groups(world, rank)
@@ -168,6 +169,7 @@ def bench_dispatch(args, world: int, rank: int) -> None:
                 h = d.combine_preprocess(h)
                 h = d.token_combine(h)
                 return d.combine_postprocess(h)
+            say(f"# measuring Megatron {kind} round trip ...")
             rows.append((f"Megatron {kind} round trip", bench(theirs)))
     except Exception:
         say("# Megatron dispatchers failed:\n" + traceback.format_exc())
@@ -200,6 +202,7 @@ def bench_layer(args, world: int, rank: int) -> None:
                 layer(x).backward(g)
             with torch.no_grad():
                 fwd = bench(lambda: layer(x))
+            say(f"# measuring {label} ...")
             rows.append((label, bench(fwd_bwd), fwd))
     try:
         pg = megatron_groups(world, rank)
@@ -219,6 +222,7 @@ def bench_layer(args, world: int, rank: int) -> None:
                 with torch.no_grad():
                     fwd = bench(lambda: layer(xm))
                 label = f"Megatron {kind}, SequentialMLP, no TE{suffix}"
+                say(f"# measuring {label} ...")
                 rows.append((label, bench(fwd_bwd), fwd))
     except Exception:
         say("# Megatron MoELayer failed:\n" + traceback.format_exc())

@@ -79,7 +79,7 @@ def main() -> None:
                                         grad_to_none=[xg, experts.weight1, experts.weight2])
         strategies = "/".join(experts.gemm_strategies(x))
         print(f"{name:34} {strategies:18} {t_fwd:8.3f} {flop_fwd / t_fwd / 1e9:8.1f} {t_all:11.3f} "
-              f"{3 * flop_fwd / t_all / 1e9:8.1f} {'yes' if experts.row_stable else 'no'}")
+              f"{3 * flop_fwd / t_all / 1e9:8.1f} {'yes' if experts.row_stable else 'no'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -227,7 +227,7 @@ def sweep(E: int, H: int, K: int, token_counts: list[int]) -> dict[str, list[tup
 def write_svg(path: str, series: dict[str, list[tuple[int, float]]], title: str) -> None:
     """A line chart, log2 bytes on x, TB/s on y; plain SVG so the benchmark needs no plotting package."""
     import math
-    width, height, left, right, top, bottom = 720, 420, 70, 190, 40, 50
+    width, height, left, right, top, bottom = 720, 440, 70, 190, 40, 70
     xs = [x for pts in series.values() for x, _ in pts]
     x_lo, x_hi = math.log2(min(xs)), math.log2(max(xs))
     y_hi = max(5.0, max(y for pts in series.values() for _, y in pts))
@@ -244,9 +244,14 @@ def write_svg(path: str, series: dict[str, list[tuple[int, float]]], title: str)
     for tick in range(int(y_hi) + 1):
         out.append(f'<line x1="{left}" x2="{width - right}" y1="{py(tick):.1f}" y2="{py(tick):.1f}" stroke="#ddd"/>')
         out.append(f'<text x="{left - 8}" y="{py(tick) + 4:.1f}" text-anchor="end">{tick}</text>')
-    for e in range(math.ceil(x_lo), math.floor(x_hi) + 1):
-        label = f"{2 ** e / 2 ** 20:.0f} MiB" if e >= 20 else f"{2 ** e / 2 ** 10:.0f} KiB"
-        out.append(f'<text x="{px(2 ** e):.1f}" y="{height - bottom + 18}" text-anchor="middle">{label}</text>')
+    # At most about 7 labels, each a power of two, slanted so that neighbours never overlap.
+    exponents = list(range(math.ceil(x_lo), math.floor(x_hi) + 1))
+    for e in exponents[::max(1, math.ceil(len(exponents) / 7))]:
+        label = (f"{2 ** e / 2 ** 30:.0f} GiB" if e >= 30 else f"{2 ** e / 2 ** 20:.0f} MiB" if e >= 20
+                 else f"{2 ** e / 2 ** 10:.0f} KiB")
+        x, y = px(2 ** e), height - bottom + 14
+        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{height - bottom}" y2="{height - bottom + 4}" stroke="#444"/>')
+        out.append(f'<text x="{x:.1f}" y="{y}" text-anchor="end" transform="rotate(-30 {x:.1f} {y})">{label}</text>')
     out.append(f'<text x="{(left + width - right) / 2}" y="{height - 10}" text-anchor="middle">bytes moved per '
                'call (log scale)</text>')
     out.append(f'<text x="18" y="{(top + height - bottom) / 2}" transform="rotate(-90 18 '
@@ -310,9 +315,10 @@ def main() -> None:
     print("| T,E,H,K | pass | eager (ms) | graph (ms) | floor (ms) | eager/floor | graph/floor | Megatron (ms) |")
     print("|---|---|---|---|---|---|---|---|")
     for shape in shapes:
+        print(f"# measuring T,E,H,K = {','.join(map(str, shape))} ...", flush=True)
         for tag, name, ms, graph_ms, floor_ms, mg in run_shape(*shape, bw, moe_utils):
             print(f"| {tag} | {name} | {ms:.3f} | {graph_ms:.3f} | {floor_ms:.3f} | {ms / floor_ms:.2f}x | "
-                  f"{graph_ms / floor_ms:.2f}x | {mg:.3f} |")
+                  f"{graph_ms / floor_ms:.2f}x | {mg:.3f} |", flush=True)
         torch.cuda.empty_cache()
     print("\n| host overhead (T=1024, H=256) | us per call |\n|---|---|")
     for name, us in host_overhead():

@@ -125,8 +125,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, case in CASES.items():
         for weight_dtype in (torch.bfloat16, torch.float32):
+            print(f"# measuring {name}, {weight_dtype} weight ...", flush=True)
             for row in run_case(name, case, weight_dtype, mu):
-                print(f"| {row[0]} | {row[1]} | {row[2]} | {row[3]:.3f} | {row[4]:.3f} |")
+                print(f"| {row[0]} | {row[1]} | {row[2]} | {row[3]:.3f} | {row[4]:.3f} |", flush=True)
             torch.cuda.empty_cache()
     print("# gating rows: fwd column = ours, fwd+bwd column = cuBLAS fp32 mm (forward only)")
 

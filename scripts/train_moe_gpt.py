@@ -10,7 +10,9 @@ its data-parallel group (expert gradients over the expert-data-parallel group), 
 does.
 
 What it shows, per EP size, for each dispatcher (allgather, alltoall):
-- the loss curve (``--svg``: a plain SVG, one line per run);
+- the loss curves (``--svg``: a plain SVG, one panel per EP size and variant, both dispatchers in
+  it) and the largest loss difference between the dispatchers on any rank, per step (``--diff-svg``:
+  log scale, ours drawn on its 0 baseline, stock Megatron above it);
 - that the loss, every expert weight gradient and every router weight gradient are bitwise
   identical between allgather and alltoall at every step (our dispatcher: a claim that fails
   the run; stock Megatron: shown for comparison);
@@ -22,6 +24,7 @@ Where it runs:
 megatron-core's MoE code needs CUDA, so this script refuses CPU ranks. The test suite runs it on
 CPU gloo ranks (2 by default, EP 1 and 2) through its test-only shims, from a checkout:
     python -m tests.integrations.train_moe_gpt_cpu --stock --svg BENCHMARKS_train_loss.svg
+Rank 0 prints a progress line at least every 2 s; the table's legend says which rows are ours.
 """
 from __future__ import annotations
 
@@ -72,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", choices=["split", "same"], default="split",
                    help="split: each rank its own tokens; same: every rank the same tokens")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--svg", default=None, help="write the loss curves to this SVG file")
+    p.add_argument("--svg", default=None, help="write the loss curves to this SVG file (one panel per EP size)")
+    p.add_argument("--diff-svg", default=None,
+                   help="write, per step, the largest loss difference between the two dispatchers on any rank "
+                        "(ours and, with --stock, stock Megatron) to this SVG file, log scale, 0 drawn")
     p.add_argument("--json", default=None,
                    help="write every run's per-step losses and gradient digests to this JSON file")
     return p
@@ -196,13 +202,16 @@ def _sync_grads(model) -> None:
             dist.all_reduce(p.grad, group=group)
 
 
-def train(args: argparse.Namespace, model, device: torch.device, stream: torch.Tensor) -> dict:
+PROGRESS_SECONDS = 2.0  # rank 0 prints a progress line at least this often (and at the first and last step)
+
+
+def train(args: argparse.Namespace, model, device: torch.device, stream: torch.Tensor, name: str = "") -> dict:
     rank = dist.get_rank()
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device=device), 1)[None, None]
     positions = torch.arange(args.seq, device=device)[None].expand(args.batch, -1)
     losses, mean_losses, grads = [], [], []
-    start = time.perf_counter()
+    start = last_print = time.perf_counter()
     for step in range(args.steps):
         tokens, labels = (t.to(device) for t in batch_at(stream, step, rank, args))
         opt.zero_grad(set_to_none=True)
@@ -216,6 +225,11 @@ def train(args: argparse.Namespace, model, device: torch.device, stream: torch.T
         dist.all_reduce(mean)
         losses.append(loss.item())
         mean_losses.append(mean.item() / dist.get_world_size())
+        now = time.perf_counter()
+        if rank == 0 and (step in (0, args.steps - 1) or now - last_print >= PROGRESS_SECONDS):
+            print(f"  ... {now - args.t0:6.1f} s  {name}: step {step + 1}/{args.steps}, loss {mean_losses[-1]:.4f}",
+                  flush=True)
+            last_print = now
     seconds = time.perf_counter() - start
     dispatchers = sorted({_dispatcher_name(m) for m in model.modules() if hasattr(m, "token_dispatcher")})
     return dict(losses=losses, mean_losses=mean_losses, grads=grads, seconds=seconds, dispatchers=dispatchers)
@@ -261,7 +275,8 @@ def rank_main(local_rank: int, world: int, port: int, ep: int, args: argparse.Na
             model_parallel_cuda_manual_seed(args.seed)
             model = build_model(args, kind, ep, stock, device)
             seed_weights(model, args.seed)  # every run, at every EP size, starts from the same weights
-            runs[f"{'stock' if stock else 'ours'}-{kind}"] = train(args, model, device, stream)
+            name = f"{'stock' if stock else 'ours'}-{kind}"
+            runs[name] = train(args, model, device, stream, name=f"EP {ep} {name}")
     with open(os.path.join(out_dir, f"ep{ep}-rank{dist.get_rank()}.json"), "w") as f:
         json.dump(runs, f)
     parallel_state.destroy_model_parallel()
@@ -339,46 +354,144 @@ def ep_claims(by_ep: dict) -> list[tuple[str, bool, str, bool]]:
     return rows
 
 
+TABLE_LEGEND = """\
+PASS / FAIL: a claim of ours (moe-dispatch); a FAIL fails the run. DIFF (reference): stock
+Megatron, trained beside ours from the same weights on the same tokens, shown for comparison; it
+is expected to differ and never fails the run. DIFF (not claimed): ours across EP sizes after
+step 0, where each EP size sums an expert's weight gradient over its tokens in its own order."""
+
+
+def row_status(claim: str, holds: bool, counts: bool) -> str:
+    """PASS / FAIL for a counted claim; for a row shown but not claimed, which kind it is."""
+    if holds:
+        return "PASS"
+    if counts:
+        return "FAIL"
+    return "DIFF (reference)" if "stock Megatron" in claim else "DIFF (not claimed)"
+
+
+def dispatcher_differences(dump: dict) -> dict:
+    """{"EP e ours" / "EP e stock Megatron": [max over ranks of |loss(allgather) - loss(alltoall)|
+    per step]} from main's dump (each rank's own loss: every rank is compared)."""
+    out = {}
+    for key, run in dump.items():
+        ep, name = key.split(" ", 2)[1], key.split(" ", 2)[2]
+        variant, kind = name.split("-", 1)
+        other = dump.get(f"EP {ep} {variant}-{DISPATCHER_KINDS[1]}")
+        if kind != DISPATCHER_KINDS[0] or other is None:
+            continue
+        label = f"EP {ep} {'moe-dispatch' if variant == 'ours' else 'stock Megatron'}"
+        out[label] = [max(abs(a - b) for a, b in zip(ranks_a, ranks_b))
+                      for ranks_a, ranks_b in zip(zip(*run["rank_losses"]), zip(*other["rank_losses"]))]
+    return out
+
+
+def write_diff_svg(path: str, series: dict, title: str) -> None:
+    """A plain SVG of {label: [difference per step]} on a log y axis, where 0 (bitwise equal) is
+    drawn on its own baseline under the lowest decade, so that a run at 0 shows as a visible line
+    with markers rather than vanishing off a log scale."""
+    import math
+
+    width, height, left, right, top, bottom = 760, 420, 80, 250, 34, 45
+    positive = [v for ys in series.values() for v in ys if v > 0]
+    lo = math.floor(math.log10(min(positive))) if positive else -8
+    hi = math.ceil(math.log10(max(positive))) if positive else -7
+    hi = max(hi, lo + 1)
+    steps = max(len(ys) for ys in series.values())
+    pw, ph = width - left - right, height - top - bottom
+    zero_y = top + ph - 8  # the 0 baseline; decades lo..hi above it
+    decade_h = (ph - 40) / (hi - lo)
+
+    def y_of(v: float) -> float:
+        return zero_y if v <= 0 else zero_y - 28 - (math.log10(v) - lo) * decade_h
+
+    def x_of(i: int) -> float:
+        return left + pw * i / max(1, steps - 1)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           f'font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{left}" y="20" font-size="14">{title}</text>',
+           f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>']
+    for e in range(lo, hi + 1):
+        y = y_of(10.0 ** e)
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" stroke="#ddd"/>'
+                   f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">1e{e}</text>')
+    brk = zero_y - 14  # the axis break between the 0 baseline and the lowest decade
+    out.append(f'<line x1="{left}" y1="{brk:.1f}" x2="{left + pw}" y2="{brk:.1f}" stroke="#888" '
+               'stroke-dasharray="2,3"/>'
+               f'<text x="{left - 6}" y="{zero_y + 4:.1f}" text-anchor="end">0 (bitwise)</text>')
+    for k in range(6):
+        i = round((steps - 1) * k / 5)
+        out.append(f'<text x="{x_of(i):.1f}" y="{top + ph + 18}" text-anchor="middle">{i}</text>')
+    out.append(f'<text x="{left + pw / 2}" y="{height - 8}" text-anchor="middle">step</text>')
+    out.append(f'<text x="16" y="{top + ph / 2}" transform="rotate(-90 16 {top + ph / 2})" text-anchor="middle">'
+               'max |loss difference| over ranks (log)</text>')
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
+    for n, (label, ys) in enumerate(series.items()):
+        color = colors[n % len(colors)]
+        zero = all(v == 0 for v in ys)
+        points = " ".join(f"{x_of(i):.1f},{y_of(v):.1f}" for i, v in enumerate(ys))
+        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="{3 if zero else 1.5}" points="{points}"/>')
+        for i, v in enumerate(ys):
+            out.append(f'<circle cx="{x_of(i):.1f}" cy="{y_of(v):.1f}" r="2.5" fill="{color}"/>')
+        ly = top + 18 * n + 8
+        note = "0 at every step" if zero else f"max {max(ys):.2g}"
+        out.append(f'<line x1="{width - right + 12}" y1="{ly}" x2="{width - right + 40}" y2="{ly}" stroke="{color}" '
+                   f'stroke-width="3"/><text x="{width - right + 46}" y="{ly + 4}">{label} ({note})</text>')
+    out.append("</svg>")
+    Path(path).write_text("\n".join(out) + "\n")
+
+
 def write_svg(path: str, series: dict, title: str) -> None:
-    """A plain SVG line plot of {label: [loss per step]}."""
-    width, height, left, right, top, bottom = 720, 420, 60, 220, 30, 45
+    """A plain SVG of {"EP e variant-kind": [loss per step]}: one panel per (EP size, variant), its
+    two dispatchers drawn in it (allgather solid, alltoall dashed over it), and the panel's title
+    saying whether the two curves are bitwise equal. The panels share their axes."""
+    panels: dict[str, dict[str, list]] = {}
+    for key, ys in series.items():
+        panel, _, kind = key.rpartition("-")
+        panels.setdefault(panel, {})[kind] = ys
+    cols = 2 if len(panels) > 1 else 1
+    rows = -(-len(panels) // cols)
+    pw, ph, left, top, gap = 300, 170, 60, 40, 70
+    width, height = cols * (pw + left) + 30, top + rows * (ph + gap)
     values = [v for ys in series.values() for v in ys]
     lo, hi = min(values), max(values)
     hi = hi if hi > lo else lo + 1
     steps = max(len(ys) for ys in series.values())
-    pw, ph = width - left - right, height - top - bottom
-
-    def xy(i: int, v: float) -> str:
-        return f"{left + pw * i / max(1, steps - 1):.1f},{top + ph * (hi - v) / (hi - lo):.1f}"
-
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
-    dashes = ["", "6,3", "2,2", "8,2,2,2"]
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
            f'font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{left}" y="18" font-size="14">{title}</text>',
-           f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>']
-    for k in range(5):
-        v = lo + (hi - lo) * k / 4
-        y = top + ph * (hi - v) / (hi - lo)
-        out.append(f'<line x1="{left - 4}" y1="{y:.1f}" x2="{left}" y2="{y:.1f}" stroke="#444"/>'
-                   f'<text x="{left - 8}" y="{y + 4:.1f}" text-anchor="end">{v:.2f}</text>')
-    for k in range(6):
-        i = round((steps - 1) * k / 5)
-        x = left + pw * i / max(1, steps - 1)
-        out.append(f'<line x1="{x:.1f}" y1="{top + ph}" x2="{x:.1f}" y2="{top + ph + 4}" stroke="#444"/>'
-                   f'<text x="{x:.1f}" y="{top + ph + 18}" text-anchor="middle">{i}</text>')
-    out.append(f'<text x="{left + pw / 2}" y="{height - 8}" text-anchor="middle">step</text>')
-    out.append(f'<text x="14" y="{top + ph / 2}" transform="rotate(-90 14 {top + ph / 2})" '
-               f'text-anchor="middle">loss (mean over ranks)</text>')
-    for n, (label, ys) in enumerate(series.items()):
-        color, dash = colors[n % len(colors)], dashes[(n // 2) % len(dashes)]
-        points = " ".join(xy(i, v) for i, v in enumerate(ys))
-        style = f' stroke-dasharray="{dash}"' if dash else ""
-        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5"{style} points="{points}"/>')
-        ly = top + 16 * n + 8
-        out.append(f'<line x1="{width - right + 12}" y1="{ly}" x2="{width - right + 40}" y2="{ly}" '
-                   f'stroke="{color}" stroke-width="2"{style}/>'
-                   f'<text x="{width - right + 46}" y="{ly + 4}">{label}</text>')
+           f'<text x="10" y="20" font-size="14">{title}</text>']
+    styles = {DISPATCHER_KINDS[0]: ("#1f77b4", ""), DISPATCHER_KINDS[1]: ("#ff7f0e", ' stroke-dasharray="6,4"')}
+    for n, (panel, curves) in enumerate(panels.items()):
+        x0 = left + (n % cols) * (pw + left)
+        y0 = top + 20 + (n // cols) * (ph + gap)
+
+        def xy(i: int, v: float) -> str:
+            return f"{x0 + pw * i / max(1, steps - 1):.1f},{y0 + ph * (hi - v) / (hi - lo):.1f}"
+
+        same = len({tuple(ys) for ys in curves.values()}) == 1
+        name = panel.replace("ours", "moe-dispatch").replace("stock", "stock Megatron")
+        verdict = "dispatchers bitwise equal" if same else "dispatchers differ"
+        out.append(f'<text x="{x0}" y="{y0 - 8}">{name}: {verdict}</text>'
+                   f'<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
+        for k in range(3):
+            v = lo + (hi - lo) * k / 2
+            y = y0 + ph * (hi - v) / (hi - lo)
+            out.append(f'<text x="{x0 - 6}" y="{y + 4:.1f}" text-anchor="end">{v:.2f}</text>')
+        for k in range(3):
+            i = round((steps - 1) * k / 2)
+            out.append(f'<text x="{x0 + pw * i / max(1, steps - 1):.1f}" y="{y0 + ph + 16}" '
+                       f'text-anchor="middle">{i}</text>')
+        for kind, ys in curves.items():
+            color, dash = styles.get(kind, ("#444", ""))
+            points = " ".join(xy(i, v) for i, v in enumerate(ys))
+            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5"{dash} points="{points}"/>')
+    ly = height - 16
+    for n, (kind, (color, dash)) in enumerate(styles.items()):
+        lx = left + 200 * n
+        out.append(f'<line x1="{lx}" y1="{ly}" x2="{lx + 28}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/>'
+                   f'<text x="{lx + 34}" y="{ly + 4}">{kind}</text>')
+    out.append(f'<text x="{left + 400}" y="{ly + 4}">x: step, y: loss (mean over ranks)</text>')
     out.append("</svg>")
     Path(path).write_text("\n".join(out) + "\n")
 
@@ -387,6 +500,7 @@ def main(argv: list[str] | None = None, rank_fn: Callable = rank_main) -> int:
     """The run; ``rank_fn`` (``rank_main`` or a wrapper of it with the same arguments) runs each
     spawned rank."""
     args = build_parser().parse_args(argv)
+    args.t0 = time.perf_counter()  # progress lines show the time since the start (spawned ranks get a copy)
     cuda = torch.cuda.is_available() and not args.cpu
     if args.share_gpu and not cuda:
         raise SystemExit("--share-gpu needs CUDA")
@@ -411,6 +525,8 @@ def main(argv: list[str] | None = None, rank_fn: Callable = rank_main) -> int:
     rows, series, dump, by_ep = [], {}, {}, {}
     with tempfile.TemporaryDirectory() as out_dir:
         for ep in sizes:
+            print(f"  ... {time.perf_counter() - args.t0:6.1f} s  EP {ep}: starting {world} ranks (each imports "
+                  "megatron-core and builds its models: seconds before the first step)", flush=True)
             if spawn_ranks(rank_fn, world, ep, args, out_dir, name="train_moe_gpt"):
                 return 1
             ranks = [json.loads(Path(out_dir, f"ep{ep}-rank{r}.json").read_text()) for r in range(world)]
@@ -429,17 +545,22 @@ def main(argv: list[str] | None = None, rank_fn: Callable = rank_main) -> int:
     for name, run in dump.items():
         print(f"{name:<28} | {run['mean_losses'][0]:>11.5f} | {run['mean_losses'][-1]:>{len(last)}.5f} | "
               f"{run['seconds'] / args.steps:.4f}")
+    print("\n" + TABLE_LEGEND)
     width = max(len(r[0]) for r in rows)
-    print(f"\n{'claim':<{width}} | result | detail")
+    print(f"{'claim':<{width}} | {'result':<16} | detail")
     failed = 0
     for claim, holds, detail, counts in rows:
-        status = "PASS" if holds else ("FAIL" if counts else "DIFF")
         failed += counts and not holds
-        print(f"{claim:<{width}} | {status:<6} | {detail}")
+        print(f"{claim:<{width}} | {row_status(claim, holds, counts):<16} | {detail}")
     if args.svg:
         write_svg(args.svg, series, f"GPTModel {args.layers}x MoE (E {args.experts}, K {args.topk}), {args.dtype}, "
                                     f"{where}")
         print(f"wrote {args.svg}")
+    if args.diff_svg:
+        write_diff_svg(args.diff_svg, dispatcher_differences(dump),
+                       f"allgather vs alltoall: loss difference per step; GPTModel {args.layers}x MoE "
+                       f"(E {args.experts}, K {args.topk}), {args.dtype}, {where}")
+        print(f"wrote {args.diff_svg}")
     if args.json:
         Path(args.json).write_text(json.dumps(dump, indent=1) + "\n")
     print("ALL PASS" if not failed else f"{failed} FAIL", flush=True)

@@ -29,3 +29,15 @@ def test_write_svg_draws_every_series(tmp_path):
     labels = [t.text for t in root.findall(f"{ns}text")]
     assert all(name in labels for name in series)
     assert "6" in labels  # the y axis stretches past 5 TB/s when a point does
+
+
+def test_x_labels_do_not_crowd(tmp_path):
+    """A sweep over 2^17..2^33 bytes labels at most 7 ticks, slanted (they overlapped when every
+    power of two had an upright label)."""
+    series = {"copy (reference)": [(2 ** e, 3.0) for e in range(17, 34)]}
+    path = tmp_path / "bw.svg"
+    bench_ops.write_svg(str(path), series, "title")
+    ns = "{http://www.w3.org/2000/svg}"
+    ticks = [t for t in ET.parse(path).getroot().findall(f"{ns}text") if t.text.endswith(("KiB", "MiB", "GiB"))]
+    assert 3 <= len(ticks) <= 7 and all("rotate" in t.get("transform", "") for t in ticks)
+    assert len({t.text for t in ticks}) == len(ticks)

@@ -9,8 +9,8 @@ HEAD's 0.20 interface), and everything else that knows Megatron::
     layer_spec = deterministic_moe_spec(get_gpt_layer_local_spec(num_experts=64))  # any spec tree
 
 Release differences are detected from the installed package (attributes, signatures, spec
-types), never from its version string. What is supported, and why, is in the README's Megatron
-section; every unsupported setting raises a ValueError naming the field (``supported``).
+types), never from its version string. What is supported, and why, is in docs/megatron.md;
+every unsupported setting raises a ValueError naming the field (``supported``).
 
 Modules: ``supported`` (the checks, one accessor for Megatron's fields), ``config`` (a
 TransformerConfig as our MoEConfig), ``dispatcher`` (the six-method interface around ours),
