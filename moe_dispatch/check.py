@@ -350,8 +350,9 @@ def combine_rows(args: argparse.Namespace, device: torch.device, layer: torch.nn
 
 
 def _megatron_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
-    """--megatron: checks (a)-(d) on megatron-core's MoELayer (``integrations.megatron.check``),
-    handed this check's EP groups and ``contract_checks`` (so that module never imports this one)."""
+    """--megatron: the contract checks (every rank, dispatcher, EP size, batch) on megatron-core's
+    MoELayer (``integrations.megatron.check``), handed this check's EP groups and
+    ``contract_checks`` (so that module never imports this one)."""
     from .integrations.megatron.check import run_megatron_checks
 
     world = dist.get_world_size()

@@ -1,8 +1,8 @@
 """``moe-dispatch check --megatron``: the contract checks on megatron-core's own MoELayer.
 
-The same checks (a)-(d) as ``moe_dispatch.check`` runs on our MoELayer, on the same tokens, for
-megatron-core's MoELayer (0.16.1 through 0.19.2; SequentialMLP experts, no TransformerEngine) at
-the check's size:
+The same contract checks (every rank, dispatcher, EP size, batch) as ``moe_dispatch.check`` runs
+on our MoELayer, on the same tokens, for megatron-core's MoELayer (0.16.1 through 0.19.2;
+SequentialMLP experts, no TransformerEngine) at the check's size:
 
 - ``megatron stock``: with Megatron's own dispatcher. Reference rows (``informational``): shown as
   PASS or DIFF, they never fail the check. On CPU they usually match; on GPUs they show Megatron's
@@ -20,7 +20,8 @@ Megatron's MoE code needs CUDA (it asks for CUDA devices and streams even for CP
 command runs it on GPUs; on CPU ranks only the test suite runs it, with its test-only shims.
 
 This module does not import ``moe_dispatch.check``: the check hands it the EP groups and its
-``contract`` function (checks (a)-(d) of one kind of layer), so the two never import each other.
+``contract`` function (the contract checks of one kind of layer), so the two never import each
+other.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ STOCK_LABEL = "megatron stock: "
 OURS_LABEL = "megatron + moe-dispatch: "
 
 
-# contract(run, label, informational) -> results: checks (a)-(d) on one kind of layer, whose
+# contract(run, label, informational) -> results: the contract checks on one kind of layer, whose
 # run(kind, ep, x, upstream) does one forward + backward (moe_dispatch.check.contract_checks).
 ContractFn = Callable[[Callable, str, bool], list]
 
