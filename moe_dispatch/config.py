@@ -87,6 +87,13 @@ class MoEConfig:
     ``shared_expert_ffn_hidden_size``, ``params_dtype`` and ``init_seed`` (all weights are built
     from it on the CPU, so every rank builds the same ones; an int in [0, 2**63)).
 
+    Sync-free step: ``ep_capacity_factor`` (None: the dropless exchange, which reads its sizes on
+    the host once per step) opts EP > 1 into the static-capacity exchange: every buffer and split
+    is sized from the config and T alone (T equal on every rank), no host read; results are
+    bitwise those of the dropless path while every rank's traffic fits, and NaN with an error on
+    every rank when it does not (dispatcher/static.py). At EP 1 the layer is sync-free anyway
+    (pad_multiple=1, no pad_to_capacity); the factor is then unused.
+
     Types are strict: bool fields take only True/False, int fields only ints (not bools or
     floats), float fields ints or floats; the Optional fields above take None as described.
     """
@@ -117,6 +124,7 @@ class MoEConfig:
     pad_multiple: int = 1
     expert_impl: str = "grouped"
     shared_expert_ffn_hidden_size: Optional[int] = None
+    ep_capacity_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("pre_softmax", "enable_expert_bias", "pad_to_capacity", "probs_in_experts"):
@@ -150,6 +158,12 @@ class MoEConfig:
             _finite_number("capacity_factor", self.capacity_factor, 0.0, strict=True)
         if self.pad_to_capacity and self.capacity_factor is None:
             raise ValueError("pad_to_capacity=True needs capacity_factor to be set")
+        if self.ep_capacity_factor is not None:
+            _finite_number("ep_capacity_factor", self.ep_capacity_factor, 0.0, strict=True)
+            if self.pad_to_capacity or self.pad_multiple != 1:
+                raise ValueError("ep_capacity_factor (the static-capacity exchange) needs pad_to_capacity=False and "
+                                 f"pad_multiple=1, got pad_to_capacity={self.pad_to_capacity}, "
+                                 f"pad_multiple={self.pad_multiple}")
         if self.shared_expert_ffn_hidden_size is not None:
             _positive_int("shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size)
         if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:

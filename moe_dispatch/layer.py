@@ -44,6 +44,10 @@ class MoELayer(nn.Module):
         # raise on one rank only, leaving the others waiting in the exchange.
         self.router = TopKRouter(config, check_finite=False)
         self.dispatcher = build_dispatcher(config, ep_group)
+        if self.dispatcher.ep_size == 1 and not config.pad_to_capacity and config.pad_multiple == 1:
+            # Our router routes a token to at most topk experts, so N = T * topk is known on the host:
+            # the sync-free dispatch (no host read; dispatcher/static.py), bitwise the dropless one.
+            self.dispatcher = build_dispatcher(self.dispatcher.config.replace(sync_free=True), ep_group)
         experts_cls = GroupedMLP if config.expert_impl == "grouped" else SequentialMLP
         num_local = self.dispatcher.num_local_experts
         self.experts = experts_cls(config, num_local, self.dispatcher.ep_rank * num_local)
@@ -76,7 +80,13 @@ class MoELayer(nn.Module):
         if not self.dispatcher.agreed:
             self.dispatcher.agree(device, self.config.field_values())
         problem = hidden_states_problem(hidden_states, self.config.hidden_size, device)
-        if problem is not None:
+        agreed = self.dispatcher.static_agreed_input() if problem is not None else None
+        if agreed is not None:
+            # Sync-free at EP > 1 after its first step: the peers are in no size exchange, so this rank
+            # takes part with zeros of the agreed shape and a bad input; every rank's outputs are NaN
+            # and every rank raises at the next poll (dispatcher/static.py).
+            hidden_states = torch.zeros(agreed[0], dtype=agreed[1], device=device)
+        elif problem is not None:
             three_d = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3
             batch = tuple(hidden_states.shape[1:2]) if three_d else ()  # [S, B, H]: the same B
             self.router(torch.zeros((0, *batch, self.config.hidden_size), dtype=self.router.weight.dtype,
@@ -84,9 +94,14 @@ class MoELayer(nn.Module):
             self.dispatcher.raise_together(problem, device)
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         probs, routing_map = self.router(hidden_states)
-        expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(tokens, routing_map, probs)
-        expert_output = self.experts(expert_input, tokens_per_expert, handle.permuted_probs,
-                                     offsets=handle.expert_offsets)
+        expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(None if agreed else tokens, routing_map,
+                                                                           probs)
+        if handle.trailing_rows:  # sync-free: device counts, read only by a GEMM path that needs them
+            expert_output = self.experts(expert_input, handle.expert_counts, handle.permuted_probs,
+                                         offsets=handle.expert_offsets, trailing_rows=True)
+        else:
+            expert_output = self.experts(expert_input, tokens_per_expert, handle.permuted_probs,
+                                         offsets=handle.expert_offsets)
         output = self.dispatcher.combine(expert_output, handle)
         if self.shared_expert is not None:
             T = tokens.shape[0]

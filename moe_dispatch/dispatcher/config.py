@@ -26,6 +26,10 @@ class DispatchConfig:
         capacity_factor: with pad_to_capacity, every (expert, source rank) block has exactly
             ceil(T * topk / E * capacity_factor) rows (rounded up to pad_multiple).
         pad_to_capacity: fixed-size blocks (see capacity_factor).
+        sync_free: the static (sync-free) dispatch: sizes from the config and T alone, no host
+            read (dispatcher/static.py); at EP > 1 it needs ep_capacity_factor.
+        ep_capacity_factor: receive capacity of the static exchange at EP > 1, in units of the
+            balanced load (T * topk rows per rank); see static.StaticSizes.
     """
 
     kind: str
@@ -37,6 +41,8 @@ class DispatchConfig:
     pad_multiple: int = 1
     capacity_factor: Optional[float] = None
     pad_to_capacity: bool = False
+    sync_free: bool = False
+    ep_capacity_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -49,7 +55,7 @@ class DispatchConfig:
             raise ValueError(f"topk={self.topk} exceeds num_experts={self.num_experts}")
         if self.router_dtype not in (None, "fp32", "fp64"):
             raise ValueError(f"router_dtype must be None, 'fp32' or 'fp64', got {self.router_dtype!r}")
-        for name in ("probs_in_experts", "pad_to_capacity"):
+        for name in ("probs_in_experts", "pad_to_capacity", "sync_free"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         cf = self.capacity_factor
@@ -58,6 +64,12 @@ class DispatchConfig:
             raise ValueError(f"capacity_factor must be None or a finite number > 0, got {cf!r}")
         if self.pad_to_capacity and cf is None:
             raise ValueError("pad_to_capacity=True needs capacity_factor to be set")
+        ecf = self.ep_capacity_factor
+        if ecf is not None and (isinstance(ecf, bool) or not isinstance(ecf, (int, float)) or not math.isfinite(ecf)
+                                or ecf <= 0):
+            raise ValueError(f"ep_capacity_factor must be None or a finite number > 0, got {ecf!r}")
+        if self.sync_free and (self.pad_to_capacity or self.pad_multiple != 1):
+            raise ValueError("sync_free=True (the static dispatch) needs pad_to_capacity=False and pad_multiple=1")
 
     @classmethod
     def from_moe(cls, config: Any, kind: Optional[str] = None) -> "DispatchConfig":
@@ -70,7 +82,8 @@ class DispatchConfig:
                    hidden_size=config.hidden_size, router_dtype=config.router_dtype,
                    probs_in_experts=bool(config.probs_in_experts), pad_multiple=config.pad_multiple,
                    capacity_factor=config.capacity_factor if config.pad_to_capacity else None,
-                   pad_to_capacity=bool(config.pad_to_capacity))
+                   pad_to_capacity=bool(config.pad_to_capacity),
+                   sync_free=config.ep_capacity_factor is not None, ep_capacity_factor=config.ep_capacity_factor)
 
     def wire_probs_dtype(self, probs_dtype: torch.dtype) -> torch.dtype:
         """Probabilities travel and are applied in fp32, or fp64 when the router works in fp64.
@@ -83,6 +96,10 @@ class DispatchConfig:
         """Megatron's expert capacity ceil(T * topk / E * capacity_factor), rounded up to pad_multiple."""
         cap = math.ceil(num_tokens * self.topk / self.num_experts * self.capacity_factor)
         return round_up(cap, self.pad_multiple)
+
+    def replace(self, **changes: Any) -> "DispatchConfig":
+        """A validated copy with some fields changed."""
+        return DispatchConfig(**{**dict(self.field_values()), **changes})
 
     def field_values(self) -> list[tuple[str, Any]]:
         """(name, value) of every field, in declaration order (the fingerprint compares them)."""

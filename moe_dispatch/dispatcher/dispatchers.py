@@ -14,12 +14,13 @@ which the next call checks and replaces. One dispatcher serves one layer.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from . import functional
+from . import functional, static
 from .comm import ProcessGroup, group_size_rank
 from .config import DispatchConfig, as_dispatch_config
 from .exchange import Received
@@ -50,6 +51,7 @@ class _Dispatched:  # after dispatch_postprocess, combine_preprocess
 @dataclass(frozen=True)
 class _Returned:  # after token_combine
     handle: DispatchHandle
+    words: Optional[torch.Tensor] = None  # the sync-free step's check words
 
 
 _Step = Union[None, _Prepared, _Sent, _Dispatched, _Returned]
@@ -68,6 +70,9 @@ class _Dispatcher:
         self.num_local_experts = check_ep_size(self.config.num_experts, self.ep_size)
         first = self.ep_rank * self.num_local_experts
         self.local_expert_indices = list(range(first, first + self.num_local_experts))
+        if self.config.sync_free and self.ep_size > 1 and self.config.ep_capacity_factor is None:
+            raise ValueError(f"sync_free=True at EP size {self.ep_size} needs ep_capacity_factor (the static-capacity "
+                             f"exchange), got None")
         self._agreed = self.ep_size == 1  # configuration agreed with the group (once, lazily)
         self._step: _Step = None
 
@@ -88,13 +93,37 @@ class _Dispatcher:
     def dispatch(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor,
                  handle: Optional[DispatchHandle] = None) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """(expert_input [N, H], tokens_per_expert CPU int64 [El], handle); see functional.dispatch
-        (``handle``: reuse a previous step's, for activation recomputation)."""
+        (``handle``: reuse a previous step's, for activation recomputation). Sync-free
+        (``config.sync_free``): tokens_per_expert is read from the device (use
+        ``handle.expert_counts`` / ``handle.expert_offsets`` to stay sync-free: ``dispatch_static``)."""
+        rows, handle = self.dispatch_static(hidden_states, routing_map, probs, handle)
+        return rows, handle.tokens_per_expert, handle
+
+    def dispatch_static(self, hidden_states: Any, routing_map: torch.Tensor, probs: torch.Tensor,
+                        handle: Optional[DispatchHandle] = None) -> tuple[torch.Tensor, DispatchHandle]:
+        """dispatch without tokens_per_expert: (expert_input [N, H], handle). No host read in the
+        sync-free mode (hidden_states None: this rank's input was bad; see MoELayer.forward)."""
+        if hidden_states is None:
+            hidden_states = static.BAD_INPUT
         if handle is None:
-            self.agree(hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu"))
+            self.agree(hidden_states.device if isinstance(hidden_states, torch.Tensor) else probs.device)
             x, wire, plan = functional.prepare(hidden_states, routing_map, probs, self.config, self.ep_group)
-            rows, new = functional.finish(x, wire, functional.send_tokens(x, wire, plan), plan, hidden_states.shape)
-            return rows, new.tokens_per_expert, new
-        return functional.dispatch(hidden_states, routing_map, probs, self.config, self.ep_group, handle=handle)
+            rows, new = functional.finish(x, wire, functional.send_tokens(x, wire, plan), plan, x.shape
+                                          if hidden_states is static.BAD_INPUT else hidden_states.shape)
+            return rows, new
+        rows, _, new = functional.dispatch(hidden_states, routing_map, probs, self.config, self.ep_group, handle=handle)
+        return rows, new
+
+    @property
+    def sync_free(self) -> bool:
+        """The sync-free dispatch (static.py): no host read per step."""
+        return self.config.sync_free
+
+    def static_agreed_input(self) -> Optional[tuple[torch.Size, torch.dtype]]:
+        """Sync-free at EP > 1 after the first step: the agreed hidden_states (shape, dtype)."""
+        if not (self.config.sync_free and self.ep_size > 1):
+            return None
+        return static.agreed_hidden(self.ep_group, self.config)
 
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """expert_output [N, H] -> hidden_states' shape; see functional.combine."""
@@ -140,7 +169,7 @@ class _Dispatcher:
         permuted_probs (returned detached, for inspection). Megatron's own experts always multiply
         by them: use probs_in_experts=True with those experts."""
         step = self._expect(_Sent, "token_dispatch")
-        recv = Received(hidden_states, probs, step.recv.routing, step.recv.order)
+        recv = dataclasses.replace(step.recv, hidden=hidden_states, probs=probs)
         rows, handle = functional.finish(step.x, step.probs, recv, step.plan, step.hidden_shape)
         self._step = _Dispatched(handle)
         return rows, handle.tokens_per_expert, handle.permuted_probs
@@ -152,14 +181,15 @@ class _Dispatcher:
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Expert rows -> this rank's own rows, from every expert rank (unreduced)."""
         handle = self._expect(_Dispatched, "dispatch_postprocess").handle
-        self._step = _Returned(handle)
-        return functional.return_to_owners(hidden_states, handle)
+        rows, words = functional.return_with_words(hidden_states, handle)
+        self._step = _Returned(handle, words)
+        return rows
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The owner's fixed-order fp32 weighted sum; returns hidden_states' original shape."""
-        handle = self._expect(_Returned, "token_combine").handle
+        step = self._expect(_Returned, "token_combine")
         self._step = None
-        return functional.owner_sum(hidden_states, handle)
+        return functional.owner_sum(hidden_states, step.handle, step.words)
 
     @property
     def handle(self) -> Optional[DispatchHandle]:

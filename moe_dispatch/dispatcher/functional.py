@@ -27,10 +27,12 @@ import torch
 
 from ..ops import RowIdMap, unpermute
 from ..ops.permutation import make_slots, permute_rows
+from . import static
 from .comm import ProcessGroup, group_size_rank, to_device
 from .config import DispatchConfig, as_dispatch_config
 from .exchange import KINDS, Received, ReturnRoute, return_rows, return_runs, send_back
 from .layout import InputProblem, Layout, agree_config, dtype_code, exchange_sizes, latch_error
+from .static import StaticPlan, StaticStep
 
 Runs = tuple[torch.Tensor, torch.Tensor, int]  # (shifts, lengths) on the device, total positions
 
@@ -78,14 +80,16 @@ class DispatchHandle:
         hidden_shape: shape of the caller's hidden states ([T, H] or [S, B, H]).
         expert_offsets: int32 [El] on the device, cumulative rows per local expert (the offsets
             torch._grouped_mm takes: no host-to-device copy of tokens_per_expert).
+        static: the sync-free dispatch's part (its return route), None for the dropless path.
     """
 
-    plan: Plan
+    plan: Plan | StaticPlan
     expert_map: RowIdMap
     probs: torch.Tensor
     permuted_probs: torch.Tensor
     hidden_shape: torch.Size
     expert_offsets: torch.Tensor
+    static: Optional[StaticStep] = None
 
     @property
     def layout(self) -> Layout:
@@ -109,8 +113,21 @@ class DispatchHandle:
 
     @property
     def tokens_per_expert(self) -> torch.Tensor:
-        """CPU int64 [El], rows per local expert (padding included)."""
+        """CPU int64 [El], rows per local expert (padding included). Sync-free: read from the device
+        when asked (a host sync on CUDA), never by the dispatch itself."""
+        if self.plan.tokens_per_expert is None:
+            return self.expert_map.padded_tokens_per_expert.cpu()
         return self.plan.tokens_per_expert
+
+    @property
+    def expert_counts(self) -> torch.Tensor:
+        """int64 [El] on the device, rows per local expert (padding included): no host read."""
+        return self.expert_map.padded_tokens_per_expert
+
+    @property
+    def trailing_rows(self) -> bool:
+        """Sync-free: rows after the last expert's block (up to N) belong to no expert."""
+        return self.static is not None
 
     @property
     def probs_in_experts(self) -> bool:
@@ -246,7 +263,10 @@ def pairs_to_dense(values: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:
 def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
             problem: Optional[InputProblem] = None) -> tuple[torch.Tensor, torch.Tensor, Plan]:
     """Size exchange (validates every rank's input, raises alike on all) and the step's Plan.
-    Returns (hidden as [T, H], probs in the wire dtype with autograd, plan)."""
+    Returns (hidden as [T, H], probs in the wire dtype with autograd, plan). ``cfg.sync_free``:
+    the sync-free plan instead (static.py: no size exchange)."""
+    if cfg.sync_free:
+        return static.prepare(hidden, routing_map, probs, cfg, group)
     layout = exchange_sizes(hidden, routing_map, probs, cfg, group, problem)
     x = hidden.reshape(-1, hidden.shape[-1])
     wire = probs.to(cfg.wire_probs_dtype(probs.dtype))
@@ -255,6 +275,8 @@ def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, grou
 
 def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: Plan, with_routing: bool = True) -> Received:
     """x [T, H], probs [T, E] (wire dtype) -> this rank's rows, grouped by source (no autograd)."""
+    if isinstance(plan, StaticPlan):
+        return static.send_tokens(x, probs, plan)
     if plan.layout.ep_size == 1:
         return Received(x.detach(), probs.detach(), plan.routing_map, (0,))
     kind = KINDS[plan.config.kind]
@@ -301,6 +323,12 @@ class _Expand(torch.autograd.Function):
 def finish(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: Plan, hidden_shape: torch.Size,
            expert_map: Optional[RowIdMap] = None) -> tuple[torch.Tensor, DispatchHandle]:
     """Expand the received rows into the receiver layout; returns (expert_input [N, H], handle)."""
+    if isinstance(plan, StaticPlan):
+        rows, row_probs, expert_map, step = static.expand(x, probs, recv, plan, expert_map)
+        offsets = torch.cumsum(expert_map.padded_tokens_per_expert, 0).clamp(max=expert_map.num_out_tokens)
+        handle = DispatchHandle(plan=plan, expert_map=expert_map, probs=probs, permuted_probs=row_probs,
+                                hidden_shape=hidden_shape, expert_offsets=offsets.to(torch.int32), static=step)
+        return rows, handle
     if expert_map is None:
         expert_map = expert_row_map(plan, recv.routing)
     probs_in = probs if plan.config.probs_in_experts else probs.detach()
@@ -344,6 +372,22 @@ def _reuse(previous: DispatchHandle, hidden: Any, routing_map: Any, probs: Any,
         plan.probs_dtype)
 
 
+def _reuse_static(previous: DispatchHandle, hidden: Any, routing_map: Any, probs: Any,
+                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+    """dispatch(handle=previous) in the sync-free mode: a new sync-free dispatch (it needs no
+    size exchange to skip), whose routing is compared with the handle's on the device; a
+    difference sets the step's input word (NaN outputs, then the error; see static.py)."""
+    plan = previous.plan
+    x, wire, new_plan = static.prepare(hidden, routing_map, probs, plan.config, plan.group)
+    same_shape = new_plan.routing_map.shape == plan.routing_map.shape
+    differs = (new_plan.routing_map != plan.routing_map).any() if same_shape else torch.ones((), dtype=torch.bool)
+    rank = new_plan.layout.rank
+    new_plan.words[static.W_INPUT] = torch.maximum(new_plan.words[static.W_INPUT],
+                                                   differs.to(new_plan.words.device, torch.int32) * (rank + 1))
+    rows, new = finish(x, wire, send_tokens(x, wire, new_plan), new_plan, hidden.shape)
+    return rows, new.tokens_per_expert, new
+
+
 def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, config: Any,
              ep_group: ProcessGroup = None, kind: Optional[str] = None, handle: Optional[DispatchHandle] = None,
              ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
@@ -368,6 +412,8 @@ def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tenso
     The functional form agrees on the configuration (one small fixed-size exchange) on every call
     at EP > 1; the dispatcher objects do it once, at their first dispatch.
     """
+    if handle is not None and handle.static is not None:
+        return _reuse_static(handle, hidden, routing_map, probs)
     if handle is not None:
         x, wire = _reuse(handle, hidden, routing_map, probs)
         recv = send_tokens(x, wire, handle.plan, with_routing=False)
@@ -397,7 +443,10 @@ def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Ten
     if handle.layout.ep_size == 1:
         raise ValueError(f"expert_output must be [N, H] = [{N}, {H}] {dtype} on {device} (N = sum(tokens_per_expert)), "
                          f"got {got}" + (f" {expert_output.dtype}" if isinstance(expert_output, torch.Tensor) else ""))
-    if isinstance(expert_output, torch.Tensor) and expert_output.shape == (N, H) and expert_output.dtype != dtype:
+    if handle.static is not None:  # travels in the return exchange's status rows
+        route = handle.static.route
+        route.words[static.W_INPUT] = torch.clamp(route.words[static.W_INPUT], min=handle.layout.rank + 1)
+    elif isinstance(expert_output, torch.Tensor) and expert_output.shape == (N, H) and expert_output.dtype != dtype:
         latch_error(handle.group, 102, dtype_code(dtype), dtype_code(expert_output.dtype), device=device)
     else:  # rows: -1 when not a 2-D tensor of width H (or on another device)
         ok_2d = isinstance(expert_output, torch.Tensor) and expert_output.dim() == 2 and expert_output.shape[1] == H
@@ -409,16 +458,26 @@ def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Ten
     return nan
 
 
+def return_with_words(expert_output: torch.Tensor, handle: DispatchHandle,
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(owner buffer [M, H], the sync-free step's check words from every rank or None)."""
+    if handle.static is not None:
+        return static.return_to_owners(expert_output, handle.static)
+    if handle.plan.route is None:
+        return expert_output, None
+    return return_rows(expert_output, handle.plan.route), None
+
+
 def return_to_owners(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Checked expert rows [N, H] -> the owner buffer [M, H] (the expert rows themselves at EP 1)."""
-    if handle.plan.route is None:
-        return expert_output
-    return return_rows(expert_output, handle.plan.route)
+    return return_with_words(expert_output, handle)[0]
 
 
-def owner_sum(rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """The owner's fixed-order weighted sum of its rows [M, H] -> hidden_states' shape."""
-    return unpermute(rows, handle.owner_map, handle.combine_weights(), restore_shape=handle.hidden_shape)
+def owner_sum(rows: torch.Tensor, handle: DispatchHandle, words: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The owner's fixed-order weighted sum of its rows [M, H] -> hidden_states' shape (NaN for a
+    bad sync-free step: ``words`` from return_with_words)."""
+    out = unpermute(rows, handle.owner_map, handle.combine_weights(), restore_shape=handle.hidden_shape)
+    return static.poison(out, words, handle.layout) if handle.static is not None else out
 
 
 def combine(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -429,4 +488,5 @@ def combine(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor
     A wrong expert_output: see ``check_expert_output`` (no hang; NaN, then the same error on every
     rank at the next dispatch on the group).
     """
-    return owner_sum(return_to_owners(check_expert_output(expert_output, handle), handle), handle)
+    rows, words = return_with_words(check_expert_output(expert_output, handle), handle)
+    return owner_sum(rows, handle, words)

@@ -94,10 +94,13 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def _counts(tokens_per_expert: torch.Tensor, n_rows: int) -> List[int]:
+def _counts(tokens_per_expert: torch.Tensor, n_rows: int, trailing_rows: bool = False) -> List[int]:
+    """Host counts (a device tensor is read here: a host sync on CUDA, only on these paths)."""
     counts = [int(c) for c in tokens_per_expert.tolist()]
-    if sum(counts) != n_rows or min(counts, default=0) < 0:
-        raise ValueError(f"tokens_per_expert {counts} must be >= 0 and sum to the {n_rows} input rows")
+    total = sum(counts)
+    if (total > n_rows if trailing_rows else total != n_rows) or min(counts, default=0) < 0:
+        raise ValueError(f"tokens_per_expert {counts} must be >= 0 and sum to "
+                         f"{'at most ' if trailing_rows else ''}the {n_rows} input rows")
     return counts
 
 
@@ -124,9 +127,9 @@ class _GroupedMM(torch.autograd.Function):
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor,
-             offsets: Optional[torch.Tensor]) -> torch.Tensor:
+             offsets: Optional[torch.Tensor], trailing_rows: bool = False) -> torch.Tensor:
     if tokens_per_expert.device.type == "cpu":
-        _counts(tokens_per_expert, x.shape[0])  # cheap check; a device tensor would need a sync
+        _counts(tokens_per_expert, x.shape[0], trailing_rows)  # cheap check; a device tensor would need a sync
     if offsets is None:
         # A CPU tensor here is a pageable host-to-device copy per call: pass offsets to avoid it.
         offsets = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
@@ -137,8 +140,10 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor,
 
 
 def _blockwise(x: torch.Tensor, w: torch.Tensor, counts: List[int], row_tile: int, tiled: bool) -> torch.Tensor:
-    """x [N, K] @ w[e] [K, M] per expert block, each GEMM call on a padded or fixed-size block."""
+    """x [N, K] @ w[e] [K, M] per expert block, each GEMM call on a padded or fixed-size block;
+    rows after sum(counts) (trailing rows of no expert) give zeros."""
     out = x.new_empty(x.shape[0], w.shape[2])
+    out[sum(counts):].zero_()
     start = 0
     for e, m in enumerate(counts):
         # Full tiles are read in place; only the ragged tail is copied and zero-padded.
@@ -175,7 +180,8 @@ class _LoopMM(torch.autograd.Function):
         gw = None
         if ctx.needs_input_grad[1]:
             gw = torch.empty_like(w)
-            for e, (xe, ge) in enumerate(zip(torch.split(x, counts), torch.split(grad, counts))):
+            n = sum(counts)  # trailing rows (no expert) add nothing
+            for e, (xe, ge) in enumerate(zip(torch.split(x[:n], counts), torch.split(grad[:n], counts))):
                 gw[e] = xe.t() @ ge  # K = that expert's row count; an empty expert gives zeros
         return gx, gw, None, None, None
 
@@ -187,8 +193,14 @@ def expert_gemm(
     strategy: GemmStrategy,
     row_tile: int = 0,
     offsets: Optional[torch.Tensor] = None,
+    trailing_rows: bool = False,
 ) -> torch.Tensor:
     """``x`` [N, K] expert-major, ``w`` [E, K, M], ``tokens_per_expert`` [E] -> [N, M].
+
+    ``trailing_rows``: tokens_per_expert may sum to less than N (a sync-free dispatch's buffer);
+    the rows after the last expert's block belong to no expert: zeros on the loop paths,
+    unspecified on "grouped" (nothing of ours reads them). tokens_per_expert may then be a device
+    tensor: "grouped" never reads it; the loop paths read it (a host sync on CUDA).
 
     ``row_tile`` (``"padded"``/``"tiled"``): 0 means `default_row_tile` for the device.
     ``offsets``: optional int32 [E] on x's device, the cumulative sum of tokens_per_expert (what
@@ -196,9 +208,9 @@ def expert_gemm(
     """
     x = _dense(x)
     if strategy == "grouped":
-        return _grouped(x, w, tokens_per_expert, offsets)
+        return _grouped(x, w, tokens_per_expert, offsets, trailing_rows)
     if strategy not in ("padded", "tiled", "loop"):
         raise ValueError(f"unknown GEMM strategy {strategy!r}")
-    counts = _counts(tokens_per_expert, x.shape[0])
+    counts = _counts(tokens_per_expert, x.shape[0], trailing_rows)
     tile = 1 if strategy == "loop" else row_tile or default_row_tile(x.device)
     return _LoopMM.apply(x, w, counts, tile, strategy == "tiled")

@@ -1,0 +1,553 @@
+"""The sync-free dispatch: every buffer and split size from the config and T alone, no host read.
+
+EP 1 (any router that routes a token to at most K = topk experts, e.g. ours without capacity
+dropping: exactly K): the receiver layout has N = T * K rows. make_slots numbers the routed rows
+expert-major, token ascending, which is the dropless layout itself; rows past the last expert's
+block (tokens with fewer than K experts) belong to no expert. The experts take device offsets
+(``handle.expert_offsets``); host counts are read only by whoever asks (``tokens_per_expert``).
+
+EP > 1, the static-capacity exchange (``DispatchConfig.ep_capacity_factor`` f): the sizes of
+``StaticSizes`` fix every buffer. Every chunk of an exchange has a fixed number of rows (so the
+splits are equal and known), the valid rows first (the dropless path's rows in its order), then
+padding rows that route nowhere, then a status row (``_STATUS_BYTES``) carrying the sender's
+check words. The received rows are in source rank order, so make_slots' dense numbering over
+them is again the dropless receiver layout (expert-major, source ascending, token ascending):
+while everything fits, every row, order and sum is the dropless path's, bitwise.
+
+Checks that need device data cannot raise without a host read. They become int32 words (``W_*``):
+probs finite, at most K experts per token, and the three capacities' needed sizes. The words
+travel in the exchanges' status rows: the dispatch carries the senders' words to every rank, the
+combine carries every expert rank's words (with what it received) to every owner, so after the
+combine every rank holds the same maximum of every rank's words. A bad step:
+- its outputs are NaN on every rank (CUDA: the ops' sticky status word, see ops/guard.py, so every
+  later kernel of ours writes NaN too; CPU: the combine's output is multiplied by NaN);
+- the ValueError (the same on every rank: same words) is raised by ``check_device_errors()`` and,
+  on CPU, by the next sync-free dispatch on the group (reading a CPU tensor costs no sync). On
+  CUDA the next dispatch does not read the words: that would be the per-step host sync this mode
+  removes, and a read that does not wait could find them ready on one rank and not on another
+  (raising at different calls, a hang). At EP 1 on CPU the dispatch raises at once.
+Inputs whose shapes or dtypes differ from the first step's (EP > 1: the first step runs the
+dropless size exchange once, which validates every rank and fixes T) take part with zeros and
+set ``W_INPUT``, so no rank waits alone.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..ops import RowIdMap, unpermute
+from ..ops import guard
+from ..ops.permutation import make_slots, permute_rows
+from .comm import ProcessGroup, all_gather_rows, all_to_all_rows, group_size_rank
+from .config import DispatchConfig
+from .exchange import Received, RowFormat
+
+# Check words (int32, combined across ranks by max).
+W_NONFINITE, W_MAX_K, W_SEND, W_RECV, W_RETURN, W_INPUT = range(6)
+NUM_WORDS = 8
+_STATUS_BYTES = NUM_WORDS * 4
+
+
+@dataclass(frozen=True)
+class StaticSizes:
+    """The sizes of one sync-free step, host ints from the config and T alone (equal on every
+    rank). Field names shared with ``layout.Layout`` mean the same.
+
+    Attributes:
+        num_tokens: [P], T of every rank (all equal).
+        send_capacity: tokens one rank sends to one rank (alltoall): min(T, ceil(f * T * K / P));
+            the allgather sends every token (T).
+        recv_rows: N, (token, local expert) rows a rank's experts receive: T * K at EP 1, else
+            min(P * T * min(K, El), ceil(f * T * K)) (T * K is the balanced load).
+        return_capacity: rows one expert rank returns to one owner: min(T * min(K, El),
+            ceil(f * T * K / P)) (unused at EP 1).
+        probs_grad: the probs gradient travels back (probs_in_experts), whether or not this rank's
+            probs require grad: the collectives must match on every rank without an exchange.
+    """
+
+    ep_size: int
+    rank: int
+    num_experts: int
+    num_local_experts: int
+    topk: int
+    num_tokens: tuple[int, ...]
+    factor: Optional[float]
+    send_capacity: int
+    recv_rows: int
+    return_capacity: int
+    probs_grad: bool
+
+    @classmethod
+    def build(cls, cfg: DispatchConfig, ep_size: int, rank: int, num_tokens: int) -> "StaticSizes":
+        P, T, K = ep_size, num_tokens, cfg.topk
+        El = cfg.num_experts // P
+        f = cfg.ep_capacity_factor
+        if P == 1:
+            send, recv, ret = T, T * K, T * K
+        else:
+            if f is None:
+                raise ValueError(f"the sync-free dispatch at EP size {P} needs ep_capacity_factor (a finite number "
+                                 f"> 0), got None")
+            pair = math.ceil(f * T * K / P)
+            send = T if cfg.kind == "allgather" else max(1, min(T, pair))
+            recv = max(1, min(P * T * min(K, El), math.ceil(f * T * K)))
+            ret = max(1, min(T * min(K, El), pair))
+        return cls(ep_size=P, rank=rank, num_experts=cfg.num_experts, num_local_experts=El, topk=K,
+                   num_tokens=(T,) * P, factor=f, send_capacity=send, recv_rows=recv, return_capacity=ret,
+                   probs_grad=cfg.probs_in_experts)
+
+    @property
+    def T(self) -> int:
+        return self.num_tokens[0]
+
+
+def status_rows(row_bytes: int) -> int:
+    """Rows that hold the status bytes in a buffer of ``row_bytes``-byte rows."""
+    return -(-_STATUS_BYTES // row_bytes)
+
+
+def _row_bytes(buf: torch.Tensor) -> int:
+    return buf.shape[1] * buf.element_size()
+
+
+def _write_status(buf: torch.Tensor, chunks: int, chunk_rows: int, valid_rows: int, words: torch.Tensor) -> None:
+    """Write words (int32 [NUM_WORDS]) into the status rows (after ``valid_rows``) of each chunk."""
+    raw = buf.view(torch.uint8).view(chunks, chunk_rows, -1)[:, valid_rows:].reshape(chunks, -1)
+    raw[:, :_STATUS_BYTES].copy_(words.to(torch.int32).view(torch.uint8).expand(chunks, -1))
+
+
+def _read_status(buf: torch.Tensor, chunks: int, chunk_rows: int, valid_rows: int) -> torch.Tensor:
+    """The max over the chunks of their status words: int32 [NUM_WORDS]."""
+    raw = buf.view(torch.uint8).view(chunks, chunk_rows, -1)[:, valid_rows:].reshape(chunks, -1)
+    return raw[:, :_STATUS_BYTES].contiguous().view(torch.int32).amax(0)
+
+
+# ---- errors -----------------------------------------------------------------------------------
+def bad_words(words: torch.Tensor, sizes: StaticSizes) -> torch.Tensor:
+    """A 0-dim bool on the device: the words record a problem (scalar compares: no copies)."""
+    w = words.to(torch.int64)
+    return ((w[W_NONFINITE] > 0) | (w[W_MAX_K] > sizes.topk) | (w[W_SEND] > sizes.send_capacity)
+            | (w[W_RECV] > sizes.recv_rows) | (w[W_RETURN] > sizes.return_capacity) | (w[W_INPUT] > 0))
+
+
+def messages(words: list[int], sizes: StaticSizes, deferred: bool = True) -> list[str]:
+    """The ValueError's parts for host words (the same on every rank: the same words)."""
+    T, K, P, f = sizes.T, sizes.topk, sizes.ep_size, sizes.factor
+    load = T * K
+    out = []
+    if words[W_INPUT]:
+        out.append(f"EP rank {words[W_INPUT] - 1} passed inputs whose shapes, dtypes or devices differ from the first "
+                   f"sync-free step's (T = {T} on every rank), or a wrong expert_output / routing_map to reuse")
+    if words[W_NONFINITE]:
+        out.append("probs contain NaN or inf (are the router's logits finite?)")
+    if words[W_MAX_K] > K:
+        out.append(f"a token is routed to {words[W_MAX_K]} experts, more than topk={K} (the sync-free dispatch sizes "
+                   f"its buffers for at most topk experts per token)")
+
+    def over(what: str, need: int, cap: int, formula: str, per: float) -> None:
+        out.append(f"static-capacity overflow (ep_capacity_factor={f}): {what} needed {need}, more than its capacity "
+                   f"{cap} = {formula}; an ep_capacity_factor of at least {need / per:.4g} fits this step")
+
+    if words[W_SEND] > sizes.send_capacity:
+        over("the tokens one EP rank sends to one EP rank", words[W_SEND], sizes.send_capacity,
+             "min(T, ceil(f * T * topk / P))", load / P)
+    if words[W_RECV] > sizes.recv_rows:
+        over("the (token, expert) rows one EP rank's experts receive", words[W_RECV], sizes.recv_rows,
+             "ceil(f * T * topk)", load)
+    if words[W_RETURN] > sizes.return_capacity:
+        over("the rows one EP rank's experts return to one EP rank", words[W_RETURN], sizes.return_capacity,
+             "ceil(f * T * topk / P)", load / P)
+    if out and deferred:
+        out[-1] += " (that step's outputs were NaN)"
+    return out
+
+
+def _raise(words: list[int], sizes: StaticSizes, deferred: bool = True) -> None:
+    found = messages(words, sizes, deferred)
+    if found:
+        guard.fail(["invalid MoE dispatch input (sync-free): " + "; ".join(found)])
+
+
+# group -> [words buffer (device, int32 [NUM_WORDS], max of the steps' words), sizes]
+_LATCHED: dict = {}
+# (group, fingerprint) -> the first step's input description, EP > 1
+_AGREED: dict = {}
+
+
+def _key(group: ProcessGroup) -> Any:
+    from .layout import _group_key
+    return _group_key(group)
+
+
+def _latch(group: ProcessGroup, words: torch.Tensor, sizes: StaticSizes) -> None:
+    """Keep the step's words (max with earlier ones, in place: capture-safe) and poison on CUDA."""
+    entry = _LATCHED.get(_key(group))
+    if entry is None or entry[0].device != words.device:
+        entry = _LATCHED[_key(group)] = [torch.zeros(NUM_WORDS, dtype=torch.int32, device=words.device), sizes]
+    entry[0].copy_(torch.maximum(entry[0], words))
+    entry[1] = sizes
+    if words.is_cuda:  # every later kernel of ours writes NaN (ops/guard.py)
+        word = guard.status(words.device)[guard.STEP:guard.STEP + 1]
+        word.copy_(torch.maximum(word, bad_words(words, sizes).to(torch.int32).view(1)))
+
+
+def raise_latched(group: ProcessGroup) -> None:
+    """At a sync-free dispatch: raise an earlier step's problem on CPU (no sync there)."""
+    entry = _LATCHED.get(_key(group))
+    if entry is not None and entry[0].device.type == "cpu":
+        _raise(entry[0].tolist(), entry[1])
+
+
+def _pending_messages() -> list[str]:
+    found = []
+    for buf, sizes in list(_LATCHED.values()):
+        found += messages(buf.tolist(), sizes)
+    return ["invalid MoE dispatch input (sync-free): " + "; ".join(found)] if found else []
+
+
+def _clear() -> None:
+    for buf, _ in _LATCHED.values():
+        buf.zero_()
+
+
+guard.register_check(_pending_messages, _clear)
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StaticPlan:
+    """What a sync-free step's own routing decides (see functional.Plan, whose names it shares).
+
+    Attributes:
+        layout: the step's StaticSizes.
+        owner_map: RowIdMap of this rank's (token, expert) pairs in the owner buffer (None at EP 1).
+        slots, counts: make_slots of routing_map (the EP-1 expert map; counts [E] on the device).
+        words: int32 [NUM_WORDS], this rank's own check words.
+    """
+
+    config: DispatchConfig
+    group: ProcessGroup
+    layout: StaticSizes
+    routing_map: torch.Tensor
+    hidden_dtype: torch.dtype
+    probs_dtype: torch.dtype
+    owner_map: Optional[RowIdMap]
+    slots: torch.Tensor
+    counts: torch.Tensor
+    words: torch.Tensor
+    route = None  # the static return route is made with the expert map (``StaticRoute``)
+    tokens_per_expert = None  # read lazily (DispatchHandle.tokens_per_expert)
+
+
+BAD_INPUT = object()  # hidden_states of a rank whose input was bad (it takes part with zeros)
+
+
+def agreed_hidden(group: ProcessGroup, cfg: DispatchConfig) -> Optional[tuple[torch.Size, torch.dtype]]:
+    """(shape, dtype) of the first sync-free step's hidden_states at EP > 1, None before it."""
+    from .layout import fingerprint_hash
+    agreed = _AGREED.get((_key(group), fingerprint_hash(cfg)))
+    return None if agreed is None else (torch.Size(agreed[0][0]), agreed[0][1])
+
+
+def _describe(hidden: Any, routing_map: Any, probs: Any) -> tuple:
+    def d(x: Any) -> Any:
+        return (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else type(x)
+    return d(hidden), d(routing_map), d(probs)
+
+
+def _host_problems(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig) -> list[str]:
+    from .layout import _HOST_FIELDS, _describe as describe, _input_problems
+    fields = dict(zip(_HOST_FIELDS, [0, 0, 0, 0, 0, *describe(hidden, routing_map, probs)]))
+    return _input_problems(fields, cfg)
+
+
+def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig,
+            group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, StaticPlan]:
+    """Checks, then the step's plan; returns (hidden [T, H], probs in the wire dtype, plan).
+    No host read (except, at EP > 1, the first step's one size exchange per group)."""
+    P, rank = group_size_rank(group)
+    raise_latched(group)
+    input_code = 0
+    if P == 1:
+        problems = _host_problems(hidden, routing_map, probs, cfg)
+        if problems:
+            raise ValueError("invalid MoE dispatch input: " + "; ".join(problems))
+    else:
+        from .layout import exchange_sizes, fingerprint_hash
+        key = (_key(group), fingerprint_hash(cfg))
+        if key not in _AGREED:
+            # The first step: the dropless size exchange validates every rank (raising alike on all)
+            # and tells every rank every T.
+            layout = exchange_sizes(hidden, routing_map, probs, cfg, group)
+            if len(set(layout.num_tokens)) > 1:
+                raise ValueError(f"the static-capacity exchange (ep_capacity_factor) needs the same T on every EP "
+                                 f"rank, got T = {list(layout.num_tokens)} by rank")
+            _AGREED[key] = _describe(hidden, routing_map, probs)
+        agreed = _AGREED[key]
+        if _describe(hidden, routing_map, probs) != agreed:
+            # Take part with zeros of the agreed shapes: the collectives still match on every rank.
+            (h_shape, h_dtype, device), (m_shape, _, _), (p_shape, p_dtype, _) = agreed
+            hidden = torch.zeros(h_shape, dtype=h_dtype, device=device)
+            routing_map = torch.zeros(m_shape, dtype=torch.bool, device=device)
+            probs = torch.zeros(p_shape, dtype=p_dtype, device=device)
+            input_code = rank + 1
+    x = hidden.reshape(-1, hidden.shape[-1])
+    wire = probs.to(cfg.wire_probs_dtype(probs.dtype))
+    return x, wire, make_plan(cfg, group, x, wire, routing_map, input_code)
+
+
+def make_plan(cfg: DispatchConfig, group: ProcessGroup, x: torch.Tensor, wire: torch.Tensor,
+              routing_map: torch.Tensor, input_code: int = 0) -> StaticPlan:
+    P, rank = group_size_rank(group)
+    T, E = routing_map.shape
+    sizes = StaticSizes.build(cfg, P, rank, T)
+    device = routing_map.device
+    slots, stats = make_slots(routing_map.contiguous(), 1)
+    counts = stats[:E]
+    words = torch.zeros(NUM_WORDS, dtype=torch.int32, device=device)
+    words[W_NONFINITE] = (~torch.isfinite(wire)).any().to(torch.int32)
+    words[W_MAX_K] = stats[E].to(torch.int32)
+    words[W_INPUT] = input_code
+    owner_map = None
+    if P > 1:
+        El = sizes.num_local_experts
+        if cfg.kind == "alltoall":
+            words[W_SEND] = routing_map.reshape(T, P, El).any(-1).sum(0).max().to(torch.int32)
+        rows_per_chunk = sizes.return_capacity + status_rows(x.shape[1] * x.element_size())
+        owner_rank = torch.arange(E, device=device) // El
+        before = torch.cumsum(counts, 0) - counts
+        shift = owner_rank * rows_per_chunk - before[owner_rank * El]
+        rows, experts = slots[:, 1:1 + E], slots[:, 1 + E:]
+        moved = torch.where(rows >= 0, rows + shift[experts.clamp(min=0).long()], rows).to(torch.int32)
+        owner_map = RowIdMap(torch.cat([slots[:, :1], moved, experts], dim=1), counts, counts, P * rows_per_chunk,
+                             True, min(E, cfg.topk))
+    return StaticPlan(config=cfg, group=group, layout=sizes, routing_map=routing_map, hidden_dtype=x.dtype,
+                      probs_dtype=wire.dtype, owner_map=owner_map, slots=slots, counts=counts, words=words)
+
+
+# ---- the forward exchange -------------------------------------------------------------------------
+@torch.no_grad()
+def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: StaticPlan) -> Received:
+    """x [T, H], probs [T, E] (wire dtype) -> every source's rows for this rank's experts, in
+    source rank order, each source's chunk padded to its capacity (padding routes nowhere); the
+    routing is a contiguous copy; ``words``: the max of every source's words."""
+    sizes = plan.layout
+    P, El, me = sizes.ep_size, sizes.num_local_experts, sizes.rank
+    if P == 1:
+        return Received(x.detach(), probs.detach(), plan.routing_map, (0,), plan.words)
+    T, H = x.shape
+    E = plan.config.num_experts
+    if plan.config.kind == "allgather":
+        fmt = RowFormat(H, x.dtype, E, probs.dtype, True)
+        width = fmt.empty(0, x.device).shape[1]
+        valid, chunk = T, T + status_rows(width)
+        buf = fmt.empty(chunk, x.device)
+        buf[T:].zero_()
+        fmt.pack(buf[:T], x, probs, plan.routing_map)
+        _write_status(buf, 1, chunk, valid, plan.words)
+        recv = all_gather_rows(buf, plan.group)
+        hidden, all_probs, all_routing = fmt.views(recv)
+        cols = slice(me * El, (me + 1) * El)
+        rprobs, routing = all_probs[:, cols], all_routing[:, cols].contiguous()
+    else:
+        fmt = RowFormat(H, x.dtype, El, probs.dtype, True)
+        width = fmt.empty(0, x.device).shape[1]
+        valid, chunk = sizes.send_capacity, sizes.send_capacity + status_rows(width)
+        local = plan.routing_map.reshape(T, P, El)
+        rank_map = local.any(-1)  # [T, P]
+        pos = torch.cumsum(rank_map, 0) - 1  # the token's row in its chunk to each rank
+        ok = rank_map & (pos < valid)
+        dummy = P * chunk
+        target = torch.where(ok, torch.arange(P, device=x.device) * chunk + pos, dummy)
+        token = torch.zeros(dummy + 1, dtype=torch.int64, device=x.device)
+        token.scatter_(0, target.flatten(), torch.arange(T, device=x.device)[:, None].expand(T, P).flatten())
+        used = torch.zeros(dummy + 1, dtype=torch.bool, device=x.device)
+        used.scatter_(0, target.flatten(), ok.flatten())
+        token, used = token[:dummy], used[:dummy]
+        dest = torch.arange(dummy, device=x.device) // chunk
+        send = fmt.empty(dummy, x.device)
+        h, p, r = fmt.views(send)
+        torch.index_select(x, 0, token, out=h)
+        p.copy_(torch.where(used[:, None], probs.reshape(T, P, El)[token, dest], 0))
+        r.copy_(local[token, dest] & used[:, None])
+        _write_status(send, P, chunk, valid, plan.words)
+        recv = all_to_all_rows(send, [chunk] * P, [chunk] * P, plan.group)
+        hidden, rprobs, routing = fmt.views(recv)
+        routing = routing.contiguous()
+    words = _read_status(recv, P, chunk, valid)
+    routing.view(P, chunk, El)[:, valid:] = False  # the status rows route nowhere
+    return Received(hidden, rprobs, routing, tuple(range(P)), words)
+
+
+# ---- the receiver layout and the return route --------------------------------------------------
+@dataclass(frozen=True)
+class StaticRoute:
+    """Receiver-layout rows -> their owners, in fixed chunks (EP > 1).
+
+    Attributes:
+        index: int64 [P * chunk]: the receiver-layout row at each position of the return buffer
+            (N, a dummy row, at padding and status positions).
+        gather: index clamped into [0, N) (padding positions copy some row; never read).
+        chunk, valid: rows of each chunk, and of them the rows before the status rows.
+        num_rows: N.
+        words: int32 [NUM_WORDS], this rank's words with everything it received (sent back).
+    """
+
+    index: torch.Tensor
+    gather: torch.Tensor
+    chunk: int
+    valid: int
+    num_rows: int
+    words: torch.Tensor
+    group: ProcessGroup
+
+
+@dataclass(frozen=True)
+class StaticStep:
+    """The handle's sync-free part: the return route (None at EP 1) and the plan."""
+
+    plan: StaticPlan
+    route: Optional[StaticRoute]
+
+
+def expert_map_and_route(plan: StaticPlan, recv: Received, hidden_size: int,
+                         hidden_itemsize: int) -> tuple[RowIdMap, Optional[StaticRoute]]:
+    sizes = plan.layout
+    P, El, N, K = sizes.ep_size, sizes.num_local_experts, sizes.recv_rows, sizes.topk
+    if P == 1:
+        return RowIdMap(plan.slots, plan.counts, plan.counts, N, True, min(El, K)), None
+    routing = recv.routing
+    R = routing.shape[0]
+    slots, stats = make_slots(routing, 1)
+    counts = stats[:El]
+    expert_map = RowIdMap(slots, counts, counts, N, True, min(El, K))
+    per_source = R // P
+    cnt = routing.view(P, per_source, El).sum(1, dtype=torch.int64)  # [P, El]: rows of (source, expert)
+    flat = cnt.t().flatten()  # expert-major, source-minor: the receiver layout's blocks
+    block_start = (torch.cumsum(flat, 0) - flat).view(El, P)
+    ret_start = torch.cumsum(cnt, 1) - cnt  # [P, El]: expert e's first row in the chunk back to s
+    chunk = sizes.return_capacity + status_rows(hidden_size * hidden_itemsize)
+    valid = sizes.return_capacity
+    rows, experts = slots[:, 1:1 + El].long(), slots[:, 1 + El:].long().clamp(min=0)
+    source = (torch.arange(R, device=routing.device) // per_source)[:, None]
+    pos = ret_start[source, experts] + rows - block_start[experts, source]
+    ok = (rows >= 0) & (rows < N) & (pos < valid)
+    dummy = P * chunk
+    target = torch.where(ok, source * chunk + pos, dummy)
+    index = torch.full((dummy + 1,), N, dtype=torch.int64, device=routing.device)
+    index.scatter_(0, target.flatten(), torch.where(ok, rows, N).flatten())
+    index = index[:dummy]
+    words = recv.words.clone()
+    words[W_RECV] = torch.maximum(words[W_RECV], counts.sum().to(torch.int32))
+    words[W_RETURN] = torch.maximum(words[W_RETURN], cnt.sum(1).max().to(torch.int32))
+    route = StaticRoute(index=index, gather=index.clamp(max=N - 1), chunk=chunk, valid=valid, num_rows=N,
+                        words=words, group=plan.group)
+    return expert_map, route
+
+
+def send_back(rows: torch.Tensor, row_probs: Optional[torch.Tensor],
+              route: StaticRoute) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """rows [N, H] (receiver layout), row_probs [N] or None -> the owner buffer [P * chunk, H]
+    (and [P * chunk]), chunks by expert rank; and the max of every expert rank's words."""
+    P = route.index.shape[0] // route.chunk
+    fmt = RowFormat(rows.shape[1], rows.dtype, 1, row_probs.dtype if row_probs is not None else None, False)
+    send = fmt.empty(route.index.shape[0], rows.device)
+    fmt.pack(send, rows, row_probs[:, None] if row_probs is not None else None, None, route.gather)
+    _write_status(send, P, route.chunk, route.valid, route.words)
+    out = all_to_all_rows(send, [route.chunk] * P, [route.chunk] * P, route.group)
+    hidden, probs, _ = fmt.views(out)
+    return hidden, (probs[:, 0] if probs is not None else None), _read_status(out, P, route.chunk, route.valid)
+
+
+def send_forth(grad: torch.Tensor, route: StaticRoute) -> torch.Tensor:
+    """Mirror of send_back: the owner's rows [P * chunk, H] -> receiver layout [N, H]."""
+    P = route.index.shape[0] // route.chunk
+    recv = all_to_all_rows(grad.contiguous(), [route.chunk] * P, [route.chunk] * P, route.group)
+    out = grad.new_zeros((route.num_rows + 1, grad.shape[1]))  # row N: the padding's dummy
+    out.index_copy_(0, route.index, recv)
+    return out[:route.num_rows]
+
+
+class _ReturnRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, route):
+        ctx.route = route
+        hidden, _, words = send_back(rows, None, route)
+        ctx.mark_non_differentiable(words)
+        return hidden, words
+
+    @staticmethod
+    def backward(ctx, grad, _grad_words):
+        return send_forth(grad, ctx.route), None
+
+
+class _Expand(torch.autograd.Function):
+    """functional._Expand for the sync-free plan: the backward returns through the static route."""
+
+    @staticmethod
+    def forward(ctx, x, probs, recv_x, recv_probs, step, expert_map):
+        plan = step.plan
+        rows, row_probs = permute_rows(recv_x, expert_map.slots, recv_probs, expert_map.num_out_tokens, True)
+        ctx.step, ctx.expert_map, ctx.x_shape, ctx.probs_dtype = step, expert_map, x.shape, recv_probs.dtype
+        ctx.send_probs_grad = plan.config.probs_in_experts
+        if not plan.config.probs_in_experts:
+            ctx.mark_non_differentiable(row_probs)
+        return rows, row_probs
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_row_probs):
+        step = ctx.step
+        if ctx.send_probs_grad and grad_row_probs is None:
+            grad_row_probs = torch.zeros(grad_rows.shape[0], dtype=ctx.probs_dtype, device=grad_rows.device)
+        grad_row_probs = grad_row_probs if ctx.send_probs_grad else None
+        if step.route is None:
+            rows, owner_probs, owner_map = grad_rows.contiguous(), grad_row_probs, ctx.expert_map
+        else:
+            rows, owner_probs, _ = send_back(grad_rows.contiguous(), grad_row_probs, step.route)
+            owner_map = step.plan.owner_map
+        grad_x = unpermute(rows, owner_map, None).view(ctx.x_shape)
+        grad_probs = None
+        if owner_probs is not None and ctx.needs_input_grad[1]:
+            from .functional import pairs_to_dense
+            grad_probs = pairs_to_dense(owner_probs, owner_map)
+        return grad_x, grad_probs, None, None, None, None
+
+
+def expand(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: StaticPlan,
+           expert_map: Optional[RowIdMap] = None) -> tuple[torch.Tensor, torch.Tensor, RowIdMap, StaticStep]:
+    """(expert_input [N, H], permuted_probs [N], expert_map, step). At EP 1 the plan's words are
+    checked here: CPU raises at once; CUDA poisons and latches them."""
+    route = None
+    if expert_map is None or plan.layout.ep_size > 1:
+        expert_map, route = expert_map_and_route(plan, recv, x.shape[1], x.element_size())
+    if plan.layout.ep_size == 1:
+        if plan.words.device.type == "cpu":
+            _raise(plan.words.tolist(), plan.layout, deferred=False)
+        else:
+            _latch(plan.group, plan.words, plan.layout)  # before the copy: its kernel sees the status
+    elif route is not None and route.words.is_cuda:  # poison this rank's experts early
+        _latch(plan.group, route.words, plan.layout)
+    step = StaticStep(plan, route)
+    probs_in = probs if plan.config.probs_in_experts else probs.detach()
+    rows, row_probs = _Expand.apply(x, probs_in, recv.hidden, recv.probs, step, expert_map)
+    return rows, row_probs, expert_map, step
+
+
+def return_to_owners(expert_output: torch.Tensor, step: StaticStep) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Checked expert rows [N, H] -> (the owner buffer, the step's words from every rank; None at
+    EP 1); the words are latched."""
+    if step.route is None:
+        return expert_output, None
+    hidden, words = _ReturnRows.apply(expert_output, step.route)
+    _latch(step.plan.group, words, step.plan.layout)
+    return hidden, words
+
+
+def poison(out: torch.Tensor, words: Optional[torch.Tensor], sizes: StaticSizes) -> torch.Tensor:
+    """CPU at EP > 1: NaN outputs (and gradients) for a bad step; CUDA poisons through the status."""
+    if words is None or out.is_cuda:
+        return out
+    return out * torch.where(bad_words(words, sizes), float("nan"), 1.0).to(out.dtype)
