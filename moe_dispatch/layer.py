@@ -103,6 +103,10 @@ class MoELayer(nn.Module):
             expert_output = self.experts(expert_input, tokens_per_expert, handle.permuted_probs,
                                          offsets=handle.expert_offsets)
         output = self.dispatcher.combine(expert_output, handle)
+        if agreed is not None or handle.input_replaced:
+            # NaN in this rank's own shape; the graph stays, so the backward's collectives still run.
+            nan = torch.full(hidden_states.shape, float("nan"), dtype=output.dtype, device=output.device)
+            return nan + output.sum() * 0
         if self.shared_expert is not None:
             T = tokens.shape[0]
             # host counts for the loop GEMMs; device offsets (a fill, no copy) for grouped_mm

@@ -108,8 +108,9 @@ class _Dispatcher:
         if handle is None:
             self.agree(hidden_states.device if isinstance(hidden_states, torch.Tensor) else probs.device)
             x, wire, plan = functional.prepare(hidden_states, routing_map, probs, self.config, self.ep_group)
-            rows, new = functional.finish(x, wire, functional.send_tokens(x, wire, plan), plan, x.shape
-                                          if hidden_states is static.BAD_INPUT else hidden_states.shape)
+            replaced = isinstance(plan, static.StaticPlan) and plan.replaced  # then zeros of the agreed [T, H]
+            rows, new = functional.finish(x, wire, functional.send_tokens(x, wire, plan), plan,
+                                          x.shape if replaced else hidden_states.shape)
             return rows, new
         rows, _, new = functional.dispatch(hidden_states, routing_map, probs, self.config, self.ep_group, handle=handle)
         return rows, new
@@ -151,7 +152,8 @@ class _Dispatcher:
         """Validate (all ranks), exchange sizes; returns (hidden [T, H], probs [T, E] fp32/fp64)."""
         self.agree(hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu"))
         x, wire, plan = functional.prepare(hidden_states, routing_map, probs, self.config, self.ep_group)
-        self._step = _Prepared(plan, hidden_states.shape)
+        replaced = isinstance(plan, static.StaticPlan) and plan.replaced
+        self._step = _Prepared(plan, x.shape if replaced else hidden_states.shape)
         return x, wire
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):

@@ -125,6 +125,11 @@ class DispatchHandle:
         return self.expert_map.padded_tokens_per_expert
 
     @property
+    def input_replaced(self) -> bool:
+        """Sync-free at EP > 1: this rank's inputs were bad and it took part with zeros (NaN results)."""
+        return isinstance(self.plan, StaticPlan) and self.plan.replaced
+
+    @property
     def trailing_rows(self) -> bool:
         """Sync-free: rows after the last expert's block (up to N) belong to no expert."""
         return self.static is not None
@@ -384,7 +389,7 @@ def _reuse_static(previous: DispatchHandle, hidden: Any, routing_map: Any, probs
     rank = new_plan.layout.rank
     new_plan.words[static.W_INPUT] = torch.maximum(new_plan.words[static.W_INPUT],
                                                    differs.to(new_plan.words.device, torch.int32) * (rank + 1))
-    rows, new = finish(x, wire, send_tokens(x, wire, new_plan), new_plan, hidden.shape)
+    rows, new = finish(x, wire, send_tokens(x, wire, new_plan), new_plan, x.shape if new_plan.replaced else hidden.shape)
     return rows, new.tokens_per_expert, new
 
 
@@ -424,7 +429,8 @@ def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tenso
     if group_size_rank(ep_group)[0] > 1:
         agree_config(cfg, ep_group, device)
     x, wire, plan = prepare(hidden, routing_map, probs, cfg, ep_group)
-    rows, new = finish(x, wire, send_tokens(x, wire, plan), plan, hidden.shape)
+    replaced = isinstance(plan, StaticPlan) and plan.replaced  # then zeros of the agreed [T, H]
+    rows, new = finish(x, wire, send_tokens(x, wire, plan), plan, x.shape if replaced else hidden.shape)
     return rows, new.tokens_per_expert, new
 
 

@@ -32,6 +32,7 @@ set ``W_INPUT``, so no rank waits alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -238,6 +239,7 @@ class StaticPlan:
     slots: torch.Tensor
     counts: torch.Tensor
     words: torch.Tensor
+    replaced: bool = False  # this rank's inputs were bad: it took part with zeros (see prepare)
     route = None  # the static return route is made with the expert map (``StaticRoute``)
     tokens_per_expert = None  # read lazily (DispatchHandle.tokens_per_expert)
 
@@ -296,7 +298,8 @@ def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig,
             input_code = rank + 1
     x = hidden.reshape(-1, hidden.shape[-1])
     wire = probs.to(cfg.wire_probs_dtype(probs.dtype))
-    return x, wire, make_plan(cfg, group, x, wire, routing_map, input_code)
+    plan = make_plan(cfg, group, x, wire, routing_map, input_code)
+    return x, wire, dataclasses.replace(plan, replaced=True) if input_code else plan
 
 
 def make_plan(cfg: DispatchConfig, group: ProcessGroup, x: torch.Tensor, wire: torch.Tensor,
@@ -413,17 +416,26 @@ class StaticStep:
     route: Optional[StaticRoute]
 
 
+def _fitting(counts: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """counts [El] cut so that the blocks end by row num_rows (an overflowing step's GEMMs stay
+    inside the buffer; the step is poisoned anyway)."""
+    ends = torch.cumsum(counts, 0).clamp(max=num_rows)
+    return ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+
+
 def expert_map_and_route(plan: StaticPlan, recv: Received, hidden_size: int,
                          hidden_itemsize: int) -> tuple[RowIdMap, Optional[StaticRoute]]:
+    """The receiver layout's RowIdMap (padded_tokens_per_expert: the blocks' rows, cut to N) and,
+    at EP > 1, the return route."""
     sizes = plan.layout
     P, El, N, K = sizes.ep_size, sizes.num_local_experts, sizes.recv_rows, sizes.topk
     if P == 1:
-        return RowIdMap(plan.slots, plan.counts, plan.counts, N, True, min(El, K)), None
+        return RowIdMap(plan.slots, plan.counts, _fitting(plan.counts, N), N, True, min(El, K)), None
     routing = recv.routing
     R = routing.shape[0]
     slots, stats = make_slots(routing, 1)
     counts = stats[:El]
-    expert_map = RowIdMap(slots, counts, counts, N, True, min(El, K))
+    expert_map = RowIdMap(slots, counts, _fitting(counts, N), N, True, min(El, K))
     per_source = R // P
     cnt = routing.view(P, per_source, El).sum(1, dtype=torch.int64)  # [P, El]: rows of (source, expert)
     flat = cnt.t().flatten()  # expert-major, source-minor: the receiver layout's blocks

@@ -1,0 +1,87 @@
+"""Workers of test_static.py (importable by spawned ranks): the sync-free layer against the
+dropless one on the same weights and tokens, and a static-capacity overflow."""
+from __future__ import annotations
+
+import torch
+
+from moe_dispatch import MoEConfig, MoELayer
+from moe_dispatch.dispatcher.exchange import KINDS
+from moe_dispatch.ops import guard
+
+
+def _config(kind: str, **changes) -> MoEConfig:
+    base = dict(hidden_size=16, num_experts=8, topk=2, ffn_hidden_size=8, dispatcher=kind)
+    return MoEConfig(**{**base, **changes})
+
+
+def _step(layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor) -> dict:
+    layer.zero_grad(set_to_none=True)
+    xx = x.clone().requires_grad_()
+    out = layer(xx)
+    out.backward(upstream)
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    return {"out": out.detach(), "x_grad": xx.grad, **grads}
+
+
+def fit_worker(rank: int, world_size: int, dtype: torch.dtype, probs_in_experts: bool) -> dict:
+    """Per kind: (static - dropless) bitwise equal for outputs and every gradient, two steps."""
+    results = {}
+    for kind in sorted(KINDS):
+        dropless = MoELayer(_config(kind, probs_in_experts=probs_in_experts)).to(dtype)
+        # A factor of P makes every capacity the most a rank can need: it always fits.
+        static = MoELayer(_config(kind, probs_in_experts=probs_in_experts,
+                                  ep_capacity_factor=float(world_size))).to(dtype)
+        assert static.dispatcher.sync_free and not dropless.dispatcher.sync_free
+        same = []
+        for step in range(2):
+            gen = torch.Generator().manual_seed(100 * rank + step)
+            x = torch.randn(6, 16, generator=gen).to(dtype)
+            upstream = torch.randn(6, 16, generator=gen).to(dtype)
+            a, b = _step(dropless, x, upstream), _step(static, x, upstream)
+            same.append({k: torch.equal(a[k], b[k]) for k in a})
+            same[-1]["finite"] = bool(torch.isfinite(b["out"]).all())
+        results[kind] = same
+    return results
+
+
+def overflow_worker(rank: int, world_size: int) -> dict:
+    """A factor far too small: NaN outputs on every rank, then the same ValueError at the next
+    dispatch (CPU) and after it nothing latched; then check_device_errors() raising it instead."""
+    results = {}
+    for kind in sorted(KINDS):
+        layer = MoELayer(_config(kind, ep_capacity_factor=0.25))
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(6, 16, generator=gen)
+        first = _step(layer, x, torch.ones(6, 16))
+        try:
+            layer(x)
+            error = None
+        except ValueError as exc:
+            error = str(exc)
+        after = _step(layer, x, torch.ones(6, 16))  # raised once: the next step runs (and overflows again)
+        try:
+            guard.check_device_errors()
+            polled = None
+        except ValueError as exc:
+            polled = str(exc)
+        results[kind] = dict(first_nan=bool(torch.isnan(first["out"]).all()),
+                             grad_nan=bool(torch.isnan(first["x_grad"]).all()), error=error,
+                             after_nan=bool(torch.isnan(after["out"]).all()), polled=polled)
+    return results
+
+
+def bad_input_worker(rank: int, world_size: int) -> dict:
+    """After the first step, rank 1 passes a wrong T: no hang; NaN everywhere; the next dispatch
+    raises the same ValueError on every rank naming rank 1."""
+    layer = MoELayer(_config("alltoall", ep_capacity_factor=2.0))
+    x = torch.randn(6, 16)
+    _step(layer, x, torch.ones(6, 16))
+    bad = torch.randn(5, 16) if rank == 1 else x
+    out = layer(bad)
+    out.sum().backward()
+    try:
+        layer(x)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return dict(nan=bool(torch.isnan(out).all()), error=error)
