@@ -4,6 +4,7 @@ forward + backward, ours beside megatron-core's in the same run.
     torchrun --nproc-per-node 2 scripts/bench_ep.py [--what dispatch,layer] [--tokens 8192]
     torchrun --nproc-per-node 2 scripts/bench_ep.py --cpu-smoke   # gloo, tiny: checks the script runs
     torchrun --nproc-per-node 1 scripts/bench_ep.py --what layer   # the EP-1 layer on one GPU
+        (eager dropless, eager sync-free and the captured CUDA-graph step, host syncs per step)
 
 Round trip: identity experts; ours (alltoall, allgather), Megatron's MoEAlltoAll/MoEAllGather
 token dispatchers, and a raw all_to_all_single of the K-copy rows there and back. The byte floor
@@ -241,25 +242,59 @@ def host_waits(fn, steps: int = 3) -> str:
     return f"{counts['syncs']:g} / {counts['copies']:g}"
 
 
+def captured_step(layer, x: torch.Tensor, g: torch.Tensor):
+    """A CUDA graph of one forward + backward with the gradients reset (each replay writes fresh
+    .grad, as after zero_grad(set_to_none=True)); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (Triton compiles, allocator pools) off the capture stream
+        for _ in range(3):
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            layer(x).backward(g)
+    torch.cuda.current_stream().wait_stream(side)
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(x).backward(g)
+    return graph.replay
+
+
 def bench_layer_ep1(args, single) -> None:
-    """The EP-1 layer (each rank alone, group ``single``), forward + backward, with the gradients
-    reset every step beside gradients accumulating into .grad."""
+    """The EP-1 layer (each rank alone, group ``single``), forward + backward: eager dropless (the
+    dispatcher reads its sizes once), eager sync-free (the layer's default at EP 1) and the
+    sync-free step captured in a CUDA graph, with the gradients reset every step; and eager
+    sync-free with gradients accumulating into .grad."""
+    from moe_dispatch.dispatcher import AllToAllDispatcher
+
     T, E, K, H, F = args.tokens, args.experts, args.topk, args.hidden, args.ffn
     config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=F, params_dtype=torch.bfloat16,
                        load_balancing_type="none")
     layer = MoELayer(config, single).to(DEVICE)
+    dropless = MoELayer(config, single).to(DEVICE)
+    dropless.dispatcher = AllToAllDispatcher(config, single)
     x = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16)
 
     def accumulate():
         layer(x).backward(g)
 
-    def reset():
-        layer.zero_grad(set_to_none=True)
+    def reset(which=layer):
+        which.zero_grad(set_to_none=True)
         x.grad = None
-        layer(x).backward(g)
-    rows = [("grads reset each step", bench(reset), host_waits(reset)),
-            ("grads accumulating into .grad", bench(accumulate), host_waits(accumulate))]
+        which(x).backward(g)
+
+    def reset_dropless():
+        reset(dropless)
+    rows = [("dropless, grads reset each step", bench(reset_dropless), host_waits(reset_dropless)),
+            ("sync-free, grads reset each step", bench(reset), host_waits(reset)),
+            ("sync-free, grads accumulating into .grad", bench(accumulate), host_waits(accumulate))]
+    if DEVICE.type == "cuda":
+        replay = captured_step(layer, x, g)
+        rows.append(("sync-free captured (CUDA graph), grads reset each step", bench(replay), host_waits(replay)))
+    else:
+        say("# captured (CUDA graph) row: skipped, CUDA only")
     flops = 2 * 3 * T * K * H * F * 2
     say(f"\n## EP-1 MoELayer forward + backward (ours, alltoall, grouped row-stable experts): {T} tokens, H={H}, "
         f"ffn={F}, E={E}, K={K}, bf16, fp32 router; expert GEMM work {flops / 1e12:.2f} TFLOP")

@@ -389,7 +389,8 @@ def _reuse_static(previous: DispatchHandle, hidden: Any, routing_map: Any, probs
     rank = new_plan.layout.rank
     new_plan.words[static.W_INPUT] = torch.maximum(new_plan.words[static.W_INPUT],
                                                    differs.to(new_plan.words.device, torch.int32) * (rank + 1))
-    rows, new = finish(x, wire, send_tokens(x, wire, new_plan), new_plan, x.shape if new_plan.replaced else hidden.shape)
+    shape = x.shape if new_plan.replaced else hidden.shape
+    rows, new = finish(x, wire, send_tokens(x, wire, new_plan), new_plan, shape)
     return rows, new.tokens_per_expert, new
 
 

@@ -39,8 +39,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..ops import RowIdMap, unpermute
-from ..ops import guard
+from ..ops import RowIdMap, guard, unpermute
 from ..ops.permutation import make_slots, permute_rows
 from .comm import ProcessGroup, all_gather_rows, all_to_all_rows, group_size_rank
 from .config import DispatchConfig
@@ -261,7 +260,8 @@ def _describe(hidden: Any, routing_map: Any, probs: Any) -> tuple:
 
 
 def _host_problems(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig) -> list[str]:
-    from .layout import _HOST_FIELDS, _describe as describe, _input_problems
+    from .layout import _HOST_FIELDS, _input_problems
+    from .layout import _describe as describe
     fields = dict(zip(_HOST_FIELDS, [0, 0, 0, 0, 0, *describe(hidden, routing_map, probs)]))
     return _input_problems(fields, cfg)
 

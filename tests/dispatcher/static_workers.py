@@ -23,20 +23,22 @@ def _step(layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor) -> dict:
     return {"out": out.detach(), "x_grad": xx.grad, **grads}
 
 
-def fit_worker(rank: int, world_size: int, dtype: torch.dtype, probs_in_experts: bool) -> dict:
+def fit_worker(rank: int, world_size: int, dtype: torch.dtype, probs_in_experts: bool, device: str = "cpu") -> dict:
     """Per kind: (static - dropless) bitwise equal for outputs and every gradient, two steps."""
+    if device == "cuda":
+        torch.cuda.set_device(0)  # the ranks share the one GPU over gloo
     results = {}
     for kind in sorted(KINDS):
-        dropless = MoELayer(_config(kind, probs_in_experts=probs_in_experts)).to(dtype)
+        dropless = MoELayer(_config(kind, probs_in_experts=probs_in_experts)).to(device, dtype)
         # A factor of P makes every capacity the most a rank can need: it always fits.
         static = MoELayer(_config(kind, probs_in_experts=probs_in_experts,
-                                  ep_capacity_factor=float(world_size))).to(dtype)
+                                  ep_capacity_factor=float(world_size))).to(device, dtype)
         assert static.dispatcher.sync_free and not dropless.dispatcher.sync_free
         same = []
         for step in range(2):
             gen = torch.Generator().manual_seed(100 * rank + step)
-            x = torch.randn(6, 16, generator=gen).to(dtype)
-            upstream = torch.randn(6, 16, generator=gen).to(dtype)
+            x = torch.randn(6, 16, generator=gen).to(device, dtype)
+            upstream = torch.randn(6, 16, generator=gen).to(device, dtype)
             a, b = _step(dropless, x, upstream), _step(static, x, upstream)
             same.append({k: torch.equal(a[k], b[k]) for k in a})
             same[-1]["finite"] = bool(torch.isfinite(b["out"]).all())
@@ -68,6 +70,21 @@ def overflow_worker(rank: int, world_size: int) -> dict:
                              grad_nan=bool(torch.isnan(first["x_grad"]).all()), error=error,
                              after_nan=bool(torch.isnan(after["out"]).all()), polled=polled)
     return results
+
+
+def overflow_cuda_worker(rank: int, world_size: int) -> dict:
+    """On the GPU (ranks sharing it over gloo): NaN outputs, and check_device_errors() raises
+    (the next dispatch does not read the words on CUDA)."""
+    torch.cuda.set_device(0)
+    layer = MoELayer(_config("alltoall", ep_capacity_factor=0.25)).cuda()
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(rank)).cuda()
+    out = _step(layer, x, torch.ones(6, 16, device="cuda"))["out"]
+    try:
+        guard.check_device_errors()
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return dict(nan=bool(torch.isnan(out).all()), error=error)
 
 
 def bad_input_worker(rank: int, world_size: int) -> dict:

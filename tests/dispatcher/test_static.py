@@ -118,3 +118,17 @@ def test_static_exchange_bad_input_after_first_step_no_hang():
     results = run_ranks(workers.bad_input_worker, 2, timeout=120)
     assert all(r["nan"] for r in results), results
     assert len({r["error"] for r in results}) == 1 and "EP rank 1 passed inputs" in results[0]["error"], results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gpu_static_exchange_gloo_ranks_share_the_gpu(world_size):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for rank, result in enumerate(run_ranks(workers.fit_worker, world_size, torch.bfloat16, True, "cuda",
+                                            timeout=300)):
+        for kind, steps in result.items():
+            assert all(all(s.values()) for s in steps), (rank, kind, steps)
+    results = run_ranks(workers.overflow_cuda_worker, world_size, timeout=300)
+    assert all(r["nan"] for r in results), results
+    assert len({r["error"] for r in results}) == 1 and "static-capacity overflow" in results[0]["error"], results
