@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from .dispatcher.comm import all_gather_rows
+from .comm import all_gather_rows
+from .config import DISPATCHER_KINDS, MoEConfig
+from .launch import end_spawned_rank, rank_device, set_rank_env, spawn_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default: nccl with CUDA, else gloo")
     parser.add_argument("--ep-sizes", default=None,
                         help="comma-separated EP sizes to compare (default: powers of two up to --ranks)")
-    parser.add_argument("--dispatcher", choices=["both", "allgather", "alltoall"], default="both")
+    parser.add_argument("--dispatcher", choices=["both", *DISPATCHER_KINDS], default="both")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype")
     parser.add_argument("--router-dtype", choices=["fp32", "fp64"], default="fp32")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per rank (at least 2)")
@@ -145,7 +145,7 @@ def check_plan(args: argparse.Namespace, world: int) -> tuple[list[int], list[st
     for s in sizes:
         if s < 1 or world % s or args.experts % s:
             raise SystemExit(f"--ep-sizes: {s} must divide the world size {world} and --experts {args.experts}")
-    dispatchers = ["allgather", "alltoall"] if args.dispatcher == "both" else [args.dispatcher]
+    dispatchers = list(DISPATCHER_KINDS) if args.dispatcher == "both" else [args.dispatcher]
     return sizes, dispatchers
 
 
@@ -236,7 +236,7 @@ def run_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
     return contract_checks(args, device, sizes, dispatchers, run) + captured_check(args, device, base)
 
 
-def captured_check(args: argparse.Namespace, device: torch.device, config: Any) -> list[Result]:
+def captured_check(args: argparse.Namespace, device: torch.device, config: MoEConfig) -> list[Result]:
     """(e) The EP-1 layer's sync-free forward + backward captured in a CUDA graph and replayed on
     new tokens, against the eager step on them: output, input and router gradients bitwise. CUDA
     only (skipped on CPU: there is nothing to capture). Collective: every rank calls it."""
@@ -285,9 +285,9 @@ def captured_check(args: argparse.Namespace, device: torch.device, config: Any) 
 
 
 def _megatron_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
-    """--megatron: checks (a)-(d) on megatron-core's MoELayer (``integrations.megatron_check``),
+    """--megatron: checks (a)-(d) on megatron-core's MoELayer (``integrations.megatron.check``),
     handed this check's EP groups and ``contract_checks`` (so that module never imports this one)."""
-    from .integrations.megatron_check import run_megatron_checks
+    from .integrations.megatron.check import run_megatron_checks
 
     world = dist.get_world_size()
     sizes, dispatchers = check_plan(args, world)
@@ -335,34 +335,9 @@ def _print_table(results: list[Result]) -> None:
 
 
 def _worker(local_rank: int, world: int, port: int, backend: str, args: argparse.Namespace) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
-    os.environ.setdefault("RANK", str(local_rank))
-    os.environ.setdefault("WORLD_SIZE", str(world))
-    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    set_rank_env(local_rank, world, port)
     main_worker(args, backend)  # a failed check raises SystemExit(1) here
     end_spawned_rank()
-
-
-def end_spawned_rank() -> NoReturn:
-    """Exit a spawned rank whose work succeeded and whose process group is destroyed, skipping
-    interpreter finalization: there gloo's C++ threads can still abort the process (SIGABRT,
-    "terminate called without an active exception") after a passing run, which spawn would
-    report as a failed rank."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def rank_device(backend: str, local_rank: int) -> torch.device:
-    """The rank's device: NCCL, one GPU per rank; gloo, the GPUs too where CUDA is present (ranks
-    share them, local_rank modulo the GPU count: gloo's collectives take CUDA tensors, so one GPU
-    can check EP 2 to 8), else the CPU."""
-    if backend == "nccl" or (backend == "gloo" and torch.cuda.is_available()):
-        index = local_rank if backend == "nccl" else local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
 
 
 def main_worker(args: argparse.Namespace, backend: str) -> int:
@@ -384,7 +359,7 @@ def main_worker(args: argparse.Namespace, backend: str) -> int:
         if rank == 0:
             _print_table(results)
             if args.megatron:
-                from .integrations.megatron_check import explain
+                from .integrations.megatron.check import explain
                 for note in explain(results):
                     print(note)
             print(line)
@@ -398,12 +373,6 @@ def main_worker(args: argparse.Namespace, backend: str) -> int:
     if not ok:
         raise SystemExit(1)
     return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # The check's flags by the MoEConfig field they set: a config error names the flag.
@@ -463,7 +432,7 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
     try:
         base = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
                          router_dtype=args.router_dtype, init_seed=args.seed)
-        for kind in ("allgather", "alltoall") if args.dispatcher == "both" else (args.dispatcher,):
+        for kind in DISPATCHER_KINDS if args.dispatcher == "both" else (args.dispatcher,):
             base.replace(dispatcher=kind)
     except ValueError as exc:
         fail(_config_error_as_flags(str(exc)))
@@ -488,7 +457,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     validate_args(parser, args, argv)
     if args.megatron:
-        from .integrations.megatron_check import megatron_unavailable
+        from .integrations.megatron.check import megatron_unavailable
 
         if why := megatron_unavailable():
             parser.error(why)
@@ -497,18 +466,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         return main_worker(args, backend)
     world = args.ranks or (torch.cuda.device_count() if backend == "nccl" else 4)
     return spawn_ranks(_worker, world, backend, args)
-
-
-def spawn_ranks(worker: Callable, world: int, *args: Any, name: str = "moe-dispatch check") -> int:
-    """Run worker(local_rank, world, port, *args) on ``world`` spawned ranks; 0, or 1 (with one
-    line on stderr) if a rank failed."""
-    import torch.multiprocessing as mp
-    try:
-        mp.spawn(worker, args=(world, _free_port(), *args), nprocs=world, join=True)
-    except mp.ProcessExitedException as exc:
-        print(f"{name}: a rank failed ({exc})", file=sys.stderr)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     moe-dispatch check [options]     the rank-consistency check (see `moe-dispatch check --help`)
     moe-dispatch ops-demo [options]  permute/unpermute error vs float64 and repeatability
+    moe-dispatch --version           print the version
 
 Each command checks all its flags before it starts any work or process: a bad flag exits with
 status 2 and one message naming it.
@@ -18,6 +19,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         # Asked for help: stdout, status 0; no command: a usage error, stderr, status 2.
         print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        from . import __version__
+        print(f"moe-dispatch {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "check":
         from .check import main as check_main

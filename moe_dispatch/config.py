@@ -1,7 +1,7 @@
 """`MoEConfig`: the one configuration object shared by router, dispatcher and experts.
 
-Field semantics follow Megatron-core's ``moe_*`` TransformerConfig fields; `MoEConfig.from_megatron`
-maps one onto the other. Every impossible combination raises a ValueError that names the field.
+Field semantics follow Megatron-core's ``moe_*`` TransformerConfig fields (``integrations.megatron``
+translates one into the other). Every impossible combination raises a ValueError that names the field.
 The config is frozen: ``config.replace(topk=4)`` returns a validated copy, and assigning a field
 raises ``dataclasses.FrozenInstanceError``, so no value ever escapes validation.
 """
@@ -15,13 +15,13 @@ from typing import Any, Optional
 
 import torch
 
-from .dispatcher.exchange import KINDS
+# The dispatcher kinds' names, the one list (dispatcher/exchange.py maps each to its implementation).
+DISPATCHER_KINDS: tuple[str, ...] = ("allgather", "alltoall")
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 _SCORE_FUNCTIONS = ("softmax", "sigmoid")
 _LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 _DROP_POLICIES = ("probs", "position")
-_DISPATCHERS = tuple(sorted(KINDS))  # the dispatcher kinds' one registry
 _ACTIVATIONS = ("gelu", "relu", "swiglu")
 _EXPERT_IMPLS = ("grouped", "sequential")
 
@@ -58,6 +58,95 @@ def _finite_number(field: str, value: Any, minimum: float, strict: bool) -> None
     if not ok:
         op = ">" if strict else ">="
         raise ValueError(f"{field} must be a finite number {op} {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """The dispatcher's settings (typed, immutable): what the dispatchers read, and nothing else.
+    Build it with ``MoEConfig.dispatch_config()``.
+
+    Attributes:
+        kind: one of ``DISPATCHER_KINDS`` ('allgather', 'alltoall').
+        num_experts: E, global experts, split contiguously over the EP ranks.
+        topk: K (sizes the capacity in pad-to-capacity mode).
+        hidden_size: H of every token.
+        router_dtype: 'fp32', 'fp64' or None (the probs' own dtype); fp64 makes probs travel in fp64.
+        probs_in_experts: True: the experts multiply the probs (Megatron); False: the combine does.
+        pad_multiple: dropless mode pads every local expert's block to a multiple of this.
+        capacity_factor: with pad_to_capacity, every (expert, source rank) block has exactly
+            ceil(T * topk / E * capacity_factor) rows (rounded up to pad_multiple).
+        pad_to_capacity: fixed-size blocks (see capacity_factor).
+        sync_free: the sync-free dispatch: sizes from the config and T alone, no host read
+            (dispatcher/static.py); at EP > 1 it needs ep_capacity_factor.
+        ep_capacity_factor: receive capacity of the static exchange at EP > 1, in units of the
+            balanced load (T * topk rows per rank); see static.StaticSizes.
+    """
+
+    kind: str
+    num_experts: int
+    topk: int
+    hidden_size: int
+    router_dtype: Optional[str] = "fp32"
+    probs_in_experts: bool = False
+    pad_multiple: int = 1
+    capacity_factor: Optional[float] = None
+    pad_to_capacity: bool = False
+    sync_free: bool = False
+    ep_capacity_factor: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in DISPATCHER_KINDS:
+            raise ValueError(f"dispatcher kind must be one of {DISPATCHER_KINDS}, got {self.kind!r}")
+        for name in ("num_experts", "topk", "hidden_size", "pad_multiple"):
+            _positive_int(name, getattr(self, name))
+        if self.topk > self.num_experts:
+            raise ValueError(f"topk={self.topk} exceeds num_experts={self.num_experts}")
+        if self.router_dtype not in (None, "fp32", "fp64"):
+            raise ValueError(f"router_dtype must be None, 'fp32' or 'fp64', got {self.router_dtype!r}")
+        for name in ("probs_in_experts", "pad_to_capacity", "sync_free"):
+            _strict_bool(name, getattr(self, name))
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf)
+                               or cf <= 0):
+            raise ValueError(f"capacity_factor must be None or a finite number > 0, got {cf!r}")
+        if self.pad_to_capacity and cf is None:
+            raise ValueError("pad_to_capacity=True needs capacity_factor to be set")
+        ecf = self.ep_capacity_factor
+        if ecf is not None and (isinstance(ecf, bool) or not isinstance(ecf, (int, float)) or not math.isfinite(ecf)
+                                or ecf <= 0):
+            raise ValueError(f"ep_capacity_factor must be None or a finite number > 0, got {ecf!r}")
+        if self.sync_free and (self.pad_to_capacity or self.pad_multiple != 1):
+            raise ValueError("sync_free=True (the static dispatch) needs pad_to_capacity=False and pad_multiple=1")
+
+    def replace(self, **changes: Any) -> "DispatchConfig":
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def wire_probs_dtype(self, probs_dtype: torch.dtype) -> torch.dtype:
+        """Probabilities travel and are applied in fp32, or fp64 when the router works in fp64.
+        bf16/fp16 probs are upcast (exactly) to fp32; they are never sent in 16 bits."""
+        if self.router_dtype == "fp64" or probs_dtype == torch.float64:
+            return torch.float64
+        return torch.float32
+
+    def capacity(self, num_tokens: int) -> int:
+        """Megatron's expert capacity ceil(T * topk / E * capacity_factor), rounded up to pad_multiple."""
+        cap = math.ceil(num_tokens * self.topk / self.num_experts * self.capacity_factor)
+        return -(-cap // self.pad_multiple) * self.pad_multiple
+
+    def field_values(self) -> list[tuple[str, Any]]:
+        """(name, value) of every field, in declaration order (the fingerprint compares them)."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+
+
+def as_dispatch_config(config: "MoEConfig | DispatchConfig", kind: Optional[str] = None) -> DispatchConfig:
+    """A DispatchConfig from a MoEConfig (``config.dispatch_config(kind)``) or a DispatchConfig
+    (itself, with ``kind`` replaced if given)."""
+    if isinstance(config, DispatchConfig):
+        return config if kind is None or kind == config.kind else dataclasses.replace(config, kind=kind)
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig or a DispatchConfig, got {type(config).__name__}")
+    return config.dispatch_config(kind)
 
 
 @dataclass(frozen=True)
@@ -139,7 +228,7 @@ class MoEConfig:
         _choice("score_function", self.score_function, _SCORE_FUNCTIONS)
         _choice("load_balancing_type", self.load_balancing_type, _LOAD_BALANCING_TYPES)
         _choice("drop_policy", self.drop_policy, _DROP_POLICIES)
-        _choice("dispatcher", self.dispatcher, _DISPATCHERS)
+        _choice("dispatcher", self.dispatcher, DISPATCHER_KINDS)
         _choice("activation", self.activation, _ACTIVATIONS)
         _choice("expert_impl", self.expert_impl, _EXPERT_IMPLS)
         if self.score_function == "softmax" and self.topk == 1 and not self.pre_softmax:
@@ -205,137 +294,18 @@ class MoEConfig:
         """(name, value) of every field, in declaration order (the EP ranks agree on them)."""
         return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
 
+    def dispatch_config(self, kind: Optional[str] = None) -> "DispatchConfig":
+        """The dispatcher's part of this config; ``kind`` overrides ``dispatcher``."""
+        return DispatchConfig(kind=kind or self.dispatcher, num_experts=self.num_experts, topk=self.topk,
+                              hidden_size=self.hidden_size, router_dtype=self.router_dtype,
+                              probs_in_experts=self.probs_in_experts, pad_multiple=self.pad_multiple,
+                              capacity_factor=self.capacity_factor if self.pad_to_capacity else None,
+                              pad_to_capacity=self.pad_to_capacity, sync_free=self.ep_capacity_factor is not None,
+                              ep_capacity_factor=self.ep_capacity_factor)
+
     def replace(self, **changes: Any) -> "MoEConfig":
         """A validated copy with some fields changed (the only way to change a frozen config)."""
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
         if unknown:
             raise ValueError(f"MoEConfig has no field {', '.join(unknown)}")
         return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_megatron(cls, transformer_config: Any, *, megatron_layer: bool = False, **overrides: Any) -> "MoEConfig":
-        """Build from a Megatron-core ``TransformerConfig``; ``overrides`` set our own fields.
-
-        ``megatron_layer=False``: the config of our whole MoELayer (router, dispatcher, experts).
-        Megatron features we do not implement raise a ValueError naming the Megatron field, so a
-        ported configuration never silently changes meaning.
-
-        ``megatron_layer=True``: the config of our dispatcher inside Megatron's own MoELayer
-        (``install``, ``dispatcher_from_megatron``). Megatron's router and experts keep running, so
-        only the dispatch fields are read (experts, top-k, sizes, router dtype, capacity padding,
-        dispatcher kind, params dtype); ``probs_in_experts=True`` because Megatron's experts
-        multiply the probs themselves (the combine then sums unweighted: probs applied once); the
-        router / expert fields keep neutral values that no Megatron setting can make invalid.
-        Capacity dropping is Megatron's router's, so the dispatcher sees a capacity only when
-        Megatron pads each expert to it (``moe_pad_expert_input_to_capacity``).
-        """
-        fields = _megatron_dispatch_fields(transformer_config, megatron_layer)
-        if not megatron_layer:
-            fields.update(_megatron_router_expert_fields(transformer_config))
-        fields.update(overrides)
-        return cls(**fields)
-
-
-def _single(field: str, value: Any) -> Any:
-    # Megatron accepts lists to combine several aux losses; we support exactly one.
-    if isinstance(value, (list, tuple)):
-        if len(value) != 1:
-            raise ValueError(f"{field}={value!r}: combining several load-balancing losses is not supported")
-        return value[0]
-    return value
-
-
-def _megatron_activation(tc: Any) -> str:
-    import torch.nn.functional as F
-
-    func, gated = getattr(tc, "activation_func", F.gelu), bool(getattr(tc, "gated_linear_unit", False))
-    if gated and func is F.silu:
-        return "swiglu"
-    if not gated and func is F.gelu:
-        return "gelu"
-    if not gated and func is F.relu:
-        return "relu"
-    raise ValueError(
-        f"activation_func={getattr(func, '__name__', func)!r} with gated_linear_unit={gated} "
-        "has no MoEConfig.activation (supported: gelu, relu, silu+GLU=swiglu)"
-    )
-
-
-# Megatron fields whose non-default value changes the layer in a way we do not implement.
-_MEGATRON_UNSUPPORTED = {
-    "moe_input_jitter_eps": None,
-    "moe_router_force_load_balancing": False,
-    "moe_enable_routing_replay": False,
-    "moe_shared_expert_gate": False,
-    "moe_apply_probs_on_input": False,
-    "moe_router_padding_for_quantization": False,
-    "moe_latent_size": None,
-    "add_bias_linear": False,
-}
-
-
-def _megatron_dispatch_fields(tc: Any, megatron_layer: bool) -> dict:
-    """The fields the dispatcher needs, from a TransformerConfig (see ``MoEConfig.from_megatron``)."""
-    get = lambda name, default=None: getattr(tc, name, default)  # noqa: E731  (Megatron's config, any version)
-    if not get("num_moe_experts"):
-        raise ValueError("num_moe_experts is not set: this TransformerConfig has no MoE layer")
-    dispatcher = get("moe_token_dispatcher_type", "allgather")
-    if dispatcher not in _DISPATCHERS:
-        raise ValueError(f"moe_token_dispatcher_type={dispatcher!r} is not one of {_DISPATCHERS}")
-    capacity = get("moe_expert_capacity_factor")
-    if capacity is not None and capacity < 0:
-        capacity = None  # Megatron's own convention: a negative factor means dropless
-    pad = bool(get("moe_pad_expert_input_to_capacity", False))
-    if pad and capacity is None:
-        raise ValueError("moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor > 0")
-    fields = dict(
-        hidden_size=get("hidden_size"),
-        num_experts=get("num_moe_experts"),
-        topk=get("moe_router_topk", 2),
-        ffn_hidden_size=get("moe_ffn_hidden_size") or get("ffn_hidden_size"),
-        router_dtype=get("moe_router_dtype"),
-        capacity_factor=capacity,
-        pad_to_capacity=pad,
-        dispatcher=dispatcher,
-        params_dtype=get("params_dtype") or torch.float32,
-    )
-    if megatron_layer:
-        fields.update(
-            capacity_factor=capacity if pad else None,
-            probs_in_experts=True,
-            # Neutral: our router does not run, and pre_softmax=True is valid for any top-k.
-            pre_softmax=True,
-            load_balancing_type="none",
-        )
-    return fields
-
-
-def _megatron_router_expert_fields(tc: Any) -> dict:
-    """Our router's and experts' fields, from a TransformerConfig; raises for Megatron features we
-    do not implement."""
-    get = lambda name, default=None: getattr(tc, name, default)  # noqa: E731  (Megatron's config, any version)
-    for name, default in _MEGATRON_UNSUPPORTED.items():
-        if get(name, default) not in (default, None):
-            raise ValueError(f"{name}={get(name)!r} is not supported by moe_dispatch")
-    balancing = _single("moe_router_load_balancing_type", get("moe_router_load_balancing_type", "aux_loss"))
-    if balancing == "sinkhorn":
-        raise ValueError("moe_router_load_balancing_type='sinkhorn' is not supported")
-    coeff = _single("moe_aux_loss_coeff", get("moe_aux_loss_coeff", 0.0))
-    if get("calculate_per_token_loss", False) and (coeff or get("moe_z_loss_coeff")):
-        # Megatron then multiplies the losses by the local token count; we keep the plain means.
-        raise ValueError("calculate_per_token_loss=True with MoE losses is not supported")
-    return dict(
-        score_function=get("moe_router_score_function", "softmax"),
-        pre_softmax=bool(get("moe_router_pre_softmax", False)),
-        topk_scaling_factor=get("moe_router_topk_scaling_factor"),
-        num_groups=get("moe_router_num_groups"),
-        group_topk=get("moe_router_group_topk"),
-        enable_expert_bias=bool(get("moe_router_enable_expert_bias", False)),
-        bias_update_rate=get("moe_router_bias_update_rate", 1e-3),
-        load_balancing_type=balancing,
-        aux_loss_coeff=coeff,
-        z_loss_coeff=get("moe_z_loss_coeff"),
-        drop_policy=get("moe_token_drop_policy", "probs"),
-        activation=_megatron_activation(tc),
-        shared_expert_ffn_hidden_size=get("moe_shared_expert_intermediate_size"),
-    )

@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agreement import hidden_states_problem
 from .config import MoEConfig
-from .dispatcher import build_dispatcher, hidden_states_problem
+from .dispatcher import build_dispatcher
+from .dispatcher.functional import host_tokens_per_expert
 from .experts import GroupedMLP, SequentialMLP
 from .router import TopKRouter
 
@@ -94,13 +96,12 @@ class MoELayer(nn.Module):
             self.dispatcher.raise_together(problem, device)
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         probs, routing_map = self.router(hidden_states)
-        expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(None if agreed else tokens, routing_map,
-                                                                           probs)
+        expert_input, handle = self.dispatcher.dispatch_rows(None if agreed else tokens, routing_map, probs)
         if handle.trailing_rows:  # sync-free: device counts, read only by a GEMM path that needs them
             expert_output = self.experts(expert_input, handle.expert_counts, handle.permuted_probs,
                                          offsets=handle.expert_offsets, trailing_rows=True)
         else:
-            expert_output = self.experts(expert_input, tokens_per_expert, handle.permuted_probs,
+            expert_output = self.experts(expert_input, host_tokens_per_expert(handle), handle.permuted_probs,
                                          offsets=handle.expert_offsets)
         output = self.dispatcher.combine(expert_output, handle)
         if agreed is not None or handle.input_replaced:

@@ -14,15 +14,12 @@ Usage: python scripts/bench_experts.py [--rows 49152] [--hidden 4096] [--ffn 102
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from moe_dispatch.config import MoEConfig  # noqa: E402
-from moe_dispatch.experts import GroupedMLP, SequentialMLP  # noqa: E402
+from moe_dispatch.config import MoEConfig
+from moe_dispatch.experts import GroupedMLP, SequentialMLP
 
 
 def _counts(rows: int, experts: int, seed: int) -> torch.Tensor:

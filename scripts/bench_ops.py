@@ -5,9 +5,10 @@ Run on a CUDA machine:  python scripts/bench_ops.py [--shapes T,E,H,K ...] [--no
 
 Each pass is timed with triton.testing.do_bench (median). The floor of a pass is the bytes it
 must move (every input read once, every output written once) over the device-to-device copy
-bandwidth measured in the same run (bytes read plus written). The alternative routes of
-moe_dispatch/ops/triton_kernels.py's LAUNCH ("fused map route": permute_fused_map, "per-token
-route": unpermute_bwd_per_token; same bits) are timed beside the defaults in the same run.
+bandwidth measured in the same run (bytes read plus written). The alternative route of
+moe_dispatch/ops/triton_kernels.py's LAUNCH ("per-token route": unpermute_bwd_per_token; same
+bits) is timed beside the default in the same run. The backward passes are timed through the
+registered custom ops (torch.ops.moe_dispatch.*).
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_dispatch.ops import permutation as P
 from moe_dispatch.ops import permute, unpermute
+
+OPS = torch.ops.moe_dispatch  # the registered custom ops (importing moe_dispatch.ops registers them)
 
 DEFAULT_SHAPES = [(8192, 16, 2048, 4), (4096, 256, 7168, 8), (16384, 128, 4096, 6), (32768, 64, 4096, 8)]
 
@@ -125,8 +127,8 @@ def passes(T: int, E: int, H: int, K: int) -> tuple[dict, dict, dict, dict]:
     ours = {
         "permute (map + rows)": lambda: permute(tokens, routing_map, probs),
         "unpermute fwd, probs": lambda: unpermute(y, rmap, probs),
-        "permute bwd": lambda: P._permute_bwd_op(g_perm, slots, None, torch.float32),
-        "unpermute bwd, probs grad": lambda: P._unpermute_bwd_op(g_out, y, slots, probs, False, K),
+        "permute bwd": lambda: OPS.permute_rows_backward(g_perm, slots, None, torch.float32),
+        "unpermute bwd, probs grad": lambda: OPS.unpermute_rows_backward(g_out, y, slots, probs, False, K),
     }
     from moe_dispatch.ops import triton_kernels as KT
     extra = {"permute, counts known (no sync)":
@@ -135,15 +137,10 @@ def passes(T: int, E: int, H: int, K: int) -> tuple[dict, dict, dict, dict]:
              "map only (make_slots)": (lambda: KT.make_slots(routing_map, 1), T * E + T * (2 * E + 1) * 4),
              "rows only (permute kernel)": (lambda: KT.permute_rows(tokens, slots, probs, N, False),
                                             floors["permute (map + rows)"] - T * E)}
-    # The alternative routes (LAUNCH knobs, same bits) beside the defaults above, in the same run.
-    extra["permute, counts known, fused map route"] = (
-        with_launch(lambda: permute(tokens, routing_map, probs, tokens_per_expert=counts, max_experts_per_token=K),
-                    permute_fused_map=True), floors["permute (map + rows)"])
-    extra["permute (syncs), fused map route"] = (
-        with_launch(lambda: permute(tokens, routing_map, probs), permute_fused_map=True),
-        floors["permute (map + rows)"])
+    # The alternative route (a LAUNCH knob, same bits) beside the default above, in the same run.
     extra["unpermute bwd, probs grad, per-token route"] = (
-        with_launch(lambda: P._unpermute_bwd_op(g_out, y, slots, probs, False, K), unpermute_bwd_per_token=True),
+        with_launch(lambda: OPS.unpermute_rows_backward(g_out, y, slots, probs, False, K),
+                    unpermute_bwd_per_token=True),
         floors["unpermute bwd, probs grad"])
     for block, warps in [(2048, 8), (4096, 16)]:  # a copy: block size is free to tune
         if block <= triton.next_power_of_2(H):
@@ -198,7 +195,6 @@ def _copy_kernel(src_ptr, dst_ptr, numel, BLOCK: tl.constexpr):
 
 
 SWEEP_PASSES = {"permute, counts known (no sync)": "permute incl. map",
-                "permute, counts known, fused map route": "permute incl. map, fused route",
                 "unpermute fwd, probs": "unpermute fwd", "permute bwd": "permute bwd",
                 "unpermute bwd, probs grad": "unpermute bwd",
                 "unpermute bwd, probs grad, per-token route": "unpermute bwd, per-token route"}
@@ -280,13 +276,11 @@ def host_overhead() -> list[tuple[str, float]]:
     y = torch.randn((T * K_, H), device="cuda", dtype=torch.bfloat16)
     calls = {
         "triton launch: unpermute_rows": lambda: K.unpermute_rows(y, rmap.slots, probs),
-        "custom op: unpermute_rows": lambda: P._unpermute_op(y, rmap.slots, probs, False, K_),
+        "custom op: unpermute_rows": lambda: OPS.unpermute_rows(y, rmap.slots, probs, False, K_),
         "API: unpermute": lambda: unpermute(y, rmap, probs),
         "triton launches: make_slots": lambda: K.make_slots(routing_map, 1),
         "API: permute, counts known": lambda: permute(tokens, routing_map, probs, tokens_per_expert=counts),
         "API: permute (syncs)": lambda: permute(tokens, routing_map, probs),
-        "API: permute, counts known, fused map route": with_launch(
-            lambda: permute(tokens, routing_map, probs, tokens_per_expert=counts), permute_fused_map=True),
     }
     return time_host_calls(calls)
 

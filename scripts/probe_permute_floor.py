@@ -13,17 +13,13 @@ at the copy bandwidth of torch's device-to-device copy measured in the same run.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
+from bench_ops import copy_bandwidth, graph_ms, routing  # python puts this script's folder first on its path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ops import copy_bandwidth, graph_ms, routing  # noqa: E402
-
-from moe_dispatch.ops import triton_kernels as KT  # noqa: E402
+from moe_dispatch.ops import triton_kernels as KT
 
 SHAPES = [(4096, 256, 7168, 8), (16384, 128, 4096, 6), (32768, 64, 4096, 8)]
 

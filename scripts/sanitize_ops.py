@@ -13,8 +13,8 @@ max_experts_per_token below a token's expert count (forward and backward); NaN a
 permute and unpermute; slots naming rows past the buffers (kernels called directly); a gather
 index out of range. Each must give the CPU twin's ValueError (deferred on CUDA: see
 moe_dispatch/ops/guard.py), NaN in the poisoned results, and a correct result on the next call.
-Every case runs twice: with the default routes, and with LAUNCH's alternative routes
-(permute_fused_map, unpermute_bwd_per_token).
+Every case runs twice: with the default routes, and with LAUNCH's alternative route
+(unpermute_bwd_per_token).
 """
 from __future__ import annotations
 
@@ -26,9 +26,8 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from moe_dispatch.ops import check_device_errors, permute, set_backend, sort_chunks, unpermute  # noqa: E402
-from moe_dispatch.ops import torch_twin as TW  # noqa: E402
+from moe_dispatch.ops import check_device_errors, permute, set_backend, sort_chunks, unpermute
+from moe_dispatch.ops import torch_twin as TW
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -298,7 +297,7 @@ def main() -> None:
           f"PYTORCH_NO_CUDA_MEMORY_CACHING={os.environ.get('PYTORCH_NO_CUDA_MEMORY_CACHING', '(unset)')}")
     from moe_dispatch.ops import triton_kernels as KT
 
-    routes = [("", {}), ("[alt routes] ", {"permute_fused_map": True, "unpermute_bwd_per_token": True})]
+    routes = [("", {}), ("[alt route] ", {"unpermute_bwd_per_token": True})]
     cases = [(prefix + name, case, knobs) for prefix, knobs in routes for name, case in cases
              if not (knobs and name == "int64 offsets")]
     failed = []

@@ -10,7 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VERSIONS=${MEGATRON_VERSIONS:-"0.17.0 0.18.0 0.19.2"}
-TESTS=(tests/integrations tests/dispatcher/test_megatron_reference.py tests/experts/test_megatron_state.py)
+TESTS=(tests/integrations tests/dispatcher/test_megatron_reference.py)
 PY=.venv/bin/python
 version_of() {  # the megatron-core release that python imports with PYTHONPATH=$1 (local tag dropped)
     PYTHONPATH=$1 $PY -W ignore -c "from megatron.core import package_info; print(package_info.__version__)" \

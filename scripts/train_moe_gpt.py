@@ -17,11 +17,11 @@ What it shows, per EP size, for each dispatcher (allgather, alltoall):
 - with ``--data same`` (every rank reads the same tokens), that every rank reports the same loss.
 
 Where it runs:
-    python scripts/train_moe_gpt.py                     # CPU: 2 gloo ranks, EP 1 and 2
-    python scripts/train_moe_gpt.py --stock --svg BENCHMARKS_train_loss.svg
     python scripts/train_moe_gpt.py --ep-sizes 1 --stock   # CUDA: one rank per GPU on NCCL
     python scripts/train_moe_gpt.py --share-gpu 2 --ep-sizes 2   # 2 ranks on one GPU, over gloo
-CPU ranks use the test suite's CPU shims (tests/megatron_cpu.py), so run it from a checkout.
+megatron-core's MoE code needs CUDA, so this script refuses CPU ranks. The test suite runs it on
+CPU gloo ranks (2 by default, EP 1 and 2) through its test-only shims, from a checkout:
+    python -m tests.integrations.train_moe_gpt_cpu --stock --svg BENCHMARKS_train_loss.svg
 """
 from __future__ import annotations
 
@@ -30,20 +30,20 @@ import hashlib
 import json
 import logging
 import os
-import socket
-import sys
 import tempfile
 import time
 import warnings
 import zlib
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
+from moe_dispatch.config import DISPATCHER_KINDS
+from moe_dispatch.launch import end_spawned_rank, set_rank_env, spawn_ranks
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-KINDS = ("allgather", "alltoall")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=None, help="default: 2 on CPU, every GPU on CUDA")
     p.add_argument("--share-gpu", type=int, default=0, metavar="N",
                    help="N ranks on GPU 0 over gloo (EP > 1 on one GPU; gloo only moves bytes)")
-    p.add_argument("--cpu", action="store_true", help="CPU ranks on gloo even where CUDA is present")
+    p.add_argument("--cpu", action="store_true",
+                   help="CPU ranks on gloo even where CUDA is present (test suite's launcher only: see above)")
     p.add_argument("--stock", action="store_true", help="also train stock Megatron (its own dispatchers, same weights)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--layers", type=int, default=2)
@@ -147,7 +148,7 @@ def seed_weights(model, seed: int) -> None:
     """Weights that depend only on the seed and the parameter, never on the EP size: each MoE
     layer's router and experts by global expert id (``load_seeded_weights``), every other matrix
     normal(0, 0.02) from its own generator (seeded by its name); norms and biases as built."""
-    from moe_dispatch.integrations.megatron_build import load_seeded_weights
+    from moe_dispatch.integrations.megatron.build import load_seeded_weights
 
     moe = [m for m in model.modules() if hasattr(m, "router") and hasattr(m, "local_expert_indices")]
     for i, layer in enumerate(moe):
@@ -216,13 +217,21 @@ def train(args: argparse.Namespace, model, device: torch.device, stream: torch.T
         losses.append(loss.item())
         mean_losses.append(mean.item() / dist.get_world_size())
     seconds = time.perf_counter() - start
-    dispatchers = sorted({type(m.token_dispatcher).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")})
+    dispatchers = sorted({_dispatcher_name(m) for m in model.modules() if hasattr(m, "token_dispatcher")})
     return dict(losses=losses, mean_losses=mean_losses, grads=grads, seconds=seconds, dispatchers=dispatchers)
 
 
-def _rank_main(local_rank: int, world: int, port: int, ep: int, args: argparse.Namespace, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+def _dispatcher_name(moe_layer) -> str:
+    """The class of the layer's dispatcher: ours inside its Megatron wrapper, or Megatron's own."""
+    from moe_dispatch.integrations.megatron import is_installed
+
+    ours = is_installed(moe_layer)
+    return type(moe_layer.token_dispatcher.dispatcher if ours else moe_layer.token_dispatcher).__name__
+
+
+def rank_main(local_rank: int, world: int, port: int, ep: int, args: argparse.Namespace, out_dir: str) -> None:
+    """One spawned rank: train every run at EP ``ep``, write its results to ``out_dir``."""
+    set_rank_env(local_rank, world, port)
     warnings.filterwarnings("ignore")
     # megatron-core <= 0.17 logs "Unknown MLP type" for every layer built from our spec (README).
     logging.getLogger("megatron.core.transformer.transformer_layer").setLevel(logging.ERROR)
@@ -233,27 +242,21 @@ def _rank_main(local_rank: int, world: int, port: int, ep: int, args: argparse.N
     elif args.share_gpu:
         torch.cuda.set_device(0)
         device = torch.device("cuda", 0)
-    else:
+    else:  # CPU ranks: only with the test suite's shims applied (see the module docstring)
         device = torch.device("cpu")
         torch.set_num_threads(1)
-        sys.path.insert(0, str(ROOT))
-        from tests.megatron_cpu import apply_cpu_rng, apply_cpu_shims
-
-        apply_cpu_shims(prepare=False)
     dist.init_process_group(args.backend, device_id=device if args.backend == "nccl" else None)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from moe_dispatch.integrations.megatron_build import prepare_megatron
+    from moe_dispatch.integrations.megatron.build import prepare_megatron
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
     prepare_megatron(device)
-    if device.type == "cpu":
-        apply_cpu_rng()
     stream = token_stream(args.vocab, 1 << 16, args.seed)
     runs = {}
     for stock in ((False, True) if args.stock else (False,)):
-        for kind in KINDS:
+        for kind in DISPATCHER_KINDS:
             torch.manual_seed(args.seed)
             model_parallel_cuda_manual_seed(args.seed)
             model = build_model(args, kind, ep, stock, device)
@@ -263,8 +266,6 @@ def _rank_main(local_rank: int, world: int, port: int, ep: int, args: argparse.N
         json.dump(runs, f)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
-    from moe_dispatch.check import end_spawned_rank
-
     end_spawned_rank()
 
 
@@ -314,7 +315,7 @@ def ep_claims(by_ep: dict) -> list[tuple[str, bool, str, bool]]:
     for variant, counts in (("ours", True), ("stock", False)):
         for ep in sizes[1:]:
             first, other = by_ep[sizes[0]], by_ep[ep]
-            for kind in KINDS:
+            for kind in DISPATCHER_KINDS:
                 name = f"{variant}-{kind}"
                 if name not in first[0]:
                     continue
@@ -382,17 +383,16 @@ def write_svg(path: str, series: dict, title: str) -> None:
     Path(path).write_text("\n".join(out) + "\n")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, rank_fn: Callable = rank_main) -> int:
+    """The run; ``rank_fn`` (``rank_main`` or a wrapper of it with the same arguments) runs each
+    spawned rank."""
     args = build_parser().parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu
     if args.share_gpu and not cuda:
         raise SystemExit("--share-gpu needs CUDA")
+    if not cuda and rank_fn is rank_main:
+        raise SystemExit("train_moe_gpt: megatron-core's MoE code needs CUDA; CPU ranks run only through the test "
+                         "suite's shims: python -m tests.integrations.train_moe_gpt_cpu [flags]")
     args.backend = "nccl" if cuda and not args.share_gpu else "gloo"
     world = args.share_gpu or args.ranks or (torch.cuda.device_count() if cuda else 2)
     if args.ep_sizes:
@@ -404,8 +404,6 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--ep-sizes: {s} must divide the ranks ({world}) and --experts ({args.experts})")
     if not cuda:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU shims refuse a process that sees a GPU
-    import torch.multiprocessing as mp
-
     where = f"{world} ranks, {args.backend}, " + ("GPU 0 shared" if args.share_gpu else "CUDA" if cuda else "CPU")
     print(f"train_moe_gpt: GPTModel {args.layers} layers, H {args.hidden}, E {args.experts}, K {args.topk}, "
           f"{args.dtype}, {args.batch}x{args.seq} tokens per rank per step, {args.steps} steps, Adam lr {args.lr}, "
@@ -413,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, series, dump, by_ep = [], {}, {}, {}
     with tempfile.TemporaryDirectory() as out_dir:
         for ep in sizes:
-            mp.spawn(_rank_main, args=(world, _free_port(), ep, args, out_dir), nprocs=world, join=True)
+            if spawn_ranks(rank_fn, world, ep, args, out_dir, name="train_moe_gpt"):
+                return 1
             ranks = [json.loads(Path(out_dir, f"ep{ep}-rank{r}.json").read_text()) for r in range(world)]
             rows += claims(ep, ranks, args.data)
             by_ep[ep] = ranks

@@ -7,7 +7,7 @@ program order (token-major or chunk-major), warps, rows per 2-D store and the ca
 row stores (write-back or streaming) in the permute kernel, the H-block of the kernels whose sums
 run per element (the unpermute backward's block is fixed: it sets the probs-gradient chunking),
 and with --passes map, make_slots' chunks, tokens per tile and warps; with --passes routes, the
-alternative routes of LAUNCH (permute fused with its map, the unpermute backward per token). Prints
+alternative route of LAUNCH (the unpermute backward per token). Prints
 CUDA-graph replay medians (do_bench_cudagraph, GPU time only) over each pass's byte floor, and the
 best setting per pass and shape. The defaults in moe_dispatch/ops/triton_kernels.py come from here.
 """
@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 
 import torch
 import triton
+from bench_ops import copy_bandwidth, graph_ms, routing  # python puts this script's folder first on its path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ops import copy_bandwidth, graph_ms, routing  # noqa: E402
-
-from moe_dispatch.ops import permute  # noqa: E402
-from moe_dispatch.ops import triton_kernels as KT  # noqa: E402
+from moe_dispatch.ops import permute
+from moe_dispatch.ops import triton_kernels as KT
 
 SHAPES = [(4096, 256, 7168, 8), (16384, 128, 4096, 6), (32768, 64, 4096, 8)]
 
@@ -100,23 +97,17 @@ def sweep_map(T: int, E: int, K: int) -> None:
 
 
 def sweep_routes(T: int, E: int, H: int, K: int, bw: float) -> None:
-    """The alternative routes (LAUNCH knobs, same bits): permute fused with its map (count-and-scan,
-    then the copy computing each row's slot) over its prefix tile, chunks, rows per store and warps;
-    the unpermute backward per token over warps. Each beside the default route, over the floor."""
+    """The alternative route (a LAUNCH knob, same bits): the unpermute backward per token over
+    warps, beside the default route, over the floor."""
     dt, b = torch.bfloat16, 2
     tokens = torch.randn((T, H), device="cuda", dtype=dt)
     routing_map, probs = routing(T, E, K)
     _, _, rmap = permute(tokens, routing_map, probs)
-    counts, N = rmap.tokens_per_expert.tolist(), rmap.num_out_tokens
+    N = rmap.num_out_tokens
     y = torch.randn((N, H), device="cuda", dtype=dt)
     g_out = torch.randn((T, H), device="cuda", dtype=dt)
     defaults = dict(KT.LAUNCH)
     routes = {
-        "permute incl. map, fused route": (
-            (T * H + N * H) * b + T * E * 5 + N * 4,
-            lambda: permute(tokens, routing_map, probs, tokens_per_expert=counts, max_experts_per_token=K),
-            {"permute_fused_map": [True]}, itertools.product([4, 8, 16, 32], [64, 128, 256], [4, 8], [None, 4, 8]),
-            ("fused_prefix_t", "map_chunks", "rows_per_store", "warps")),
         "unpermute bwd, per-token route": (
             (T * H + 2 * N * H) * b + 2 * T * E * 4,
             lambda: KT.unpermute_rows_backward(g_out, y, rmap.slots, probs, False, K),

@@ -1,7 +1,7 @@
 """Test-only: run megatron-core's MoELayer (0.16.1 through 0.19.2) on CPU / gloo.
 
-The one copy of these shims, for the test suite's spawned ranks and for the scripts' CPU runs
-(scripts/train_moe_gpt.py, scripts/bench_ep.py --cpu-smoke). Not part of the moe_dispatch package:
+The one copy of these shims, for the test suite's spawned ranks and its launchers of the scripts'
+CPU runs (tests/integrations/train_moe_gpt_cpu.py, tests/bench_ep_cpu.py). Not part of the moe_dispatch package:
 they patch torch.cuda process-wide, so a process that calls :func:`apply_cpu_shims` must never use
 a GPU (it raises where CUDA is visible).
 
@@ -13,7 +13,7 @@ CPU. :func:`apply_cpu_shims` patches exactly those calls (all idempotent):
   alltoall dispatcher copies split sizes on a side stream);
 - ``moe_utils.maybe_move_tensor_to_cpu`` (also imported into ``token_dispatcher``) returns numpy
   arrays for CPU split sizes too, as it already does for CUDA tensors;
-- then ``moe_dispatch.integrations.megatron_build.prepare_megatron`` (Megatron's global memory
+- then ``moe_dispatch.integrations.megatron.build.prepare_megatron`` (Megatron's global memory
   buffer, the TE-less fp32 router);
 - if megatron.core is not imported yet, it is imported with ``torch.compile`` replaced by a no-op
   decorator, so Megatron's ``jit_fuser`` functions run eagerly: this skips importing torch's
@@ -100,7 +100,7 @@ def apply_cpu_shims(prepare: bool = True) -> None:
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
         _APPLIED["cpu"] = True
     if prepare:
-        from moe_dispatch.integrations.megatron_build import prepare_megatron
+        from moe_dispatch.integrations.megatron.build import prepare_megatron
 
         prepare_megatron(torch.device("cpu"))
 

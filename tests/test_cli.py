@@ -96,7 +96,7 @@ def test_more_nccl_ranks_than_gpus_is_refused(spawned, capsys):
 
 
 def test_megatron_missing_is_a_flag_error(spawned, capsys, monkeypatch):
-    from moe_dispatch.integrations import megatron_check
+    from moe_dispatch.integrations.megatron import check as megatron_check
 
     monkeypatch.setattr(megatron_check, "megatron_unavailable", lambda: "--megatron needs megatron-core")
     with pytest.raises(SystemExit) as exc:
@@ -172,3 +172,14 @@ def test_console_script_exits_2_once():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("error: argument --tokens:") == 1 and proc.stdout == ""
+
+
+def test_version(capsys):
+    # One source: the wheel's metadata reads the same attribute (tests/test_packaging.py).
+    from packaging.version import Version
+
+    import moe_dispatch
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"moe-dispatch {moe_dispatch.__version__}\n"
+    assert str(Version(moe_dispatch.__version__)) == moe_dispatch.__version__  # a normalised PEP 440 version

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_dispatch import MoEConfig, MoELayer
-from tests.cuda_host_waits import count_host_transfers, host_waits
+from moe_dispatch.profiling import host_waits
+from tests.cuda_host_waits import count_host_transfers
 
 
 def _reference(layer: MoELayer, x: torch.Tensor, probs64: torch.Tensor, routing_map: torch.Tensor):

@@ -2,16 +2,17 @@
 results: expert outputs return unreduced to each token's owner, which sums them in a fixed order
 in fp32 (fp64 for fp64 probs).
 
-Modules: ``config`` (DispatchConfig), ``layout`` (the size exchange: agreement, validation, sizes),
-``exchange`` (the kinds' transport, forward and back), ``functional`` (dispatch / combine and the
-frozen handle), ``dispatchers`` (the objects and Megatron's six-method adapter), ``comm``.
+Modules: ``layout`` (the size exchange: validation, sizes), ``exchange`` (the kinds' transport,
+forward and back), ``functional`` (dispatch / combine and the frozen handle), ``dispatchers``
+(the objects). Agreement across ranks and latched errors: ``moe_dispatch.agreement``; the
+settings: ``moe_dispatch.config.DispatchConfig``; Megatron's six-method interface:
+``moe_dispatch.integrations.megatron``.
 """
-from .config import DispatchConfig
+from ..agreement import InputProblem, hidden_states_problem
+from ..config import DispatchConfig
 from .dispatchers import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher
 from .exchange import KINDS
 from .functional import DispatchHandle, combine, dispatch
-from .layout import InputProblem, hidden_states_problem
-from .megatron_adapter import dispatcher_from_megatron
 
 __all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "DispatchConfig", "DispatchHandle", "InputProblem", "KINDS",
-           "build_dispatcher", "combine", "dispatch", "dispatcher_from_megatron", "hidden_states_problem"]
+           "build_dispatcher", "combine", "dispatch", "hidden_states_problem"]

@@ -10,7 +10,8 @@ the receiver reads strided views of the packed buffer without unpacking copies.
   segments in the order (own rank, then the others ascending).
 - ``allgather``: every rank gathers every rank's [T_max, E] probs, routing and tokens (rows past
   a rank's T route nowhere) and keeps its own experts' columns; segments in rank order.
-Adding a kind: one send function of the same signature, registered in ``KINDS``.
+Adding a kind: its name in ``config.DISPATCHER_KINDS``, and here a send function of the same
+signature, registered in ``KINDS``.
 
 Return (combine, and the dispatch's backward): every expert row goes back unreduced to its
 token's owner (``send_back``). The reorder from the receiver layout (expert-major) to destination
@@ -19,11 +20,6 @@ buffer); the owner's own rows are copied into the head of the owner's buffer, ne
 collective. The kernels that produce these rows are the experts' GEMMs, so the reorder cannot be
 folded into a kernel of ours; a zero-copy alternative would be one send per (expert, destination)
 block. Mirror (``_ReturnRows.backward``): the owner's gradient rows go back the same way.
-
-Chunked overlap (design): the receiver layout is expert-major and every (expert, source) block's
-size is a host int (``Layout.local_blocks``), so an expert's rows can be returned as soon as that
-expert is done; ``ReturnRoute.index`` lists the rows destination-major, expert-minor, so a chunk
-of experts maps to contiguous runs of it.
 """
 from __future__ import annotations
 
@@ -32,8 +28,9 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from ..comm import ProcessGroup, all_gather_rows, all_to_all_rows
+from ..config import DISPATCHER_KINDS
 from ..ops.torch_twin import round_up
-from .comm import ProcessGroup, all_gather_rows, all_to_all_rows
 
 if TYPE_CHECKING:
     from .layout import Layout
@@ -182,8 +179,11 @@ def _rank_order(P: int, me: int) -> tuple[int, ...]:
     return tuple(range(P))
 
 
-# The registry of dispatcher kinds. Nothing else lists them.
+# Each name of DISPATCHER_KINDS -> its implementation.
 KINDS: dict[str, Kind] = {"alltoall": Kind(send_alltoall, _own_first), "allgather": Kind(send_allgather, _rank_order)}
+if set(KINDS) != set(DISPATCHER_KINDS):
+    raise ImportError(f"exchange.KINDS {sorted(KINDS)} must implement exactly config.DISPATCHER_KINDS "
+                      f"{DISPATCHER_KINDS}")
 
 
 # ---- the return exchange ------------------------------------------------------------------------

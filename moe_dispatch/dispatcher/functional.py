@@ -3,6 +3,8 @@
     dispatch: size exchange + layout (layout.py; skipped with handle=previous), row maps (here),
               the forward exchange (exchange.py), expand to one row per (token, local expert)
     combine:  rows back to their owners unreduced (exchange.py), the owner's fixed-order fp32 sum
+An error found after the size exchange (a wrong expert_output, a reused handle whose routing
+differs) is latched on the group's ErrorLatch (agreement.py) and raises at the next exchange.
 
 Why the results are bitwise invariant (rank, dispatcher, EP size, batch):
 - every local expert receives its rows in the order (source rank ascending, token ascending), and
@@ -25,14 +27,24 @@ from typing import Any, Optional
 
 import torch
 
+from ..agreement import (
+    EXPERT_DTYPE,
+    EXPERT_ROWS,
+    GROUP_LATCHES,
+    REUSED_ROUTING,
+    ErrorLatch,
+    InputProblem,
+    agree_config,
+    dtype_code,
+)
+from ..comm import ProcessGroup, to_device
+from ..config import DispatchConfig, MoEConfig, as_dispatch_config
 from ..ops import RowIdMap, unpermute
-from ..ops.permutation import make_slots, permute_rows
+from ..ops.permutation import make_slots, permute_rows, runs_index
 from . import static
-from .comm import ProcessGroup, group_size_rank, to_device
-from .config import DispatchConfig, as_dispatch_config
 from .exchange import KINDS, Received, ReturnRoute, return_rows, return_runs, send_back
-from .layout import InputProblem, Layout, agree_config, dtype_code, exchange_sizes, latch_error
-from .static import StaticPlan, StaticStep
+from .layout import Layout, exchange_sizes
+from .static import StaticPlan, StaticStep, pairs_to_dense
 
 Runs = tuple[torch.Tensor, torch.Tensor, int]  # (shifts, lengths) on the device, total positions
 
@@ -43,6 +55,7 @@ class Plan:
 
     Attributes:
         config, group, layout: the dispatcher's settings, the EP group, the step's sizes.
+        latch: the group's ErrorLatch, for errors found after the size exchange.
         routing_map: [T, E] bool, this rank's tokens.
         hidden_dtype, probs_dtype: dtypes of the rows and of the wire probs.
         owner_map: RowIdMap of this rank's (token, expert) pairs in the owner buffer (None at EP 1:
@@ -56,6 +69,7 @@ class Plan:
 
     config: DispatchConfig
     group: ProcessGroup
+    latch: ErrorLatch
     layout: Layout
     routing_map: torch.Tensor
     hidden_dtype: torch.dtype
@@ -72,8 +86,10 @@ class DispatchHandle:
     """What the combine (and the dispatch's backward) needs; returned by ``dispatch``. Immutable.
 
     Attributes:
-        plan: the step's Plan (layout, maps, routes).
+        plan: the step's Plan (config, group, layout, routing, tokens_per_expert, routes).
         expert_map: RowIdMap of the receiver layout (the rows given to the experts).
+        owner_map: RowIdMap of this rank's (token, expert) pairs in the rows that return to it
+            (at EP 1 the expert map: nothing moves).
         probs: [T, E] fp32/fp64 (the wire dtype), with autograd to the caller's probs.
         permuted_probs: [N] probs of the rows given to the experts (differentiable only with
             probs_in_experts; otherwise the combine applies the probs).
@@ -85,6 +101,7 @@ class DispatchHandle:
 
     plan: Plan | StaticPlan
     expert_map: RowIdMap
+    owner_map: RowIdMap
     probs: torch.Tensor
     permuted_probs: torch.Tensor
     hidden_shape: torch.Size
@@ -92,42 +109,9 @@ class DispatchHandle:
     static: Optional[StaticStep] = None
 
     @property
-    def layout(self) -> Layout:
-        return self.plan.layout
-
-    @property
-    def group(self) -> ProcessGroup:
-        return self.plan.group
-
-    @property
-    def kind(self) -> str:
-        return self.plan.config.kind
-
-    @property
-    def routing_map(self) -> torch.Tensor:
-        return self.plan.routing_map
-
-    @property
-    def owner_map(self) -> RowIdMap:
-        return self.plan.owner_map if self.plan.owner_map is not None else self.expert_map
-
-    @property
-    def tokens_per_expert(self) -> torch.Tensor:
-        """CPU int64 [El], rows per local expert (padding included). Sync-free: read from the device
-        when asked (a host sync on CUDA), never by the dispatch itself."""
-        if self.plan.tokens_per_expert is None:
-            return self.expert_map.padded_tokens_per_expert.cpu()
-        return self.plan.tokens_per_expert
-
-    @property
     def expert_counts(self) -> torch.Tensor:
         """int64 [El] on the device, rows per local expert (padding included): no host read."""
         return self.expert_map.padded_tokens_per_expert
-
-    @property
-    def input_replaced(self) -> bool:
-        """Sync-free at EP > 1: this rank's inputs were bad and it took part with zeros (NaN results)."""
-        return isinstance(self.plan, StaticPlan) and self.plan.replaced
 
     @property
     def trailing_rows(self) -> bool:
@@ -135,12 +119,17 @@ class DispatchHandle:
         return self.static is not None
 
     @property
-    def probs_in_experts(self) -> bool:
-        return self.plan.config.probs_in_experts
+    def input_replaced(self) -> bool:
+        """Sync-free at EP > 1: this rank's inputs were bad and it took part with zeros (NaN results)."""
+        return isinstance(self.plan, StaticPlan) and self.plan.replaced
 
-    def combine_weights(self) -> Optional[torch.Tensor]:
-        """[T, E] probs for the combine's weighted sum, or None when the experts applied them."""
-        return None if self.probs_in_experts else self.probs
+
+def host_tokens_per_expert(handle: DispatchHandle) -> torch.Tensor:
+    """CPU int64 [El], rows per local expert (padding included): the dropless plan's, or for a
+    sync-free handle read from the device now (a host sync on CUDA; only whoever asks pays it)."""
+    if handle.plan.tokens_per_expert is None:
+        return handle.expert_counts.cpu()
+    return handle.plan.tokens_per_expert
 
 
 # ---- row maps -----------------------------------------------------------------------------------
@@ -174,19 +163,13 @@ def _owner_runs(layout: Layout) -> tuple[list[int], list[int]]:
     return shifts, lengths
 
 
-def _runs_index(runs: Runs) -> torch.Tensor:
-    """[total] int64: position i of run r maps to i + shifts[r] (runs laid end to end)."""
-    shifts, lengths, total = runs
-    return torch.arange(total, device=shifts.device) + torch.repeat_interleave(shifts, lengths, output_size=total)
-
-
 def _row_map(routing_map: torch.Tensor, runs: Optional[Runs], padded: Optional[torch.Tensor], num_out: int,
              routed: int, max_per_row: int) -> RowIdMap:
     """RowIdMap of routing_map [R, X] whose dense rows (make_slots) move by ``runs``."""
     slots, stats = make_slots(routing_map.contiguous(), 1)  # stats: [X] counts, then max n_t
     X = routing_map.shape[1]
     if runs is not None and routed > 0:
-        lut = _runs_index(runs)
+        lut = runs_index(*runs)
         rows = slots[:, 1:1 + X]
         moved = torch.where(rows >= 0, lut[rows.clamp(min=0).long()].to(torch.int32), rows)
         slots = torch.cat([slots[:, :1], moved, slots[:, 1 + X:]], dim=1)
@@ -199,8 +182,8 @@ def _nonzero_shifts(runs: tuple[list[int], list[int]]) -> bool:
     return any(s != 0 for s, n in zip(*runs) if n)
 
 
-def make_plan(cfg: DispatchConfig, group: ProcessGroup, layout: Layout, routing_map: torch.Tensor,
-              hidden_dtype: torch.dtype, probs_dtype: torch.dtype) -> Plan:
+def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, layout: Layout,
+              routing_map: torch.Tensor, hidden_dtype: torch.dtype, probs_dtype: torch.dtype) -> Plan:
     """Row maps and routes of one step. Their host tables cross to the device in one copy."""
     P, El, me = layout.ep_size, layout.num_local_experts, layout.rank
     device = routing_map.device
@@ -231,9 +214,9 @@ def make_plan(cfg: DispatchConfig, group: ProcessGroup, layout: Layout, routing_
                              layout.max_experts_per_token[me])
         send = tuple(0 if d == me else layout.return_send_splits[d] for d in range(P))
         recv = tuple(0 if d == me else layout.return_recv_splits[d] for d in range(P))
-        route = ReturnRoute(_runs_index((dev[at_route[0]], dev[at_route[1]], sum(ret[1]))),
+        route = ReturnRoute(runs_index(dev[at_route[0]], dev[at_route[1]], sum(ret[1])),
                             layout.return_send_splits[me], send, recv, sum(layout.tokens_per_local_expert), group)
-    return Plan(config=cfg, group=group, layout=layout, routing_map=routing_map, hidden_dtype=hidden_dtype,
+    return Plan(config=cfg, group=group, latch=latch, layout=layout, routing_map=routing_map, hidden_dtype=hidden_dtype,
                 probs_dtype=probs_dtype, owner_map=owner_map, route=route, expert_runs=expert_runs,
                 expert_padded=dev[at_padded] if at_padded else None,
                 tokens_per_expert=torch.tensor(layout.tokens_per_local_expert, dtype=torch.int64))
@@ -249,33 +232,18 @@ def expert_row_map(plan: Plan, recv_routing: torch.Tensor) -> RowIdMap:
                     routed, most)
 
 
-def pairs_to_dense(values: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:
-    """values [N] in row_id_map's row order -> [T, X] with out[t, x] = values[row(t, x)], 0 elsewhere.
-    Every (t, x) has at most one row, so this is a pure scatter: no sums."""
-    T, X = row_id_map.num_tokens, row_id_map.num_experts
-    if values.numel() == 0 or T == 0:
-        return values.new_zeros((T, X))
-    slots = row_id_map.slots
-    rows, cols = slots[:, 1:1 + X].long(), slots[:, 1 + X:].long()
-    valid = rows >= 0
-    picked = torch.where(valid, values[rows.clamp(min=0)], values.new_zeros(()))
-    out = values.new_zeros((T, X + 1))  # column X collects the unused slots (all writing 0)
-    out.scatter_(1, torch.where(valid, cols, X), picked)
-    return out[:, :X]
-
-
 # ---- the steps ----------------------------------------------------------------------------------
 def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
-            problem: Optional[InputProblem] = None) -> tuple[torch.Tensor, torch.Tensor, Plan]:
+            latch: ErrorLatch, problem: Optional[InputProblem] = None) -> tuple[torch.Tensor, torch.Tensor, Plan]:
     """Size exchange (validates every rank's input, raises alike on all) and the step's Plan.
     Returns (hidden as [T, H], probs in the wire dtype with autograd, plan). ``cfg.sync_free``:
-    the sync-free plan instead (static.py: no size exchange)."""
+    the sync-free plan instead (static.py: no size exchange per step)."""
     if cfg.sync_free:
         return static.prepare(hidden, routing_map, probs, cfg, group)
-    layout = exchange_sizes(hidden, routing_map, probs, cfg, group, problem)
+    layout = exchange_sizes(hidden, routing_map, probs, cfg, group, latch, problem)
     x = hidden.reshape(-1, hidden.shape[-1])
     wire = probs.to(cfg.wire_probs_dtype(probs.dtype))
-    return x, wire, make_plan(cfg, group, layout, routing_map, x.dtype, wire.dtype)
+    return x, wire, make_plan(cfg, group, latch, layout, routing_map, x.dtype, wire.dtype)
 
 
 def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: Plan, with_routing: bool = True) -> Received:
@@ -330,17 +298,20 @@ def finish(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: Plan, hid
     """Expand the received rows into the receiver layout; returns (expert_input [N, H], handle)."""
     if isinstance(plan, StaticPlan):
         rows, row_probs, expert_map, step = static.expand(x, probs, recv, plan, expert_map)
-        offsets = torch.cumsum(expert_map.padded_tokens_per_expert, 0).clamp(max=expert_map.num_out_tokens)
-        handle = DispatchHandle(plan=plan, expert_map=expert_map, probs=probs, permuted_probs=row_probs,
-                                hidden_shape=hidden_shape, expert_offsets=offsets.to(torch.int32), static=step)
+        offsets = torch.cumsum(expert_map.padded_tokens_per_expert, 0).to(torch.int32)  # cut to N (static.py)
+        owner_map = expert_map if plan.owner_map is None else plan.owner_map
+        handle = DispatchHandle(plan=plan, expert_map=expert_map, owner_map=owner_map, probs=probs,
+                                permuted_probs=row_probs, hidden_shape=hidden_shape, expert_offsets=offsets,
+                                static=step)
         return rows, handle
     if expert_map is None:
         expert_map = expert_row_map(plan, recv.routing)
     probs_in = probs if plan.config.probs_in_experts else probs.detach()
     rows, row_probs = _Expand.apply(x, probs_in, recv.hidden, recv.probs, plan, expert_map)
     offsets = torch.cumsum(expert_map.padded_tokens_per_expert, 0).to(torch.int32)
-    handle = DispatchHandle(plan=plan, expert_map=expert_map, probs=probs, permuted_probs=row_probs,
-                            hidden_shape=hidden_shape, expert_offsets=offsets)
+    owner_map = expert_map if plan.owner_map is None else plan.owner_map
+    handle = DispatchHandle(plan=plan, expert_map=expert_map, owner_map=owner_map, probs=probs,
+                            permuted_probs=row_probs, hidden_shape=hidden_shape, expert_offsets=offsets)
     return rows, handle
 
 
@@ -365,12 +336,12 @@ def _reuse(previous: DispatchHandle, hidden: Any, routing_map: Any, probs: Any,
             raise ValueError(f"dispatch(handle=...): hidden_states, routing_map and probs must match the handle's "
                              f"[T, H] = [{T}, {H}] {plan.hidden_dtype}, [T, E] = [{T}, {E}] bool and float, on "
                              f"{plan.routing_map.device}")
-        latch_error(plan.group, 101, device=plan.routing_map.device)
+        plan.latch.set(REUSED_ROUTING, device=plan.routing_map.device)
         device = plan.routing_map.device
         nan = torch.full((T, H), float("nan"), dtype=plan.hidden_dtype, device=device)
         return nan, torch.zeros((T, E), dtype=plan.probs_dtype, device=device)
     mismatch = (routing_map != plan.routing_map).any()
-    latch_error(plan.group, mismatch.long() * 101)
+    plan.latch.set(mismatch.long() * REUSED_ROUTING)
     # The tokens carry the poison, not the probs: the ops reject non-finite probs themselves.
     x = hidden.reshape(T, H)
     return torch.where(mismatch, torch.full((), float("nan"), dtype=x.dtype, device=x.device), x), probs.to(
@@ -379,7 +350,7 @@ def _reuse(previous: DispatchHandle, hidden: Any, routing_map: Any, probs: Any,
 
 def _reuse_static(previous: DispatchHandle, hidden: Any, routing_map: Any, probs: Any,
                   ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-    """dispatch(handle=previous) in the sync-free mode: a new sync-free dispatch (it needs no
+    """dispatch(handle=previous) in the sync-free mode: a new sync-free dispatch (there is no
     size exchange to skip), whose routing is compared with the handle's on the device; a
     difference sets the step's input word (NaN outputs, then the error; see static.py)."""
     plan = previous.plan
@@ -390,12 +361,17 @@ def _reuse_static(previous: DispatchHandle, hidden: Any, routing_map: Any, probs
     new_plan.words[static.W_INPUT] = torch.maximum(new_plan.words[static.W_INPUT],
                                                    differs.to(new_plan.words.device, torch.int32) * (rank + 1))
     shape = x.shape if new_plan.replaced else hidden.shape
-    rows, new = finish(x, wire, send_tokens(x, wire, new_plan), new_plan, shape)
-    return rows, new.tokens_per_expert, new
+    return finish(x, wire, send_tokens(x, wire, new_plan), new_plan, shape)
 
 
-def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, config: Any,
-             ep_group: ProcessGroup = None, kind: Optional[str] = None, handle: Optional[DispatchHandle] = None,
+def device_of(hidden: Any) -> torch.device:
+    """Where a step's small messages live: the hidden states' device (the CPU for a non-tensor)."""
+    return hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+
+
+def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor,
+             config: MoEConfig | DispatchConfig, ep_group: ProcessGroup = None, kind: Optional[str] = None,
+             handle: Optional[DispatchHandle] = None, *, latch: Optional[ErrorLatch] = None, agreed: bool = False,
              ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send tokens to the ranks of their experts.
 
@@ -408,6 +384,8 @@ def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tenso
         handle: a previous dispatch's handle with the same routing (activation recomputation): the
             configuration check, the size exchange and the row maps are skipped; only the data
             moves. The routing is compared on the device, without a host sync (see ``_reuse``).
+        latch: the group's ErrorLatch (default: ``GROUP_LATCHES.of(ep_group)``).
+        agreed: the caller (a dispatcher object) has already agreed on the configuration.
 
     Returns:
         expert_input [N, H]: rows for the local experts, expert-major; within an expert ascending
@@ -415,24 +393,33 @@ def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tenso
         tokens_per_expert: CPU int64 [El], rows per local expert (padding included).
         handle: for ``combine`` (frozen).
 
-    The functional form agrees on the configuration (one small fixed-size exchange) on every call
-    at EP > 1; the dispatcher objects do it once, at their first dispatch.
+    Unless ``agreed``, the configuration is agreed (one small fixed-size exchange at EP > 1) on
+    every call; the dispatcher objects do it once, at their first dispatch. A sync-free config
+    (``sync_free``): tokens_per_expert is read from the device (``dispatch_rows`` reads nothing).
     """
+    rows, new = dispatch_rows(hidden, routing_map, probs, config, ep_group, kind, handle, latch=latch, agreed=agreed)
+    return rows, host_tokens_per_expert(new), new
+
+
+def dispatch_rows(hidden: Any, routing_map: torch.Tensor, probs: torch.Tensor, config: MoEConfig | DispatchConfig,
+                  ep_group: ProcessGroup = None, kind: Optional[str] = None, handle: Optional[DispatchHandle] = None,
+                  *, latch: Optional[ErrorLatch] = None, agreed: bool = False,
+                  ) -> tuple[torch.Tensor, DispatchHandle]:
+    """``dispatch`` without the host counts: (expert_input [N, H], handle). Sync-free configs make
+    no host read here (the experts take ``handle.expert_counts`` / ``handle.expert_offsets``)."""
     if handle is not None and handle.static is not None:
         return _reuse_static(handle, hidden, routing_map, probs)
     if handle is not None:
         x, wire = _reuse(handle, hidden, routing_map, probs)
         recv = send_tokens(x, wire, handle.plan, with_routing=False)
-        rows, new = finish(x, wire, recv, handle.plan, handle.hidden_shape, handle.expert_map)
-        return rows, new.tokens_per_expert, new
+        return finish(x, wire, recv, handle.plan, handle.hidden_shape, handle.expert_map)
     cfg = as_dispatch_config(config, kind)
-    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    if group_size_rank(ep_group)[0] > 1:
-        agree_config(cfg, ep_group, device)
-    x, wire, plan = prepare(hidden, routing_map, probs, cfg, ep_group)
+    if not agreed:
+        agree_config(cfg, ep_group, device_of(hidden))
+    latch = GROUP_LATCHES.of(ep_group) if latch is None else latch
+    x, wire, plan = prepare(hidden, routing_map, probs, cfg, ep_group, latch)
     replaced = isinstance(plan, StaticPlan) and plan.replaced  # then zeros of the agreed [T, H]
-    rows, new = finish(x, wire, send_tokens(x, wire, plan), plan, x.shape if replaced else hidden.shape)
-    return rows, new.tokens_per_expert, new
+    return finish(x, wire, send_tokens(x, wire, plan), plan, x.shape if replaced else hidden.shape)
 
 
 def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Tensor:
@@ -447,17 +434,17 @@ def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Ten
     if ok:
         return expert_output
     got = list(expert_output.shape) if isinstance(expert_output, torch.Tensor) else type(expert_output).__name__
-    if handle.layout.ep_size == 1:
+    if handle.plan.layout.ep_size == 1:
         raise ValueError(f"expert_output must be [N, H] = [{N}, {H}] {dtype} on {device} (N = sum(tokens_per_expert)), "
                          f"got {got}" + (f" {expert_output.dtype}" if isinstance(expert_output, torch.Tensor) else ""))
     if handle.static is not None:  # travels in the return exchange's status rows
         route = handle.static.route
-        route.words[static.W_INPUT] = torch.clamp(route.words[static.W_INPUT], min=handle.layout.rank + 1)
+        route.words[static.W_INPUT] = torch.clamp(route.words[static.W_INPUT], min=handle.plan.layout.rank + 1)
     elif isinstance(expert_output, torch.Tensor) and expert_output.shape == (N, H) and expert_output.dtype != dtype:
-        latch_error(handle.group, 102, dtype_code(dtype), dtype_code(expert_output.dtype), device=device)
+        handle.plan.latch.set(EXPERT_DTYPE, dtype_code(dtype), dtype_code(expert_output.dtype), device=device)
     else:  # rows: -1 when not a 2-D tensor of width H (or on another device)
         ok_2d = isinstance(expert_output, torch.Tensor) and expert_output.dim() == 2 and expert_output.shape[1] == H
-        latch_error(handle.group, 100, N, expert_output.shape[0] if ok_2d else -1, device=device)
+        handle.plan.latch.set(EXPERT_ROWS, N, expert_output.shape[0] if ok_2d else -1, device=device)
     nan = torch.full((N, H), float("nan"), dtype=dtype, device=device)
     if isinstance(expert_output, torch.Tensor) and expert_output.requires_grad and expert_output.is_floating_point():
         # keep the graph to the experts and the dispatch: their backward collectives must still run
@@ -467,7 +454,7 @@ def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Ten
 
 def return_with_words(expert_output: torch.Tensor, handle: DispatchHandle,
                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(owner buffer [M, H], the sync-free step's check words from every rank or None)."""
+    """(owner buffer [M, H], the sync-free step's check words from every rank, or None)."""
     if handle.static is not None:
         return static.return_to_owners(expert_output, handle.static)
     if handle.plan.route is None:
@@ -483,8 +470,9 @@ def return_to_owners(expert_output: torch.Tensor, handle: DispatchHandle) -> tor
 def owner_sum(rows: torch.Tensor, handle: DispatchHandle, words: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The owner's fixed-order weighted sum of its rows [M, H] -> hidden_states' shape (NaN for a
     bad sync-free step: ``words`` from return_with_words)."""
-    out = unpermute(rows, handle.owner_map, handle.combine_weights(), restore_shape=handle.hidden_shape)
-    return static.poison(out, words, handle.layout) if handle.static is not None else out
+    weights = None if handle.plan.config.probs_in_experts else handle.probs  # None: the experts applied them
+    out = unpermute(rows, handle.owner_map, weights, restore_shape=handle.hidden_shape)
+    return static.poison(out, words, handle.plan.layout) if handle.static is not None else out
 
 
 def combine(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -1,23 +1,12 @@
-"""The size exchange: agreement, validation and the host-side sizes (Layout) of one dispatch.
+"""The size exchange: validation and the host-side sizes (Layout) of one dispatch.
 
 Every rank describes its inputs (shapes, dtypes, a local error code), its routing counts and a
 hash of its configuration in one int64 vector; one all-gather gives every rank every rank's
 vector and one host synchronisation reads it. Every rank then runs the same validation on the same
 gathered data, so bad input on any rank raises the same ValueError on every rank before any data
 collective starts (no hang, no half-finished exchange). All split sizes are host ints from then on.
-
-The vector's length depends on E and P, and gloo aborts the process (NCCL hangs) when ranks
-gather different lengths. So before its first step a dispatcher agrees on its configuration in
-one fixed-size exchange (``agree_config``: [tag, P, fingerprint, settings hash]); a mismatch raises
-on every rank naming the field and the ranks. The settings are those of the layer around the
-dispatcher (router, experts), whose differences would not upset the exchange but would make a
-token's result depend on its rank. Each step's vector carries the fingerprint's hash again, and a
-tag, in case ranks pair up different dispatchers.
-
-Errors found after the exchange (``combine`` given the wrong rows, a reused handle whose routing
-differs) cannot raise at once without stranding the other ranks in the next collective. They are
-latched (``latch_error``) and travel in the next size exchange on the same group, where every rank
-raises them; meanwhile the flagged step's results are NaN (see ``functional``).
+The vector also carries an error latched by an earlier step (``agreement.ErrorLatch``), and the
+configuration's fingerprint hash with a tag, in case ranks pair up different dispatchers.
 
 Notation: P = EP size, E = num_experts, El = E / P local experts; rank r owns global experts
 [r * El, (r + 1) * El).
@@ -25,27 +14,19 @@ Notation: P = EP size, E = num_experts, El = E / P local experts; rank r owns gl
 from __future__ import annotations
 
 import math
-import struct
-import zlib
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
+from ..agreement import ErrorLatch, InputProblem, differ, dtype_code, dtype_name, fingerprint_hash, problem_message
+from ..comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
+from ..config import DispatchConfig
 from ..ops.torch_twin import round_up
-from .comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
-from .config import DispatchConfig
 
-_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.bool: 5,
-                torch.int64: 6, torch.int32: 7, torch.int16: 8, torch.int8: 9, torch.uint8: 10}
-_CODE_NAMES = {code: str(dtype).replace("torch.", "") for dtype, code in _DTYPE_CODES.items()}
-_CODE_NAMES.update({0: "unsupported dtype", -1: "non-tensor"})
-_HIDDEN_DTYPES = (1, 2, 3)
-_PROBS_DTYPES = (1, 2, 3, 4)
-_HANDSHAKE_TAG = 0x4D6F4548  # marks the fixed-size configuration message
+_HIDDEN_DTYPES = tuple(dtype_code(d) for d in (torch.float32, torch.float16, torch.bfloat16))
+_PROBS_DTYPES = (*_HIDDEN_DTYPES, dtype_code(torch.float64))
 _STEP_TAG = 0x4D6F4553  # marks a step's size message
-_SETTINGS_TAG = 0x4D6F4552  # marks agree_settings' message
 
 # Step message: host fields, then device fields, then counts [E] and sent [P].
 # err_*: an error the caller found locally (InputProblem); late_*: a latched error of an earlier step.
@@ -55,202 +36,6 @@ _HOST_FIELDS = ("tag", "fingerprint", "err_code", "err_expected", "err_got",
 _DEVICE_FIELDS = ("max_k", "probs_nonfinite", "late_code", "late_expected", "late_got")
 _FIELDS = _HOST_FIELDS + _DEVICE_FIELDS
 _AT = {name: i for i, name in enumerate(_FIELDS)}
-
-
-# ---- errors found outside the size exchange ---------------------------------------------------
-@dataclass(frozen=True)
-class InputProblem:
-    """A problem one rank found locally, sent in the size exchange so that every rank raises it.
-    code: a key of ``_PROBLEMS``; expected / got: ints the message shows."""
-
-    code: int
-    expected: int = 0
-    got: int = 0
-
-
-def _dtype_name(code: int) -> str:
-    return _CODE_NAMES.get(code, f"dtype code {code}")
-
-
-# code -> message(expected, got). Codes < 100 come from the caller (err_*), >= 100 are latched.
-_PROBLEMS = {
-    1: lambda e, g: "hidden_states must be a tensor",
-    2: lambda e, g: f"hidden_states must be [T, H] or [S, B, H] (2 or 3 dims), got {g} dims",
-    3: lambda e, g: f"hidden_states must have hidden size {e} (its last dim), got {g}",
-    4: lambda e, g: f"hidden_states must be float32, float16 or bfloat16, got {_dtype_name(g)}",
-    5: lambda e, g: f"hidden_states must be on the layer's device type ({_DEVICE_NAMES.get(e, e)}), got "
-                    f"{_DEVICE_NAMES.get(g, g)}",
-    100: lambda e, g: f"expert_output given to the previous combine on this group must have N = {e} rows "
-                      f"(sum(tokens_per_expert)) of hidden size H, got {g if g >= 0 else 'no [rows, H] tensor'} "
-                      f"(that step's outputs were NaN)",
-    102: lambda e, g: f"expert_output given to the previous combine on this group must be {_dtype_name(e)} like "
-                      f"the dispatched rows, got {_dtype_name(g)} (that step's outputs were NaN)",
-    101: lambda e, g: "routing_map given to dispatch(handle=...) differs from the handle's routing "
-                      "(that step's outputs were NaN)",
-}
-_DEVICE_CODES = {"cpu": 1, "cuda": 2}
-_DEVICE_NAMES = {v: k for k, v in _DEVICE_CODES.items()}
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPE_CODES.get(dtype, 0)
-
-
-def device_code(device: torch.device) -> int:
-    return _DEVICE_CODES.get(device.type, 99)
-
-
-_LATCHED: dict = {}  # group -> [3] int64 (code, expected, got), on the device or the host
-
-
-def _group_key(group: ProcessGroup) -> Any:
-    """None and the default group are one group."""
-    if group is None and dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return group
-
-
-def latch_error(group: ProcessGroup, code: torch.Tensor | int, expected: torch.Tensor | int = 0,
-                got: torch.Tensor | int = 0, device: Optional[torch.device] = None) -> None:
-    """Remember an error (code 0 = none; ints or device scalars) for the next size exchange on
-    ``group``, where every rank of the group raises it. No host synchronisation."""
-    values = (code, expected, got)
-    dev = next((v.device for v in values if isinstance(v, torch.Tensor)), device or torch.device("cpu"))
-    # host ints become fills on the device (a fill is a kernel, not a host-to-device copy)
-    new = torch.stack([v.to(torch.int64).reshape(()) if isinstance(v, torch.Tensor)
-                       else torch.full((), v, dtype=torch.int64, device=dev) for v in values])
-    old = _LATCHED.get(_group_key(group))
-    if old is not None:  # keep the first error
-        new = torch.where(old[0] != 0, old, new.to(old.device))
-    _LATCHED[_group_key(group)] = new
-
-
-def _take_latched(group: ProcessGroup, device: torch.device) -> torch.Tensor:
-    late = _LATCHED.pop(_group_key(group), None)
-    if late is None:
-        return torch.zeros(3, dtype=torch.int64, device=device)
-    return late.to(device, non_blocking=True)
-
-
-# ---- the configuration fingerprint --------------------------------------------------------------
-def _encode(value: Any) -> int:
-    """A field value as an int64 that is equal exactly when the values are."""
-    if value is None:
-        return -1
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return struct.unpack("<q", struct.pack("<d", value))[0]
-    return zlib.crc32(str(value).encode())
-
-
-def _show(name: str, code: int) -> Any:
-    """Invert _encode well enough for an error message."""
-    if code == -1:
-        return None
-    if name in ("capacity_factor", "ep_capacity_factor"):
-        return struct.unpack("<d", struct.pack("<q", code))[0]
-    if name in ("kind", "router_dtype"):
-        return {zlib.crc32(k.encode()): k for k in ("alltoall", "allgather", "fp32", "fp64")}.get(code, code)
-    return code
-
-
-def fingerprint(cfg: DispatchConfig) -> list[int]:
-    """The configuration fields every rank must agree on, as ints (DispatchConfig order)."""
-    return [_encode(v) for _, v in cfg.field_values()]
-
-
-def fingerprint_hash(cfg: DispatchConfig) -> int:
-    return zlib.crc32(repr(fingerprint(cfg)).encode())
-
-
-def _differ(values: list, shown: Optional[list[str]] = None) -> str:
-    """'[8, 4, 8, 8] by rank; ranks [1] differ from the others' (the others: the most common
-    value; on a tie, the lowest rank's). ``shown``: the values' text, if not their repr."""
-    common = max(values, key=lambda v: (values.count(v), -values.index(v)))
-    odd = [r for r, v in enumerate(values) if v != common]
-    listed = values if shown is None else "[" + ", ".join(shown) + "]"
-    return f"{listed} by rank; ranks {odd} differ from the others"
-
-
-Settings = Sequence[tuple[str, Any]]
-
-
-def _settings_text(settings: Settings) -> list[tuple[str, str]]:
-    """(name, repr(value)) of each setting, so that equal text means equal settings on any rank.
-    Only plain values (None, bool, int, float, str, torch.dtype, tuples and lists of them): a
-    repr of anything else (a function, an object) can name a memory address."""
-    def plain(v: Any) -> bool:
-        if isinstance(v, (list, tuple)):
-            return all(plain(x) for x in v)
-        return v is None or isinstance(v, (bool, int, float, str, torch.dtype))
-
-    return [(name, repr(value)) for name, value in settings if plain(value)]
-
-
-def _settings_hash(settings: Settings) -> int:
-    return zlib.crc32(repr(_settings_text(settings)).encode())
-
-
-def _settings_problems(settings: Settings, group: ProcessGroup, group_name: str) -> list[str]:
-    """Only when the settings' hashes differ (every rank sees the same hashes, so every rank
-    comes here): gather every rank's settings as text and name each one that differs."""
-    P, _ = group_size_rank(group)
-    gathered: list = [None] * P
-    dist.all_gather_object(gathered, dict(_settings_text(settings)), group=group)
-    problems = []
-    for name in sorted(set().union(*gathered)):
-        values = [g.get(name, "(not set)") for g in gathered]
-        if len(set(values)) > 1:
-            problems.append(f"{name} differs across the {group_name}: {_differ(values, shown=values)}")
-    return problems
-
-
-def agree_settings(settings: Settings, group: ProcessGroup, device: torch.device, what: str,
-                   group_name: str) -> None:
-    """One fixed-size all-gather of (tag, hash of ``settings``) over ``group``; if the hashes
-    differ, every rank raises the same ValueError "<what> configuration mismatch", naming each
-    setting that differs, its values and the ranks. No-op for a single process. For a collective
-    outside the dispatcher (the router's loss counts), before its first call."""
-    P, _ = group_size_rank(group)
-    if P == 1:
-        return
-    rows = read_host(all_gather_rows(to_device([_SETTINGS_TAG, _settings_hash(settings)], device)[None], group)
-                     .view(P, -1))
-    if any(row[0] != _SETTINGS_TAG for row in rows):
-        raise ValueError(f"ranks {[r for r, row in enumerate(rows) if row[0] != _SETTINGS_TAG]} of the {group_name} "
-                         f"are not in the {what}'s configuration exchange (ranks calling different collectives?)")
-    if len({row[1] for row in rows}) > 1:
-        raise ValueError(f"{what} configuration mismatch: " + "; ".join(_settings_problems(settings, group,
-                                                                                         group_name)))
-
-
-def agree_config(cfg: DispatchConfig, group: ProcessGroup, device: torch.device, settings: Settings = ()) -> None:
-    """One fixed-size all-gather of (tag, P, fingerprint, hash of ``settings``); raises the same
-    ValueError on every rank if any field or setting differs, naming it and the ranks. No-op for
-    a single process. ``settings``: (name, value) pairs of the layer around the dispatcher
-    (router, experts), agreed as well; only when their hashes differ does a second exchange
-    gather them to name the one that differs."""
-    P, _ = group_size_rank(group)
-    if P == 1:
-        return
-    mine = [_HANDSHAKE_TAG, P, *fingerprint(cfg), _settings_hash(settings)]
-    rows = read_host(all_gather_rows(to_device(mine, device)[None], group).view(P, -1))
-    if any(row[0] != _HANDSHAKE_TAG or row[1] != P for row in rows):
-        raise ValueError(f"EP ranks {[r for r, row in enumerate(rows) if row[0] != _HANDSHAKE_TAG]} are not in the "
-                         f"dispatcher's configuration exchange (ranks calling different collectives?)")
-    problems = []
-    for i, (name, _) in enumerate(cfg.field_values()):
-        values = [row[2 + i] for row in rows]
-        if len(set(values)) > 1:
-            problems.append(f"{name} differs across the EP group: {_differ([_show(name, v) for v in values])}")
-    if problems:
-        raise ValueError("dispatcher configuration mismatch: " + "; ".join(problems))
-    if len({row[-1] for row in rows}) > 1:
-        raise ValueError("layer configuration mismatch: " + "; ".join(_settings_problems(settings, group,
-                                                                                       "EP group")))
 
 
 # ---- the layout -------------------------------------------------------------------------------
@@ -351,7 +136,7 @@ def _describe(hidden: Any, routing_map: Any, probs: Any) -> list[int]:
         return math.prod(x.shape[:-1]), x.shape[-1]
 
     def code(x: Any) -> int:
-        return _DTYPE_CODES.get(x.dtype, 0) if isinstance(x, torch.Tensor) else -1
+        return dtype_code(x.dtype) if isinstance(x, torch.Tensor) else -1
 
     grad = int(isinstance(probs, torch.Tensor) and probs.requires_grad)
     devices = {x.device for x in (hidden, routing_map, probs) if isinstance(x, torch.Tensor)}
@@ -363,19 +148,19 @@ def _input_problems(f: dict, cfg: DispatchConfig) -> list[str]:
     """Problems with one rank's own description (the same function runs on gathered data)."""
     out = []
     if f["err_code"]:
-        out.append(_PROBLEMS[f["err_code"]](f["err_expected"], f["err_got"]))
+        out.append(problem_message(f["err_code"], f["err_expected"], f["err_got"]))
         return out
     E, H = cfg.num_experts, cfg.hidden_size
     if f["hidden_T"] < 0 or f["hidden_dtype"] not in _HIDDEN_DTYPES or f["hidden_H"] != H:
         return [f"hidden_states must be a float32/float16/bfloat16 tensor [T, {H}] or [S, B, {H}], got "
-                f"{_dtype_name(f['hidden_dtype'])} [{f['hidden_T']}, {f['hidden_H']}]"]
+                f"{dtype_name(f['hidden_dtype'])} [{f['hidden_T']}, {f['hidden_H']}]"]
     T = f["hidden_T"]
-    if f["map_dtype"] != _DTYPE_CODES[torch.bool] or (f["map_T"], f["map_E"]) != (T, E):
+    if f["map_dtype"] != dtype_code(torch.bool) or (f["map_T"], f["map_E"]) != (T, E):
         out.append(f"routing_map must be a bool tensor [T, num_experts] = [{T}, {E}], got "
-                   f"{_dtype_name(f['map_dtype'])} [{f['map_T']}, {f['map_E']}]")
+                   f"{dtype_name(f['map_dtype'])} [{f['map_T']}, {f['map_E']}]")
     if f["probs_dtype"] not in _PROBS_DTYPES or (f["probs_T"], f["probs_E"]) != (T, E):
         out.append(f"probs must be a float tensor [T, num_experts] = [{T}, {E}], got "
-                   f"{_dtype_name(f['probs_dtype'])} [{f['probs_T']}, {f['probs_E']}]")
+                   f"{dtype_name(f['probs_dtype'])} [{f['probs_T']}, {f['probs_E']}]")
     if not f["one_device"]:
         out.append("hidden_states, routing_map and probs must be on one device")
     return out
@@ -391,7 +176,7 @@ def _problems(rows: list[list[int]], cfg: DispatchConfig, fp_hash: int) -> list[
     out = []
     for r, f in enumerate(fs):
         if f["late_code"]:
-            out.append(f"{_PROBLEMS[f['late_code']](f['late_expected'], f['late_got'])} on EP rank {r}")
+            out.append(f"{problem_message(f['late_code'], f['late_expected'], f['late_got'])} on EP rank {r}")
     for r, f in enumerate(fs):
         mine = _input_problems(f, cfg)
         if not mine and f["probs_nonfinite"]:
@@ -401,16 +186,18 @@ def _problems(rows: list[list[int]], cfg: DispatchConfig, fp_hash: int) -> list[
         for name, what in (("hidden_dtype", "hidden_states dtype"), ("probs_dtype", "probs dtype")):
             values = [f[name] for f in fs]
             if len(set(values)) > 1:
-                out.append(f"{what} differs across the EP group: {_differ([_dtype_name(v) for v in values])}; "
+                out.append(f"{what} differs across the EP group: {differ([dtype_name(v) for v in values])}; "
                            f"it must be equal")
     return out
 
 
 def exchange_sizes(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
-                   problem: Optional[InputProblem] = None, device: Optional[torch.device] = None) -> Layout:
+                   latch: ErrorLatch, problem: Optional[InputProblem] = None,
+                   device: Optional[torch.device] = None) -> Layout:
     """Validate every rank's inputs and exchange the routing counts: one all-gather, one host
     synchronisation. Raises the same ValueError on every rank if any rank's input is bad, if
-    ``problem`` is set on any rank, or if an error was latched on any rank (``latch_error``).
+    ``problem`` is set on any rank, or if an error was latched on any rank's ``latch`` (the
+    group's; taken, so it raises once).
 
     Args:
         hidden: [T, H] or [S, B, H]; routing_map: [T, E] bool; probs: [T, E] float (anything on a
@@ -427,7 +214,7 @@ def exchange_sizes(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfi
     err = [problem.code, problem.expected, problem.got] if problem is not None else [0, 0, 0]
     host = [_STEP_TAG, fingerprint_hash(cfg), *err, *_describe(hidden, routing_map, probs)]
     local_ok = not _input_problems(dict(zip(_HOST_FIELDS, host)), cfg)
-    late = _take_latched(group, device)
+    late = latch.take(device)
     if local_ok:
         T = host[_AT["hidden_T"]]
         counts = routing_map.sum(0, dtype=torch.int64)
@@ -464,24 +251,3 @@ def exchange_sizes(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfi
                              f"capacity {caps[s]} (capacity_factor={cfg.capacity_factor}); the router must "
                              f"drop tokens over capacity first ({len(over)} (rank, expert) blocks over)")
     return layout
-
-
-def hidden_states_problem(hidden_states: Any, hidden_size: int, device: torch.device) -> Optional[InputProblem]:
-    """What is wrong with a layer's input, found locally (None: nothing), for the size exchange
-    to carry (``_Dispatcher.raise_together``) instead of failing on one rank while others wait.
-
-    Args:
-        hidden_states: should be [T, H] or [S, B, H] float32/float16/bfloat16 with H = hidden_size.
-        device: the layer's device (its parameters'); hidden_states must have its device type.
-    """
-    if not isinstance(hidden_states, torch.Tensor):
-        return InputProblem(1)
-    if hidden_states.dim() not in (2, 3):
-        return InputProblem(2, 0, hidden_states.dim())
-    if hidden_states.shape[-1] != hidden_size:
-        return InputProblem(3, hidden_size, hidden_states.shape[-1])
-    if hidden_states.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return InputProblem(4, 0, _DTYPE_CODES.get(hidden_states.dtype, 0))
-    if hidden_states.device.type != device.type:
-        return InputProblem(5, device_code(device), device_code(hidden_states.device))
-    return None

@@ -39,10 +39,11 @@ from typing import Any, Optional
 
 import torch
 
+from ..agreement import GROUP_LATCHES, fingerprint_hash
+from ..comm import ProcessGroup, all_gather_rows, all_to_all_rows, group_size_rank
+from ..config import DispatchConfig
 from ..ops import RowIdMap, guard, unpermute
 from ..ops.permutation import make_slots, permute_rows
-from .comm import ProcessGroup, all_gather_rows, all_to_all_rows, group_size_rank
-from .config import DispatchConfig
 from .exchange import Received, RowFormat
 
 # Check words (int32, combined across ranks by max).
@@ -178,8 +179,10 @@ _AGREED: dict = {}
 
 
 def _key(group: ProcessGroup) -> Any:
-    from .layout import _group_key
-    return _group_key(group)
+    """None and the default group are one group."""
+    if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.group.WORLD
+    return group
 
 
 def _latch(group: ProcessGroup, words: torch.Tensor, sizes: StaticSizes) -> None:
@@ -248,7 +251,6 @@ BAD_INPUT = object()  # hidden_states of a rank whose input was bad (it takes pa
 
 def agreed_hidden(group: ProcessGroup, cfg: DispatchConfig) -> Optional[tuple[torch.Size, torch.dtype]]:
     """(shape, dtype) of the first sync-free step's hidden_states at EP > 1, None before it."""
-    from .layout import fingerprint_hash
     agreed = _AGREED.get((_key(group), fingerprint_hash(cfg)))
     return None if agreed is None else (torch.Size(agreed[0][0]), agreed[0][1])
 
@@ -278,12 +280,12 @@ def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig,
         if problems:
             raise ValueError("invalid MoE dispatch input: " + "; ".join(problems))
     else:
-        from .layout import exchange_sizes, fingerprint_hash
+        from .layout import exchange_sizes
         key = (_key(group), fingerprint_hash(cfg))
         if key not in _AGREED:
             # The first step: the dropless size exchange validates every rank (raising alike on all)
             # and tells every rank every T.
-            layout = exchange_sizes(hidden, routing_map, probs, cfg, group)
+            layout = exchange_sizes(hidden, routing_map, probs, cfg, group, GROUP_LATCHES.of(group))
             if len(set(layout.num_tokens)) > 1:
                 raise ValueError(f"the static-capacity exchange (ep_capacity_factor) needs the same T on every EP "
                                  f"rank, got T = {list(layout.num_tokens)} by rank")
@@ -329,6 +331,21 @@ def make_plan(cfg: DispatchConfig, group: ProcessGroup, x: torch.Tensor, wire: t
                              True, min(E, cfg.topk))
     return StaticPlan(config=cfg, group=group, layout=sizes, routing_map=routing_map, hidden_dtype=x.dtype,
                       probs_dtype=wire.dtype, owner_map=owner_map, slots=slots, counts=counts, words=words)
+
+
+def pairs_to_dense(values: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:
+    """values [N] in row_id_map's row order -> [T, X] with out[t, x] = values[row(t, x)], 0 elsewhere.
+    Every (t, x) has at most one row, so this is a pure scatter: no sums."""
+    T, X = row_id_map.num_tokens, row_id_map.num_experts
+    if values.numel() == 0 or T == 0:
+        return values.new_zeros((T, X))
+    slots = row_id_map.slots
+    rows, cols = slots[:, 1:1 + X].long(), slots[:, 1 + X:].long()
+    valid = rows >= 0
+    picked = torch.where(valid, values[rows.clamp(min=0)], values.new_zeros(()))
+    out = values.new_zeros((T, X + 1))  # column X collects the unused slots (all writing 0)
+    out.scatter_(1, torch.where(valid, cols, X), picked)
+    return out[:, :X]
 
 
 # ---- the forward exchange -------------------------------------------------------------------------
@@ -523,7 +540,6 @@ class _Expand(torch.autograd.Function):
         grad_x = unpermute(rows, owner_map, None).view(ctx.x_shape)
         grad_probs = None
         if owner_probs is not None and ctx.needs_input_grad[1]:
-            from .functional import pairs_to_dense
             grad_probs = pairs_to_dense(owner_probs, owner_map)
         return grad_x, grad_probs, None, None, None, None
 

@@ -7,12 +7,6 @@ row-stability status, `activations` for why the CPU activations are hand-built.
 from .activations import activate, scale_rows
 from .gemm import expert_gemm, grouped_mm_row_stable, grouped_mm_supported, select_gemm
 from .init import expert_seed, init_expert_weights
-from .megatron_state import (
-    from_megatron_grouped,
-    from_megatron_sequential,
-    to_megatron_grouped,
-    to_megatron_sequential,
-)
 from .mlp import GroupedMLP, SequentialMLP
 
 __all__ = [
@@ -26,8 +20,4 @@ __all__ = [
     "grouped_mm_row_stable",
     "expert_seed",
     "init_expert_weights",
-    "to_megatron_sequential",
-    "from_megatron_sequential",
-    "to_megatron_grouped",
-    "from_megatron_grouped",
 ]

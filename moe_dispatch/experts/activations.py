@@ -24,6 +24,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..fixed_order import tree_sum
+
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693147180369123816490  # high bits of ln 2: n * _LN2_HI is exact for |n| < 2**20
 _LN2_LO = 1.90821492927058770002e-10
@@ -128,17 +130,9 @@ def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def _row_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim by a fixed pairwise tree of elementwise adds: [N, F] -> [N].
-
-    torch's reduction kernels choose their split from the whole tensor's shape, so a row's sum
-    could change with N; halving the columns with elementwise adds cannot.
-    """
-    while x.shape[-1] > 1:
-        if x.shape[-1] % 2:
-            x = F.pad(x, (0, 1))
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x.reshape(x.shape[:-1]) if x.shape[-1] == 1 else x.new_zeros(x.shape[:-1])
+    """Sum over the last dim by a fixed pairwise tree of elementwise adds: [N, F] -> [N]
+    (a row's sum then cannot change with N, as torch's reduction kernels' can)."""
+    return tree_sum(x, dim=-1)
 
 
 class _ScaleRows(torch.autograd.Function):

@@ -5,27 +5,29 @@
 
 Strategies, picked by `select_gemm`:
 
+- ``"ordered"`` (CPU, row-stable, every dtype): `moe_dispatch.fixed_order.ordered_mm` per
+  expert, elementwise products summed over K by a fixed pairwise tree, no BLAS call. A row's
+  bits are a function of that row and the weights only, by construction, whatever kernels the
+  CPU's MKL/oneDNN would pick (their choice changes rows at CPU-model-dependent M, in forward
+  and backward alike). Slower than mm; CPU is the test platform.
 - ``"grouped"``: one ``torch._grouped_mm`` call, no host sync. Row-stable where
-  `grouped_mm_row_stable` says so: CUDA bf16 on sm90+ (a CUTLASS kernel; a row's bits were the
-  same at M = 1..16384 on H200) and CPU bf16/fp16 (oneDNN). On CPU fp32 it runs MKL sgemm per
-  group and is NOT row-stable (rows of groups with fewer than 4 rows differ).
-- ``"padded"`` (the CPU row-stable fallback): one plain mm per expert on its row block
-  zero-padded to a multiple of ``row_tile`` (8). MKL takes another kernel only for M < 4 (also
-  when threads split M), so every row goes through the same kernel.
+  `grouped_mm_row_stable` says so: CUDA bf16 on sm90+ (a CUTLASS kernel whose rows were the same
+  at every M measured, BENCHMARKS.md "Row stability of GEMMs"). On CPU it is the CPU library's
+  kernel per group, opt-in only (``row_stable=False``).
 - ``"tiled"`` (the CUDA row-stable fallback): the expert's rows in calls of exactly ``row_tile``
-  (256) rows, the last tile zero-padded. cuBLAS picks its kernel from the shape, and its choice
-  changes rows at many M (fp32 and bf16 on H200: M=128 vs 256 vs 1024 all differ), so padding
-  alone is not enough there; a single fixed shape is. Slow: one small GEMM at a time leaves most
-  of the GPU idle (119 TFLOP/s fwd+bwd at the bench shape on H200, grouped_mm 535).
+  (256) rows, the last tile zero-padded. cuBLAS picks its kernel from the shape and its choice
+  changes rows at many M, so padding alone is not enough there; a single fixed shape is. Slow:
+  one small GEMM at a time leaves most of the GPU idle (BENCHMARKS.md "Experts").
 - ``"loop"``: one plain mm per expert on exactly its rows, as Megatron's SequentialMLP does.
-  NOT row-stable (CPU fp32 below 4 rows; cuBLAS at many M). Opt-in only (``row_stable=False``).
+  NOT row-stable (cuBLAS and CPU BLAS change kernels with M). Opt-in only (``row_stable=False``).
 
-Gradients: the input gradient ``dy_row @ w[e]^T`` runs through the same strategy (same padding
-and tiling), so it is row-stable whenever the forward is. The weight gradient of expert e is one
-GEMM ``x_e^T @ dy_e`` over that expert's rows only (for "grouped", a grouped_mm whose groups split
-the reduction dim): deterministic, and bitwise equal at any EP size when the expert receives the
-same rows in the same order, which tests check on CPU and H200 by building one expert alone and
-among others. Empty experts get exact zeros.
+Gradients: the input gradient ``dy_row @ w[e]^T`` runs through the same strategy (same tree,
+tiling), so it is row-stable whenever the forward is. The weight gradient of expert e is
+``x_e^T @ dy_e`` over that expert's rows only ("ordered": a fixed tree over those rows; "tiled"
+and "loop": one GEMM; "grouped": a grouped_mm whose groups split the reduction dim):
+deterministic, and bitwise equal at any EP size when the expert receives the same rows in the
+same order, which tests check on CPU and H200 by building one expert alone and among others.
+Empty experts get exact zeros.
 """
 
 from __future__ import annotations
@@ -34,17 +36,12 @@ from typing import List, Literal, Optional
 
 import torch
 
-GemmStrategy = Literal["grouped", "padded", "tiled", "loop"]
+from ..fixed_order import ordered_mm
 
-# "padded" on CPU: MKL fp32 sgemm has one kernel class for M >= 4 (1..16 threads tried); 8 leaves
-# margin. "tiled" elsewhere: rows per GEMM call (256 ran 2.2x faster than 128 on H200 fwd+bwd).
-_ROW_TILE = {"cpu": 8}
-_DEFAULT_TILE = 256
+GemmStrategy = Literal["grouped", "ordered", "tiled", "loop"]
 
-
-def default_row_tile(device: torch.device) -> int:
-    """Padding unit (``"padded"``) or rows per GEMM call (``"tiled"``) for this device."""
-    return _ROW_TILE.get(device.type, _DEFAULT_TILE)
+# Rows per GEMM call of "tiled": larger tiles keep the GPU busier (BENCHMARKS.md "Experts").
+DEFAULT_ROW_TILE = 256
 
 
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -64,14 +61,10 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def grouped_mm_row_stable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` is known row-stable (tests/experts prove each entry).
-
-    CPU bf16/fp16 (oneDNN kernel per group, row-stable at every M tried); CUDA bf16 (CUTLASS,
-    measured on H200: BENCHMARKS.md "Row stability of GEMMs"; tests/experts/test_gpu.py checks it).
-    CPU fp32 is not: it loops plain MKL sgemm.
+    """Whether the row-stable default may use ``torch._grouped_mm`` here: CUDA bf16 only (CUTLASS,
+    BENCHMARKS.md "Row stability of GEMMs"; tests/experts/test_gpu.py checks it). Never on CPU:
+    there it runs the CPU library's kernel per group, whose choice by M varies with the CPU model.
     """
-    if device.type == "cpu":
-        return dtype in (torch.bfloat16, torch.float16)
     return device.type == "cuda" and dtype == torch.bfloat16
 
 
@@ -81,7 +74,7 @@ def select_gemm(x: torch.Tensor, w: torch.Tensor, prefer_grouped: bool, row_stab
     if row_stable:
         if grouped_ok and grouped_mm_row_stable(x.device, x.dtype):
             return "grouped"
-        return "padded" if x.device.type == "cpu" else "tiled"
+        return "ordered" if x.device.type == "cpu" else "tiled"
     return "grouped" if grouped_ok else "loop"
 
 
@@ -139,21 +132,21 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor,
     return _GroupedMM.apply(x, w, offsets)
 
 
-def _blockwise(x: torch.Tensor, w: torch.Tensor, counts: List[int], row_tile: int, tiled: bool) -> torch.Tensor:
-    """x [N, K] @ w[e] [K, M] per expert block, each GEMM call on a padded or fixed-size block;
-    rows after sum(counts) (trailing rows of no expert) give zeros."""
+def _blockwise(x: torch.Tensor, w: torch.Tensor, counts: List[int], row_tile: int) -> torch.Tensor:
+    """x [N, K] @ w[e] [K, M] per expert block: calls of exactly ``row_tile`` rows, or (0) one
+    call on exactly the expert's rows; rows after sum(counts) (trailing rows of no expert) give zeros."""
     out = x.new_empty(x.shape[0], w.shape[2])
     out[sum(counts):].zero_()
     start = 0
     for e, m in enumerate(counts):
         # Full tiles are read in place; only the ragged tail is copied and zero-padded.
-        full = m - m % row_tile if tiled else 0
-        for s in range(start, start + full, row_tile):
+        full = m - m % row_tile if row_tile else 0
+        for s in range(start, start + full, row_tile or 1):
             out[s : s + row_tile] = x[s : s + row_tile] @ w[e]
         rest = m - full
         if rest:
             block = x[start + full : start + m]
-            pad = -rest % row_tile
+            pad = -rest % row_tile if row_tile else 0
             if pad:
                 block = torch.cat([block, block.new_zeros(pad, block.shape[1])])
             out[start + full : start + m] = (block @ w[e])[:rest]
@@ -161,29 +154,43 @@ def _blockwise(x: torch.Tensor, w: torch.Tensor, counts: List[int], row_tile: in
     return out
 
 
+def _ordered(x: torch.Tensor, w: torch.Tensor, counts: List[int]) -> torch.Tensor:
+    """x [N, K] @ w[e] [K, M] per expert block by `ordered_mm` (no BLAS); trailing rows give zeros."""
+    out = x.new_empty(x.shape[0], w.shape[2])
+    n = sum(counts)
+    out[n:].zero_()
+    for e, (rows, xe) in enumerate(zip(torch.split(out[:n], counts), torch.split(x[:n], counts))):
+        rows.copy_(ordered_mm(xe, w[e]))
+    return out
+
+
 class _LoopMM(torch.autograd.Function):
-    """Per-expert plain mm (``"padded"``, ``"tiled"`` or ``"loop"``) with an explicit backward:
-    dx through the same blocking as the forward, dw as one GEMM per expert, stacked once."""
+    """Per-expert GEMMs (``"ordered"``, ``"tiled"`` or ``"loop"``) with an explicit backward:
+    dx through the same blocking as the forward, dw one product per expert over its rows."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, counts: List[int], row_tile: int, tiled: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, counts: List[int], row_tile: Optional[int]) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w)
-        ctx.args = (counts, row_tile, tiled)
-        return _blockwise(x, w, counts, row_tile, tiled)
+        ctx.args = (counts, row_tile)
+        return _ordered(x, w, counts) if row_tile is None else _blockwise(x, w, counts, row_tile)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         x, w = ctx.saved_tensors
-        counts, row_tile, tiled = ctx.args
+        counts, row_tile = ctx.args
         grad = _dense(grad)
-        gx = _blockwise(grad, w.transpose(1, 2), counts, row_tile, tiled) if ctx.needs_input_grad[0] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            wt = w.transpose(1, 2)
+            gx = _ordered(grad, wt, counts) if row_tile is None else _blockwise(grad, wt, counts, row_tile)
         gw = None
         if ctx.needs_input_grad[1]:
             gw = torch.empty_like(w)
+            mm = ordered_mm if row_tile is None else torch.mm
             n = sum(counts)  # trailing rows (no expert) add nothing
             for e, (xe, ge) in enumerate(zip(torch.split(x[:n], counts), torch.split(grad[:n], counts))):
-                gw[e] = xe.t() @ ge  # K = that expert's row count; an empty expert gives zeros
-        return gx, gw, None, None, None
+                gw[e] = mm(xe.t(), ge)  # K = that expert's row count; an empty expert gives zeros
+        return gx, gw, None, None
 
 
 def expert_gemm(
@@ -202,15 +209,14 @@ def expert_gemm(
     unspecified on "grouped" (nothing of ours reads them). tokens_per_expert may then be a device
     tensor: "grouped" never reads it; the loop paths read it (a host sync on CUDA).
 
-    ``row_tile`` (``"padded"``/``"tiled"``): 0 means `default_row_tile` for the device.
+    ``row_tile`` (``"tiled"`` only): rows per GEMM call, 0 means ``DEFAULT_ROW_TILE``.
     ``offsets``: optional int32 [E] on x's device, the cumulative sum of tokens_per_expert (what
     ``"grouped"`` needs; the dispatcher's ``handle.expert_offsets``): saves a host-to-device copy.
     """
     x = _dense(x)
     if strategy == "grouped":
         return _grouped(x, w, tokens_per_expert, offsets, trailing_rows)
-    if strategy not in ("padded", "tiled", "loop"):
-        raise ValueError(f"unknown GEMM strategy {strategy!r}")
-    counts = _counts(tokens_per_expert, x.shape[0], trailing_rows)
-    tile = 1 if strategy == "loop" else row_tile or default_row_tile(x.device)
-    return _LoopMM.apply(x, w, counts, tile, strategy == "tiled")
+    tiles = {"ordered": None, "loop": 0, "tiled": row_tile or DEFAULT_ROW_TILE}
+    if strategy not in tiles:
+        raise ValueError(f"unknown GEMM strategy {strategy!r}, expected one of grouped, {', '.join(tiles)}")
+    return _LoopMM.apply(x, w, _counts(tokens_per_expert, x.shape[0], trailing_rows), tiles[strategy])

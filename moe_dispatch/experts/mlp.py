@@ -15,17 +15,16 @@ on how many rows its expert received, on where the row sits, or on the other exp
 holds per GEMM strategy and activation as documented in `gemm` and `activations`. Weight
 gradients are per-expert sums over that expert's rows: deterministic, and equal at any EP size
 when the expert receives the same rows in the same order. ``row_stable=False`` allows faster
-paths that lose this (plain per-expert mm, or grouped_mm in CPU fp32).
+paths that lose this (plain per-expert mm, or grouped_mm).
 
-GroupedMLP and SequentialMLP are bitwise equal where both take the same strategy (CPU fp32:
-both "padded"; CUDA fp32: both "tiled"). Where GroupedMLP runs grouped_mm (CPU/CUDA bf16) the two
-are different kernels and may differ in the last bits; they agree within rounding. (In our tests
-they happened to agree bitwise on CPU bf16 and on one H200 bf16 case; that is not promised.)
+GroupedMLP and SequentialMLP are bitwise equal where both take the same strategy (CPU: both
+"ordered", every dtype; CUDA fp32: both "tiled"). Where GroupedMLP runs grouped_mm (CUDA bf16)
+the two are different kernels and may differ in the last bits; they agree within rounding.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
@@ -33,12 +32,6 @@ from torch import nn
 from .activations import activate, scale_rows
 from .gemm import GemmStrategy, expert_gemm, select_gemm
 from .init import WEIGHT1, WEIGHT2, init_expert_weights
-from .megatron_state import (
-    from_megatron_grouped,
-    from_megatron_sequential,
-    to_megatron_grouped,
-    to_megatron_sequential,
-)
 
 
 class _LocalExperts(nn.Module):
@@ -59,8 +52,7 @@ class _LocalExperts(nn.Module):
         """``config``: a `moe_dispatch.config.MoEConfig` (reads hidden_size, ffn_hidden_size,
         num_experts, activation, init_seed, params_dtype, probs_in_experts).
         ``row_stable``: False allows the faster non-row-stable paths (see the module docstring).
-        ``row_tile``: padding unit ("padded", CPU) or rows per GEMM call ("tiled", CUDA) of the
-        fallback paths; 0 = the device default (8 on CPU, 256 elsewhere)."""
+        ``row_tile``: rows per GEMM call of the "tiled" fallback (CUDA); 0 = 256."""
         super().__init__()
         if num_local_experts < 1 or local_expert_offset < 0:
             raise ValueError("num_local_experts must be >= 1 and local_expert_offset >= 0")
@@ -151,32 +143,6 @@ class _LocalExperts(nn.Module):
         s2 = select_gemm(act, w2, self.prefer_grouped, self.row_stable)
         return expert_gemm(act, w2, tokens_per_expert, s2, self.row_tile, offsets, trailing_rows)
 
-    # ---- Megatron-core state dict layouts -------------------------------------------------
-
-    def megatron_state_dict(self, layout: str = "sequential", prefix: str = "") -> Dict[str, torch.Tensor]:
-        """These experts under Megatron-core's names: ``layout`` 'sequential' (SequentialMLP,
-        ``local_experts.{i}.linear_fc{1,2}.weight``) or 'grouped' (GroupedMLP ``weight1/2``)."""
-        if layout == "sequential":
-            return to_megatron_sequential(self.weight1.detach(), self.weight2.detach(), prefix)
-        if layout == "grouped":
-            return to_megatron_grouped(self.weight1.detach(), self.weight2.detach(), prefix)
-        raise ValueError(f"layout must be 'sequential' or 'grouped', got {layout!r}")
-
-    @torch.no_grad()
-    def load_megatron_state_dict(self, state_dict: Dict[str, torch.Tensor], layout: str = "sequential",
-                                 prefix: str = "") -> None:
-        """Inverse of `megatron_state_dict`; shapes must match these experts exactly."""
-        if layout == "sequential":
-            w1, w2 = from_megatron_sequential(state_dict, self.num_local_experts, prefix)
-        elif layout == "grouped":
-            w1, w2 = from_megatron_grouped(state_dict, self.num_local_experts, self.hidden_size, prefix)
-        else:
-            raise ValueError(f"layout must be 'sequential' or 'grouped', got {layout!r}")
-        for param, w, name in ((self.weight1, w1, "weight1"), (self.weight2, w2, "weight2")):
-            if w.shape != param.shape:
-                raise ValueError(f"{name}: Megatron tensor maps to {tuple(w.shape)}, expected {tuple(param.shape)}")
-            param.copy_(w)
-
     def extra_repr(self) -> str:
         return (
             f"experts={self.local_expert_offset}..{self.local_expert_offset + self.num_local_experts - 1}, "
@@ -187,17 +153,17 @@ class _LocalExperts(nn.Module):
 
 class GroupedMLP(_LocalExperts):
     """Local experts through ``torch._grouped_mm`` where it is available and (by default)
-    row-stable: CUDA bf16 (sm90+), CPU bf16/fp16, with 16-byte aligned rows. Elsewhere the
-    row-stable loop ("padded" on CPU, "tiled" on CUDA); with ``row_stable=False``, grouped_mm
-    wherever it runs (also CPU fp32, not row-stable there) else the plain per-expert loop."""
+    row-stable: CUDA bf16 (sm90+) with 16-byte aligned rows. Elsewhere the row-stable paths
+    ("ordered" on CPU, "tiled" on CUDA); with ``row_stable=False``, grouped_mm wherever it runs
+    (also on CPU, not row-stable there) else the plain per-expert loop."""
 
     prefer_grouped = True
 
 
 class SequentialMLP(_LocalExperts):
-    """Local experts one at a time with plain mm: "padded" on CPU (rows padded to a multiple of
-    8), "tiled" on CUDA (fixed 256-row calls), so the kernel never changes with the row count.
-    ``row_stable=False`` multiplies exactly each expert's rows, as Megatron's SequentialMLP does
-    (faster, not row-stable)."""
+    """Local experts one at a time: "ordered" on CPU (no BLAS, a fixed summation order), "tiled"
+    on CUDA (plain mm in fixed 256-row calls), so a row's result never changes with the row count.
+    ``row_stable=False`` multiplies exactly each expert's rows with mm, as Megatron's
+    SequentialMLP does (faster, not row-stable)."""
 
     prefer_grouped = False

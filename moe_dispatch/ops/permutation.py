@@ -109,21 +109,14 @@ def _permute_setup(ctx, inputs, output):
     ctx.probs_dtype = probs.dtype if probs is not None else torch.float32
 
 
-def _permute_grads(ctx, grad_out, grad_out_probs):
-    """(grad tokens [T, H], grad probs [T, E] or None) of a permute whose ctx saved its slots,
-    has_probs and probs_dtype (the registered op's and the fused route's backward)."""
+def _permute_backward(ctx, grad_out, grad_out_probs):
     (slots,) = ctx.saved_tensors
     grad_probs = None
     if ctx.has_probs:
         grad_probs = grad_out_probs if grad_out_probs is not None else torch.zeros(
             grad_out.shape[0], dtype=ctx.probs_dtype, device=grad_out.device)
     grad_tokens, grad_token_probs = _permute_bwd_op(grad_out.contiguous(), slots, grad_probs, ctx.probs_dtype)
-    return grad_tokens, (grad_token_probs if ctx.has_probs else None)
-
-
-def _permute_backward(ctx, grad_out, grad_out_probs):
-    grad_tokens, grad_token_probs = _permute_grads(ctx, grad_out, grad_out_probs)
-    return grad_tokens, None, grad_token_probs, None, None
+    return grad_tokens, None, (grad_token_probs if ctx.has_probs else None), None, None
 
 
 _permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
@@ -198,8 +191,8 @@ _gather_rows_op.register_autograd(_gather_backward, setup_context=_gather_setup)
 
 # --------------------------------------------------------------------------------------------
 # Callers go through these: the registered op under torch.compile or when autograd needs its
-# backward; otherwise the backend function directly (the op wrapper costs ~20 us of host time per
-# call on the GPU machine, and these run several times per dispatch). Same function, same bits.
+# backward; otherwise the backend function directly (the op wrapper's host time per call is
+# measurable, BENCHMARKS.md, and these run several times per dispatch). Same function, same bits.
 # --------------------------------------------------------------------------------------------
 def _direct(*tensors: Optional[torch.Tensor]) -> bool:
     if torch.compiler.is_compiling():
@@ -362,36 +355,6 @@ def _poll() -> None:
         guard.poll()
 
 
-def _fused_route(tokens: torch.Tensor):
-    """The Triton module when LAUNCH["permute_fused_map"] selects the fused route (two launches
-    instead of three; same bits), else None. Not under torch.compile (the registered ops trace)."""
-    impl = _impl(tokens)
-    if impl is torch_twin or torch.compiler.is_compiling() or not impl.LAUNCH["permute_fused_map"]:
-        return None
-    return impl
-
-
-class _PermutePlanned(torch.autograd.Function):
-    """The fused route's copy with the backward of permute_rows (the slots it writes drive it)."""
-
-    @staticmethod
-    def forward(ctx, tokens, probs, routing_map, plan, num_out, zero_fill):
-        from . import triton_kernels
-        out, out_probs, slots = triton_kernels.permute_planned(tokens, routing_map, plan, probs, num_out, zero_fill)
-        ctx.save_for_backward(slots)
-        ctx.has_probs = probs is not None
-        ctx.probs_dtype = probs.dtype if probs is not None else torch.float32
-        ctx.mark_non_differentiable(slots)
-        if probs is None:
-            ctx.mark_non_differentiable(out_probs)
-        return out, out_probs, slots
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_out_probs, _grad_slots):
-        grad_tokens, grad_token_probs = _permute_grads(ctx, grad_out, grad_out_probs)
-        return grad_tokens, grad_token_probs, None, None, None, None
-
-
 def permute(
     tokens: torch.Tensor,
     routing_map: torch.Tensor,
@@ -453,11 +416,7 @@ def permute(
     given = _host_counts(tokens_per_expert, E) if tokens_per_expert is not None else None
     given_max = None if max_experts_per_token is None else min(max_experts_per_token, E)
 
-    fused = _fused_route(tokens)
-    if fused is not None:  # one count-and-scan launch now, the copy (which writes the slots) below
-        plan, stats = fused.count_scan(routing_map.contiguous(), pad_multiple, probs, given, given_max)
-    else:
-        slots, stats = make_slots_checked(routing_map.contiguous(), pad_multiple, probs, given, given_max)
+    slots, stats = make_slots_checked(routing_map.contiguous(), pad_multiple, probs, given, given_max)
     counts = stats[:E]
     padded = counts if pad_multiple == 1 else round_up(counts, pad_multiple)  # no kernels when unpadded
     if given is not None:
@@ -478,11 +437,7 @@ def permute(
         raise ValueError(f"the routing map needs {num_out_tokens} rows, more than the 2^31 - 1 that int32 "
                          f"row ids address (split the batch)")
     has_pad_rows = num_out_tokens > routed
-    if fused is not None:
-        permuted, permuted_probs, slots = _PermutePlanned.apply(tokens, probs, routing_map.contiguous(), plan,
-                                                               num_out_tokens, has_pad_rows)
-    else:
-        permuted, permuted_probs = permute_rows(tokens, slots, probs, num_out_tokens, has_pad_rows)
+    permuted, permuted_probs = permute_rows(tokens, slots, probs, num_out_tokens, has_pad_rows)
     if given is not None and stats.is_cuda and not torch.compiler.is_compiling():
         guard.queue(stats, E, given, given_max)  # after the copy is queued: the check never delays it
     row_id_map = RowIdMap(slots, counts, padded, num_out_tokens, has_pad_rows, most)
@@ -549,9 +504,9 @@ def sort_chunks(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Reorder contiguous row chunks: output chunk i is input chunk sorted_idxs[i].
 
-    The alltoall dispatcher uses it to go from source-rank-major to expert-major rows and back.
-    It is a pure permutation (rows are copied, never summed), so it is exact; its backward is the
-    inverse permutation.
+    Megatron's alltoall dispatcher reorders its rows this way (source-rank-major to expert-major
+    and back); this package's dispatchers do not call it. It is a pure permutation (rows are
+    copied, never summed), so it is exact; its backward is the inverse permutation.
 
     Args:
         tokens: [N, H]; split_sizes: C chunk lengths summing to N (host list or tensor);
@@ -605,8 +560,13 @@ def shifted_runs(shifts: Sequence[int], lengths: Sequence[int], device: torch.de
     """[sum(lengths)] int64 on ``device``: i + shifts[r] for every position i of run r, the runs
     (lengths[r] positions each) laid end to end. Host tables go to the device non_blocking."""
     tables = torch.tensor([*shifts, *lengths], dtype=torch.int64).to(device, non_blocking=True).view(2, -1)
-    total = sum(lengths)
-    return torch.arange(total, device=device) + torch.repeat_interleave(tables[0], tables[1], output_size=total)
+    return runs_index(tables[0], tables[1], sum(lengths))
+
+
+def runs_index(shifts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """``shifted_runs`` from tables already on the device: shifts, lengths [R] int64; total =
+    sum(lengths), a host int (so nothing waits for the device)."""
+    return torch.arange(total, device=shifts.device) + torch.repeat_interleave(shifts, lengths, output_size=total)
 
 
 def inverse_permutation(index: torch.Tensor) -> torch.Tensor:

@@ -36,20 +36,16 @@ from .torch_twin import NUMERICS, block_h, max_slots_bound
 # (True) or the H-chunks of one token (False, whole rows stream together). "warps" overrides the
 # warp count. "rows_per_store": rows the permute kernel writes per 2-D store (1 = one row at a
 # time). "permute_store_cache": the PTX cache hint of the permute kernel's row stores ("" =
-# write-back, ".cs" = streaming: for this write-heavy copy ~1% faster on H200 in the same run; the
-# unpermute backward's row stores ran ~1% slower with it, so the other kernels keep write-back).
+# write-back, ".cs" = streaming: faster for this write-heavy copy; the unpermute backward's row
+# stores were slower with it, so the other kernels keep write-back; BENCHMARKS.md).
 # "map_chunks", "map_block_t", "map_warps": make_slots' token chunks (about that many programs),
 # tokens per tile (None: 4096 / E rounded to a power of two, at most 128) and warps (None:
 # Triton's default). scripts/tune_ops.py sweeps them.
-# Alternative routes (same bits; scripts/bench_ops.py --compare times both):
+# An alternative route (same bits; scripts/bench_ops.py times it beside the default):
 # "unpermute_bwd_per_token": the unpermute backward as one program per token (_unpermute_bwd_token_kernel)
 # instead of one per (token, H-chunk) plus the probs-gradient launch.
-# "permute_fused_map": permute as a count-and-scan launch then a copy that computes each row's
-# slot itself (_count_scan_kernel, _permute_map_kernel) instead of make_slots + the permute kernel;
-# "fused_prefix_t": tokens per prefix tile of that route.
 LAUNCH: dict = {"token_major": False, "warps": None, "rows_per_store": 8, "permute_store_cache": ".cs",
-                "map_chunks": 128, "map_block_t": None, "map_warps": None,
-                "unpermute_bwd_per_token": False, "permute_fused_map": False, "fused_prefix_t": 16}
+                "map_chunks": 128, "map_block_t": None, "map_warps": None, "unpermute_bwd_per_token": False}
 
 
 def _num_warps(block: int) -> int:
@@ -348,224 +344,6 @@ def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
     return out, out_probs
 
 
-# --------------------------------------------------------------------------------------------
-# The fused route (LAUNCH["permute_fused_map"]): one count-and-scan launch, then one copy whose
-# programs compute their token's rows and write its slots. Same slots, same rows, same bits as
-# make_slots + _permute_kernel.
-# --------------------------------------------------------------------------------------------
-_TICKETS: dict = {}
-
-
-def _ticket(device: torch.device) -> torch.Tensor:
-    """int32 [1], zero between launches: _count_scan_kernel's arrival counter (its last program
-    sets it back to 0). One per device, allocated once: launches on one stream never overlap."""
-    t = _TICKETS.get(device)
-    if t is None:
-        t = _TICKETS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return t
-
-
-@triton.jit(do_not_specialize=["given_routed", "given_hash", "given_max"])
-def _count_scan_kernel(
-    map_ptr, probs_ptr, tile_prefix_ptr, chunk_counts_ptr, chunk_max_ptr, chunk_base_ptr, stats_ptr, status_ptr,
-    ticket_ptr, T, E, num_chunks, pad_multiple, stride_mt, stride_me, stride_pt, stride_pe,
-    given_routed, given_hash, given_max,
-    CHUNK_T: tl.constexpr, TILE_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-    CHECK_PROBS: tl.constexpr, CHECK_SIZES: tl.constexpr, PROBS_WORD: tl.constexpr, SIZES_WORD: tl.constexpr,
-):
-    """Program c counts chunk c (CHUNK_T tokens) per expert, storing for each of its tiles of
-    TILE_T tokens the tokens routed to each expert before that tile within the chunk
-    (tile_prefix). The last program to arrive (an acq_rel ticket) scans the chunk counts:
-    chunk_base[c, e] = start of expert e's block + rows of e from chunks before c; it writes
-    stats (counts, most experts of a token, status words after this call's checks, as
-    _slots_kernel does) and resets the ticket. The scan runs in one program in a fixed order, so
-    its result does not depend on which program arrives last."""
-    pid = tl.program_id(0)
-    offs_e = tl.arange(0, BLOCK_E)
-    valid_e = offs_e < E
-    total = tl.zeros([BLOCK_E], dtype=tl.int32)
-    most = tl.zeros([TILE_T], dtype=tl.int32)
-    nonfinite = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for t0 in range(0, CHUNK_T, TILE_T):
-        start = pid * CHUNK_T + t0
-        offs_t = start + tl.arange(0, TILE_T)
-        mask = (offs_t[:, None] < T) & valid_e[None, :]
-        routed = tl.load(map_ptr + offs_t[:, None].to(tl.int64) * stride_mt + offs_e[None, :] * stride_me,
-                         mask=mask, other=0).to(tl.int32)
-        tl.store(tile_prefix_ptr + (start // TILE_T).to(tl.int64) * E + offs_e, total,
-                 mask=valid_e & ((offs_e * 0 + start) < T))
-        total += tl.sum(routed, axis=0)
-        most = tl.maximum(most, tl.sum(routed, axis=1))
-        if CHECK_PROBS:
-            p = tl.load(probs_ptr + offs_t[:, None].to(tl.int64) * stride_pt + offs_e[None, :] * stride_pe,
-                        mask=mask, other=0.0)
-            nonfinite += tl.sum(tl.where(tl.abs(p) < float("inf"), 0, 1), axis=0)
-    tl.store(chunk_counts_ptr + pid * E + offs_e, total, mask=valid_e)
-    tl.store(chunk_max_ptr + pid, tl.max(most, axis=0))
-    if CHECK_PROBS:
-        flag = tl.arange(0, 1)
-        tl.store(status_ptr + PROBS_WORD + flag, flag + 1, mask=(flag + tl.max(nonfinite, axis=0)) > 0)
-    # Every thread's stores above happen before the release of the ticket (barrier, then acq_rel).
-    tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-    if ticket == num_chunks - 1:
-        tl.debug_barrier()
-        counts_total = tl.zeros([BLOCK_E], dtype=tl.int64)
-        most_c = tl.zeros([BLOCK_C], dtype=tl.int32)
-        for c0 in range(0, num_chunks, BLOCK_C):
-            offs_c = c0 + tl.arange(0, BLOCK_C)
-            counts = tl.load(chunk_counts_ptr + offs_c[:, None] * E + offs_e[None, :],
-                             mask=(offs_c[:, None] < num_chunks) & valid_e[None, :], other=0, cache_modifier=".cg")
-            counts_total += tl.sum(counts, axis=0).to(tl.int64)
-            most_c = tl.maximum(most_c, tl.load(chunk_max_ptr + offs_c, mask=offs_c < num_chunks, other=0,
-                                                cache_modifier=".cg"))
-        padded = (counts_total + pad_multiple - 1) // pad_multiple * pad_multiple
-        running = tl.cumsum(padded, axis=0) - padded
-        for c0 in range(0, num_chunks, BLOCK_C):
-            offs_c = c0 + tl.arange(0, BLOCK_C)
-            cmask = (offs_c[:, None] < num_chunks) & valid_e[None, :]
-            counts = tl.load(chunk_counts_ptr + offs_c[:, None] * E + offs_e[None, :], mask=cmask, other=0,
-                             cache_modifier=".cg").to(tl.int64)
-            tl.store(chunk_base_ptr + offs_c[:, None] * E + offs_e[None, :],
-                     running[None, :] + tl.cumsum(counts, axis=0) - counts, mask=cmask)
-            running += tl.sum(counts, axis=0)
-        most_of_all = tl.max(most_c, axis=0)
-        tl.store(stats_ptr + offs_e, counts_total, mask=valid_e)
-        tl.store(stats_ptr + E, most_of_all.to(tl.int64))
-        offs_s = tl.arange(0, 4)
-        words = tl.load(status_ptr + offs_s, cache_modifier=".cg")
-        if CHECK_SIZES:
-            wide = tl.where(valid_e, counts_total, 0)
-            bad = ((tl.sum(wide, axis=0) != given_routed) | (most_of_all > given_max)
-                   | (tl.sum(wide * _expert_weights(offs_e), axis=0) != given_hash))
-            words = tl.where(offs_s == SIZES_WORD, tl.where(bad, 1, words), words)
-            tl.store(status_ptr + offs_s, words)
-        tl.store(stats_ptr + E + 1 + offs_s, words.to(tl.int64))
-        tl.store(ticket_ptr + tl.arange(0, 1), tl.zeros([1], tl.int32))
-
-
-def count_scan(routing_map: torch.Tensor, pad_multiple: int, probs: torch.Tensor | None,
-               given_counts: list[int] | None, given_max: int | None) -> tuple[tuple, torch.Tensor]:
-    """Launcher of the fused route's first launch. routing_map [T, E] bool -> (plan for
-    permute_planned, stats int64 [E + 1 + STATUS_WORDS] as make_slots_checked returns, with the
-    same checks and the same error behaviour)."""
-    E = routing_map.shape[1]
-    plan, stats = _count_scan(routing_map, pad_multiple, probs, given_counts, given_max)
-    if stats.device.type == "cpu":
-        guard.check_snapshot(stats.tolist(), E, given_counts, given_max)
-    return plan, stats
-
-
-def _count_scan(routing_map: torch.Tensor, pad_multiple: int, probs: torch.Tensor | None,
-                given_counts: list[int] | None, given_max: int | None) -> tuple[tuple, torch.Tensor]:
-    T, E = routing_map.shape
-    device = routing_map.device
-    status = guard.status(device)
-    tile_t = LAUNCH["fused_prefix_t"]
-    chunk_t = tile_t * max(1, triton.cdiv(triton.cdiv(max(T, 1), LAUNCH["map_chunks"]), tile_t))
-    num_chunks = triton.cdiv(T, chunk_t)
-    tile_prefix = torch.empty((triton.cdiv(T, tile_t), E), dtype=torch.int32, device=device)
-    chunk_base = torch.empty((num_chunks, E), dtype=torch.int64, device=device)
-    if T == 0:
-        stats = torch.zeros(E + 1 + guard.STATUS_WORDS, dtype=torch.int64, device=device)
-        stats[E + 1:] = status
-    else:
-        stats = torch.empty(E + 1 + guard.STATUS_WORDS, dtype=torch.int64, device=device)
-        block_e = triton.next_power_of_2(E)
-        routed = routing_map.view(torch.uint8)
-        chunk_counts = torch.empty((num_chunks, E), dtype=torch.int32, device=device)
-        chunk_max = torch.empty(num_chunks, dtype=torch.int32, device=device)
-        p, *p_strides = _probs_args(probs, chunk_counts)
-        check = given_counts is not None
-        given = ((sum(given_counts), guard.counts_hash(given_counts), E if given_max is None else given_max)
-                 if check else (0, 0, 0))
-        warps = {"num_warps": LAUNCH["map_warps"]} if LAUNCH["map_warps"] else {}
-        _count_scan_kernel[(num_chunks,)](
-            routed, p, tile_prefix, chunk_counts, chunk_max, chunk_base, stats, status, _ticket(device), T, E,
-            num_chunks, pad_multiple, routed.stride(0), routed.stride(1), *p_strides, *given,
-            CHUNK_T=chunk_t, TILE_T=tile_t, BLOCK_E=block_e, BLOCK_C=max(1, min(32, 8192 // block_e)),
-            CHECK_PROBS=probs is not None, CHECK_SIZES=check, PROBS_WORD=guard.PROBS_PERMUTE,
-            SIZES_WORD=guard.SIZES, **warps)
-    return (tile_prefix, chunk_base, chunk_t, tile_t), stats
-
-
-@triton.jit
-def _permute_map_kernel(
-    tokens_ptr, map_ptr, probs_ptr, tile_prefix_ptr, chunk_base_ptr, out_ptr, out_probs_ptr, slots_ptr, status_ptr,
-    T, H, E, N, stride_tt, stride_th, stride_mt, stride_me, stride_pt, stride_pe,
-    CHUNK_T: tl.constexpr, TILE_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr, HAS_PROBS: tl.constexpr, STORE_CM: tl.constexpr,
-):
-    """Program t: token t's rows, row(t, e) = chunk_base[chunk, e] + tile_prefix[tile, e] + tokens
-    of its tile before t routed to e (the same value as make_slots'); its slots row (the -1 fill
-    and the entries are disjoint stores); then its H-chunks copied to its rows, BLOCK_K rows per
-    2-D store. Rows outside [0, N) are skipped; NaN once the status is set."""
-    t = tl.program_id(0).to(tl.int64)
-    offs_e = tl.arange(0, BLOCK_E)
-    valid_e = offs_e < E
-    poisoned = _poisoned(status_ptr)
-    routed = tl.load(map_ptr + t * stride_mt + offs_e * stride_me, mask=valid_e, other=0).to(tl.int32)
-    n = tl.sum(routed, axis=0)
-    tile = t // TILE_T
-    offs_u = tile * TILE_T + tl.arange(0, TILE_T)
-    earlier = tl.load(map_ptr + offs_u[:, None] * stride_mt + offs_e[None, :] * stride_me,
-                      mask=(offs_u[:, None] < t) & valid_e[None, :], other=0).to(tl.int32)
-    rows_e = (tl.load(chunk_base_ptr + (t // CHUNK_T) * E + offs_e, mask=valid_e, other=0)
-              + tl.load(tile_prefix_ptr + tile * E + offs_e, mask=valid_e, other=0) + tl.sum(earlier, axis=0))
-    slot_e = tl.cumsum(routed, axis=0) - 1
-    hit = valid_e & (routed != 0)
-    unused = valid_e & (offs_e >= n)
-    slot_row = slots_ptr + t * (2 * E + 1)
-    tl.store(slot_row + tl.arange(0, 1), n + tl.zeros([1], tl.int32))
-    tl.store(slot_row + 1 + offs_e, tl.full([BLOCK_E], -1, tl.int32), mask=unused)
-    tl.store(slot_row + 1 + E + offs_e, tl.full([BLOCK_E], -1, tl.int32), mask=unused)
-    tl.store(slot_row + 1 + slot_e, rows_e.to(tl.int32), mask=hit)
-    tl.store(slot_row + 1 + E + slot_e, offs_e, mask=hit)
-    offs_k = tl.arange(0, BLOCK_K)
-    for j0 in range(0, n, BLOCK_K):
-        sel = hit[None, :] & (slot_e[None, :] == (j0 + offs_k)[:, None])
-        rows = tl.sum(tl.where(sel, rows_e[None, :], 0), axis=1)
-        mask_k = (j0 + offs_k < n) & (rows >= 0) & (rows < N)
-        if HAS_PROBS:
-            e = tl.sum(tl.where(sel, offs_e[None, :], 0), axis=1)
-            p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=mask_k)
-            tl.store(out_probs_ptr + rows, tl.where(poisoned, float("nan"), p), mask=mask_k)
-        for c in range(0, tl.cdiv(H, BLOCK_H)):
-            offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
-            mask_h = offs_h < H
-            x = tl.load(tokens_ptr + t * stride_tt + offs_h * stride_th, mask=mask_h)
-            x = tl.where(poisoned, float("nan"), x.to(tl.float32)).to(x.dtype)
-            tl.store(out_ptr + rows[:, None] * H + offs_h[None, :], tl.broadcast_to(x[None, :], (BLOCK_K, BLOCK_H)),
-                     mask=mask_k[:, None] & mask_h[None, :], cache_modifier=STORE_CM)
-
-
-def permute_planned(tokens: torch.Tensor, routing_map: torch.Tensor, plan: tuple, probs: torch.Tensor | None,
-                    num_out: int, zero_fill: bool,
-                    block: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launcher of the fused route's copy. tokens [T, H], routing_map [T, E], probs [T, E] ->
-    (out [num_out, H], out_probs [num_out] or [0], slots int32 [T, 2E + 1])."""
-    T, H = tokens.shape
-    E = routing_map.shape[1]
-    tile_prefix, chunk_base, chunk_t, tile_t = plan
-    alloc = torch.zeros if zero_fill else torch.empty
-    out = alloc((num_out, H), dtype=tokens.dtype, device=tokens.device)
-    out_probs = (alloc((num_out,), dtype=probs.dtype, device=tokens.device) if probs is not None
-                 else torch.empty(0, dtype=torch.float32, device=tokens.device))
-    slots = torch.empty((T, 2 * E + 1), dtype=torch.int32, device=tokens.device)
-    if T == 0:
-        return out, out_probs, slots
-    bh = block or block_h(max(H, 1))  # a copy: the block size does not change any value
-    routed = routing_map.view(torch.uint8)
-    p, *p_strides = _probs_args(probs, out_probs)
-    _permute_map_kernel[(T,)](
-        tokens, routed, p, tile_prefix, chunk_base, out, out_probs, slots, guard.status(tokens.device),
-        T, H, E, num_out, tokens.stride(0), tokens.stride(1), routed.stride(0), routed.stride(1), *p_strides,
-        CHUNK_T=chunk_t, TILE_T=tile_t, BLOCK_E=triton.next_power_of_2(E), BLOCK_H=bh,
-        BLOCK_K=LAUNCH["rows_per_store"], HAS_PROBS=probs is not None, STORE_CM=LAUNCH["permute_store_cache"],
-        num_warps=LAUNCH["warps"] or _num_warps(bh), **_launch_opts())
-    return out, out_probs, slots
-
-
 @triton.jit
 def _permute_bwd_kernel(
     grad_ptr, slots_ptr, grad_probs_ptr, grad_tokens_ptr, grad_token_probs_ptr, status_ptr,
@@ -664,7 +442,7 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
     if T == 0 or H == 0:
         return out
     # Per-element sums over a token's rows: the block size changes no value. 2048 with 4 warps ran
-    # 2-4% faster than 1024 on H200 (scripts/tune_ops.py; BENCHMARKS.md).
+    # faster than 1024 (scripts/tune_ops.py; BENCHMARKS.md).
     bh = block or max(16, min(2048, triton.next_power_of_2(H)))
     p, *p_strides = _probs_args(probs, out)
     status = guard.status(rows.device)
@@ -694,7 +472,7 @@ def _unpermute_bwd_kernel(
     The in-chunk sum is tl.sum: its order is fixed for a compiled kernel (so results are
     deterministic and independent of T and of other tokens) but it is not the twin's order, so
     the probability gradient matches the twin within rounding, not bitwise. A halving tree that
-    the twin could reproduce cost 8x the memory floor here."""
+    the twin could reproduce was several times slower (BENCHMARKS.md)."""
     t, c, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
     poisoned = _poisoned(status_ptr)
     acc_ty = tl.float64 if ACC_FP64 else tl.float32

@@ -1,25 +1,25 @@
 """Row-stable gating GEMM: ``logits = hidden @ weight.T`` computed in the router dtype.
 
 "Row-stable" means row t of the result is bitwise the same whatever other rows share the call.
-Library GEMMs do not promise this: they pick kernels by M (CPU fp32 mm changes below M=8, CPU fp64
-mm treats odd M differently, cuBLAS on H200 changes between M<=64 and M>=128). So:
+Library GEMMs do not promise this: they pick kernels by M, and which M's change a row depends on
+the library and the CPU or GPU model (BENCHMARKS.md "Row stability of GEMMs"). So:
 
 * CUDA: one Triton kernel (_triton_gemm.py) whose tile configuration depends on the dtypes and
   E only, never on M, so every output element accumulates over K in the same order whatever M
   is. With bf16/fp16 activations it multiplies on tensor cores with fp32 accumulation (every
-  product exact, as in Megatron's TE router GEMM; the accumulation is not IEEE-sequential, about
-  5x the error of cuBLAS SGEMM against an fp64 reference, measured on H200). fp32 activations use
-  an IEEE fp32 FMA kernel, fp64 an fp64 one. Without triton, CUDA falls back to the blocked path
-  below (fixed-shape cuBLAS calls; not measured for row stability).
-* CPU: the rows are cut into blocks of exactly ``CPU_ROW_BLOCK`` rows (the last one
-  zero-padded) and each block is one ``torch.mm`` of that fixed shape, so the library sees the
-  same problem every time. A row's result was measured to be independent of its position inside
-  the block (tests/router/test_router_gating.py keeps checking it).
+  product exact, as in Megatron's TE router GEMM; the accumulation is not IEEE-sequential, so
+  its error against an fp64 reference is larger than cuBLAS SGEMM's, BENCHMARKS.md "Row
+  stability of GEMMs").
+  fp32 activations use an IEEE fp32 FMA kernel, fp64 an fp64 one. Without triton, CUDA falls
+  back to fixed-shape cuBLAS calls of ``FALLBACK_ROW_BLOCK`` rows (not measured for row stability).
+* CPU: `moe_dispatch.fixed_order.ordered_mm`, elementwise products summed over H by a fixed
+  pairwise tree, no BLAS call: a row's logits are a function of that row and the weight only,
+  whatever kernels the CPU's library would pick.
 
-Backward (deterministic run to run; batch invariance is a forward promise): ``grad_weight =
-grad_logits.T @ hidden`` is one library GEMM. ``grad_hidden = grad_logits @ weight`` is row-stable
-on CPU (blocked, nearly free) and one cuBLAS GEMM on CUDA (an fp32 FMA kernel in Triton was
-2-3x slower than cuBLAS there, and the gradient need not be row-stable).
+Backward (deterministic run to run; batch invariance is a forward promise): on CPU both
+gradients go through `ordered_mm` too (``grad_hidden`` row-stable; ``grad_weight`` a fixed tree
+over the T tokens). On CUDA each is one cuBLAS GEMM (an fp32 FMA kernel in Triton was slower than
+cuBLAS there, and the gradients need not be row-stable).
 """
 
 from __future__ import annotations
@@ -28,24 +28,27 @@ from typing import Optional, Tuple
 
 import torch
 
-CPU_ROW_BLOCK = 128
+from ..fixed_order import ordered_mm
+
+FALLBACK_ROW_BLOCK = 128
 
 
 def _blocked_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    """``a @ b_t.T`` for a: [M, K], b_t: [N, K], one fixed-shape mm per 128-row block -> [M, N]."""
+    """``a @ b_t.T`` for a: [M, K], b_t: [N, K], one fixed-shape mm per 128-row block -> [M, N]
+    (CUDA without triton)."""
     m = a.shape[0]
     n = b_t.shape[0]
-    blocks = -(-m // CPU_ROW_BLOCK)
-    out = torch.empty(blocks * CPU_ROW_BLOCK, n, dtype=a.dtype, device=a.device)
-    full = m // CPU_ROW_BLOCK
+    blocks = -(-m // FALLBACK_ROW_BLOCK)
+    out = torch.empty(blocks * FALLBACK_ROW_BLOCK, n, dtype=a.dtype, device=a.device)
+    full = m // FALLBACK_ROW_BLOCK
     b = b_t.t()
     for i in range(full):
-        rows = slice(i * CPU_ROW_BLOCK, (i + 1) * CPU_ROW_BLOCK)
+        rows = slice(i * FALLBACK_ROW_BLOCK, (i + 1) * FALLBACK_ROW_BLOCK)
         torch.mm(a[rows], b, out=out[rows])
     if full < blocks:
-        tail = torch.zeros(CPU_ROW_BLOCK, a.shape[1], dtype=a.dtype, device=a.device)
-        tail[: m - full * CPU_ROW_BLOCK] = a[full * CPU_ROW_BLOCK :]
-        torch.mm(tail, b, out=out[full * CPU_ROW_BLOCK :])
+        tail = torch.zeros(FALLBACK_ROW_BLOCK, a.shape[1], dtype=a.dtype, device=a.device)
+        tail[: m - full * FALLBACK_ROW_BLOCK] = a[full * FALLBACK_ROW_BLOCK :]
+        torch.mm(tail, b, out=out[full * FALLBACK_ROW_BLOCK :])
     return out[:m]
 
 
@@ -66,7 +69,8 @@ def row_stable_mm(a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dtype) ->
         result = triton_row_stable_mm(a, b_t, out_dtype)
         if result is not None:
             return result
-    return _blocked_mm(a.to(out_dtype), b_t.to(out_dtype).contiguous())
+        return _blocked_mm(a.to(out_dtype), b_t.to(out_dtype).contiguous())
+    return ordered_mm(a.to(out_dtype), b_t.to(out_dtype).t())
 
 
 class _GatingLinear(torch.autograd.Function):
@@ -81,14 +85,12 @@ class _GatingLinear(torch.autograd.Function):
         hidden, weight = ctx.saved_tensors
         grad = grad.to(ctx.dtype)
         grad_hidden = grad_weight = None
+        mm = torch.mm if grad.is_cuda else ordered_mm
         if ctx.needs_input_grad[0]:
-            if grad.is_cuda:
-                grad_hidden = torch.mm(grad, weight.to(ctx.dtype)).to(hidden.dtype)
-            else:  # [T, E] @ [E, H]: the right operand transposed is weight.T, [H, E]
-                grad_hidden = row_stable_mm(grad, weight.t(), ctx.dtype).to(hidden.dtype)
+            grad_hidden = mm(grad, weight.to(ctx.dtype)).to(hidden.dtype)
         if ctx.needs_input_grad[1]:
             # A reduction over tokens: deterministic for a fixed T, batch-dependent by nature.
-            grad_weight = torch.mm(grad.t(), hidden.to(ctx.dtype)).to(weight.dtype)
+            grad_weight = mm(grad.t(), hidden.to(ctx.dtype)).to(weight.dtype)
         return grad_hidden, grad_weight, None
 
 

@@ -13,8 +13,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..agreement import agree_settings
 from ..config import MoEConfig
-from ..dispatcher.layout import agree_settings
 from .capacity import apply_capacity
 from .gating import gating_linear
 from .losses import (

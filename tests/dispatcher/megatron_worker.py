@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moe_dispatch.integrations.megatron import MegatronTokenDispatcher
+
 from . import helpers
 from .helpers import E, G, H, batch, config, expert_weights, run_experts
 from .workers import DISPATCHERS, _split, make_groups
@@ -47,11 +49,11 @@ def megatron_worker(rank: int, world_size: int) -> list:
                                    moe_router_topk=helpers.K, moe_token_dispatcher_type=kind,
                                    moe_permute_fusion=False, add_bias_linear=False, bf16=True,
                                    params_dtype=torch.bfloat16, expert_model_parallel_size=P)
-            from moe_dispatch.dispatcher import dispatcher_from_megatron
+            from moe_dispatch.integrations.megatron import dispatcher_from_megatron
 
             built = dispatcher_from_megatron(tc, pg)  # TransformerConfig -> MoEConfig -> dispatcher
             rec = dict(ep=ep, kind=kind, rank=rank,
-                       built=(type(built).__name__, built.ep_size, built.local_expert_indices))
+                       built=(type(built.dispatcher).__name__, built.ep_size, built.local_expert_indices))
             for impl in ("megatron", "ours-experts", "ours-combine"):
                 x = data["x"][idx].clone().requires_grad_()
                 p = data["probs"][idx].clone().requires_grad_()
@@ -60,7 +62,8 @@ def megatron_worker(rank: int, world_size: int) -> list:
                 if impl == "megatron":
                     d = megatron[kind](El, list(range(me * El, (me + 1) * El)), tc, pg_collection=pg)
                 else:
-                    d = DISPATCHERS[kind](config(probs_in_experts=impl == "ours-experts"), group)
+                    ours = DISPATCHERS[kind](config(probs_in_experts=impl == "ours-experts"), group)
+                    d = MegatronTokenDispatcher(ours)
                 rows, tpe, y, out = _six_steps(d, x, data["rmap"][idx], p, w, b, impl != "ours-combine")
                 out.backward(data["r"][idx])
                 # clone: Megatron's allgather gathers into (and reduce-scatters out of) a reused

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moe_dispatch import MoEConfig, MoELayer
-from moe_dispatch.dispatcher.exchange import KINDS
+from moe_dispatch.config import DISPATCHER_KINDS
 from moe_dispatch.ops import guard
 
 
@@ -28,7 +28,7 @@ def fit_worker(rank: int, world_size: int, dtype: torch.dtype, probs_in_experts:
     if device == "cuda":
         torch.cuda.set_device(0)  # the ranks share the one GPU over gloo
     results = {}
-    for kind in sorted(KINDS):
+    for kind in DISPATCHER_KINDS:
         dropless = MoELayer(_config(kind, probs_in_experts=probs_in_experts)).to(device, dtype)
         # A factor of P makes every capacity the most a rank can need: it always fits.
         static = MoELayer(_config(kind, probs_in_experts=probs_in_experts,
@@ -50,7 +50,7 @@ def overflow_worker(rank: int, world_size: int) -> dict:
     """A factor far too small: NaN outputs on every rank, then the same ValueError at the next
     dispatch (CPU) and after it nothing latched; then check_device_errors() raising it instead."""
     results = {}
-    for kind in sorted(KINDS):
+    for kind in DISPATCHER_KINDS:
         layer = MoELayer(_config(kind, ep_capacity_factor=0.25))
         gen = torch.Generator().manual_seed(rank)
         x = torch.randn(6, 16, generator=gen)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_dispatch.config import DISPATCHER_KINDS
+
 # case -> (ranks that take part, words the message must contain)
 CASES = {
     "ctor_indivisible": (range(4), ["num_experts=6", "EP size 4"]),
     "functional_indivisible": (range(4), ["num_experts=6", "EP size 4"]),
     "expert_tp": (range(4), ["expt_tp", "size 2"]),
 }
-for _kind in ("alltoall", "allgather"):
+for _kind in DISPATCHER_KINDS:
     CASES.update({
         f"{_kind}_map_columns": (range(4), ["routing_map", "EP rank 2", "[8, 9]", "num_experts"]),
         f"{_kind}_hidden_size": (range(4), ["hidden_states", "[T, 64]", "[8, 32] on EP rank 1"]),
@@ -43,7 +45,7 @@ def test_same_value_error_on_every_rank(ranks, case):
 def test_group_still_works_and_empty_batches(ranks):
     for r, rank in enumerate(ranks):
         checks = rank["checks"]
-        for kind in ("alltoall", "allgather"):
+        for kind in DISPATCHER_KINDS:
             assert torch.equal(checks[kind], checks[f"{kind}_ep1"]), (r, kind)
             assert torch.equal(checks[kind], checks["alltoall"]), (r, kind)
             assert checks[f"{kind}_empty"] == ((0, 64), (0, 64), (0, 8)), (r, kind)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe_dispatch.dispatcher import AllToAllDispatcher, build_dispatcher, combine, dispatch
+from moe_dispatch.integrations.megatron import MegatronTokenDispatcher
 
 from .helpers import E, G, H, K, batch, config, expert_weights, run_experts
 
@@ -155,7 +156,7 @@ def test_combine_checks_expert_output_rows():
 
 
 def test_megatron_steps_need_preprocess_first():
-    disp = AllToAllDispatcher(config())
+    disp = MegatronTokenDispatcher(AllToAllDispatcher(config()))
     with pytest.raises(RuntimeError, match="dispatch_preprocess first"):
         disp.token_dispatch(torch.zeros(1, H), torch.zeros(1, E))
 

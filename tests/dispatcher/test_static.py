@@ -50,7 +50,7 @@ def test_ep1_fewer_than_k_experts_leaves_trailing_rows():
     x = torch.randn(12, 16)
     assert torch.equal(a(x), b(x))
     probs, routing_map = a.router(x)
-    rows, handle = a.dispatcher.dispatch_static(x, routing_map, probs)
+    rows, handle = a.dispatcher.dispatch_rows(x, routing_map, probs)
     assert rows.shape[0] == 12 * 2 and int(handle.expert_counts.sum()) < 12 * 2 and handle.trailing_rows
 
 
@@ -60,16 +60,16 @@ def test_ep1_bad_probs_raise_at_once_on_cpu():
     probs = probs.detach().clone()
     probs[1, routing_map[1].nonzero()[0, 0]] = float("inf")
     with pytest.raises(ValueError, match="probs contain NaN or inf"):
-        layer.dispatcher.dispatch_static(torch.randn(5, 16), routing_map, probs)
+        layer.dispatcher.dispatch_rows(torch.randn(5, 16), routing_map, probs)
     routing_map = routing_map.clone()
     routing_map[2] = True  # 4 experts for one token, topk=2
     with pytest.raises(ValueError, match="routed to 4 experts, more than topk=2"):
-        layer.dispatcher.dispatch_static(torch.randn(5, 16), routing_map, probs.abs().nan_to_num(0.0, 0.0))
+        layer.dispatcher.dispatch_rows(torch.randn(5, 16), routing_map, probs.abs().nan_to_num(0.0, 0.0))
     check_device_errors()  # raised once: nothing left
 
 
 def test_static_sizes_and_config_validation():
-    from moe_dispatch.dispatcher import DispatchConfig
+    from moe_dispatch.config import DispatchConfig
     cfg = DispatchConfig(kind="alltoall", num_experts=8, topk=2, hidden_size=16, sync_free=True, ep_capacity_factor=1.5)
     sizes = StaticSizes.build(cfg, 4, 0, 10)
     assert (sizes.send_capacity, sizes.recv_rows, sizes.return_capacity) == (8, 30, 8)

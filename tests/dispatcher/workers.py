@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moe_dispatch.comm import group_size_rank
 from moe_dispatch.dispatcher import AllGatherDispatcher, AllToAllDispatcher
-from moe_dispatch.dispatcher.comm import group_size_rank
+from moe_dispatch.integrations.megatron import MegatronTokenDispatcher
 from moe_dispatch.ops import permute, unpermute
 
 from .helpers import E, G, H, batch, config, expert_weights, run_experts
@@ -94,6 +95,7 @@ def run_once(kind: str, dtype: torch.dtype, cfg, data: dict, ids: list, group, a
             reuse_equal = torch.equal(first, rows)
         pp = handle.permuted_probs
     else:  # Megatron's six steps
+        d = MegatronTokenDispatcher(d)
         h, hp = d.dispatch_preprocess(x, data["rmap"][idx], p)
         h, hp = d.token_dispatch(h, hp)
         rows, tpe, pp = d.dispatch_postprocess(h, hp)
@@ -199,7 +201,8 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
     leave the group usable. Also: every rank empty."""
     from types import SimpleNamespace
 
-    from moe_dispatch.dispatcher import dispatch, dispatcher_from_megatron
+    from moe_dispatch.dispatcher import dispatch
+    from moe_dispatch.integrations.megatron import dispatcher_from_megatron
 
     groups = make_groups(rank)
     world, (pair, _) = dist.group.WORLD, groups[2]
@@ -219,7 +222,7 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
         out[f"{kind}_hidden_size"] = _outcome(lambda: DISPATCHERS[kind](cfg, world).dispatch(narrow_h, rmap, probs))
         bad_p = probs[:, :-1] if rank == 3 else probs
         out[f"{kind}_probs_shape_megatron_api"] = _outcome(
-            lambda: DISPATCHERS[kind](cfg, world).dispatch_preprocess(x, rmap, bad_p))
+            lambda: MegatronTokenDispatcher(DISPATCHERS[kind](cfg, world)).dispatch_preprocess(x, rmap, bad_p))
         int_map = rmap.to(torch.int64) if rank == 0 else rmap
         out[f"{kind}_map_dtype_ep2"] = _outcome(lambda: DISPATCHERS[kind](cfg, pair).dispatch(x, int_map, probs))
         mixed = x.float() if rank == 3 else x

@@ -5,7 +5,8 @@ Each case places one fixed token (with a fixed upstream gradient row and prob) a
 positions of an expert block of 1, 3, 7, 8, 64 or 200 rows, with other experts holding 0 or more
 rows, and compares against the token alone. ffn=104 leaves a SIMD tail in a lone row, and 200+
 rows x 208 columns pass torch's 32768-element parallel grain, so multi-threaded chunking of the
-elementwise kernels is exercised as well.
+elementwise kernels is exercised as well. The same checks run under `tests.fake_blas.FakeBlas`, a
+BLAS whose rows change with the row count and position, so they hold whatever the CPU's BLAS does.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from moe_dispatch.experts import GroupedMLP, SequentialMLP, expert_gemm, scale_rows
 from moe_dispatch.experts.activations import _row_sum, _unary
 from tests.experts.reference import make_config
+from tests.fake_blas import FakeBlas
 
 BLOCK_SIZES = [1, 3, 7, 8, 64, 200]
 # (rows of the other two experts): empty neighbours, and neighbours whose blocks shift the row.
@@ -66,32 +68,96 @@ def _assert_row_stable(experts, dtype, blocks=BLOCK_SIZES, neighbours=NEIGHBOURS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["gelu", "relu", "swiglu"])
 def test_module_row_stable(cls, dtype, activation):
+    """Under a BLAS whose rows change with the row count and position: the CPU paths take no
+    matrix product from the BLAS at all, so this holds on any CPU."""
     # ffn=104 is not a multiple of the SIMD step, so a lone row's activations end in a scalar tail.
     cfg = make_config(activation, dtype, probs_in_experts=activation != "relu", ffn=104, num_experts=3)
-    _assert_row_stable(cls(cfg, 3), dtype)
+    with FakeBlas() as blas:
+        _assert_row_stable(cls(cfg, 3), dtype)
+    assert blas.calls == 0
 
 
-def test_unaligned_hidden_falls_back_to_padded_and_stays_row_stable():
-    """H=20 bf16 rows are 40 bytes: grouped_mm needs 16-byte strides, so the padded loop runs."""
-    experts = GroupedMLP(make_config("swiglu", torch.bfloat16, True, hidden=20, ffn=24, num_experts=3), 3)
-    assert experts.gemm_strategies(torch.zeros(1, 20, dtype=torch.bfloat16)) == ("padded", "padded")
-    _assert_row_stable(experts, torch.bfloat16)
+def test_fake_blas_is_row_unstable():
+    """The fake BLAS really changes rows with the row count (so the tests here can fail), even
+    through the fixed-shape "tiled" calls (a row's position in the tile matters to it)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1, 64, 96, generator=g)
+    token = torch.randn(64, generator=g)
+    with FakeBlas() as blas:
+        for strategy in ("loop", "tiled"):
+            rows = []
+            for m in range(1, 5):
+                x = torch.randn(m, 64, generator=g)
+                x[m - 1] = token
+                rows.append(expert_gemm(x, w, torch.tensor([m]), strategy)[m - 1])
+            assert not all(torch.equal(r, rows[0]) for r in rows), strategy
+    assert blas.calls > 0
 
 
-def test_strategy_selection_cpu():
-    cfg = make_config("gelu", torch.float32)
-    fp32, bf16 = torch.zeros(1, 64), torch.zeros(1, 64, dtype=torch.bfloat16)
-    assert GroupedMLP(cfg, 4).gemm_strategies(bf16) == ("grouped", "grouped")
-    assert GroupedMLP(cfg, 4).gemm_strategies(fp32) == ("padded", "padded")  # grouped_mm fp32 is not stable
-    assert GroupedMLP(cfg, 4, row_stable=False).gemm_strategies(fp32) == ("grouped", "grouped")
-    assert SequentialMLP(cfg, 4).gemm_strategies(bf16) == ("padded", "padded")
-    assert SequentialMLP(cfg, 4, row_stable=False).gemm_strategies(bf16) == ("loop", "loop")
+# Every row count up to 70, and 200 (float32, bfloat16); a sample for float16 and float64.
+GEMM_COUNTS = {torch.float32: list(range(1, 71)) + [200], torch.bfloat16: list(range(1, 71)) + [200],
+               torch.float16: [1, 2, 3, 7, 8, 9, 64, 65, 200], torch.float64: [1, 2, 3, 7, 8, 9, 64, 65, 200]}
+
+
+@pytest.mark.parametrize("dtype", list(GEMM_COUNTS))
+def test_ordered_gemm_every_row_count_and_position(dtype):
+    """expert_gemm "ordered" forward and input gradient: one token at the first, middle and last
+    position of an expert block of each size in GEMM_COUNTS, other rows random and another
+    expert before it, equals the token alone, bitwise, under the fake BLAS."""
+    g = torch.Generator().manual_seed(7)
+    k, n = 72, 40  # K = 72 halves to 9: an odd tree level
+    w = torch.randn(2, k, n, generator=g).to(dtype)
+    token, grad_row = torch.randn(k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+
+    def row(m, pos, before):
+        x = torch.randn(before + m, k, generator=g).to(dtype)
+        dy = torch.randn(before + m, n, generator=g).to(dtype)
+        x[before + pos], dy[before + pos] = token, grad_row
+        x.requires_grad_()
+        y = expert_gemm(x, w, torch.tensor([before, m]), "ordered")
+        y.backward(dy)
+        return y[before + pos].detach(), x.grad[before + pos]
+
+    with FakeBlas() as blas:
+        ref = row(1, 0, 0)
+        for m in GEMM_COUNTS[dtype]:
+            for pos, before in sorted({(0, 0), (m // 2, 3), (m - 1, 11)}):
+                got = row(m, pos, before)
+                assert torch.equal(got[0], ref[0]), f"output differs at rows={m} pos={pos}"
+                assert torch.equal(got[1], ref[1]), f"input grad differs at rows={m} pos={pos}"
+    assert blas.calls == 0
+    ref64 = token.double() @ w[1].double()
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 2e-2)
+    torch.testing.assert_close(ref[0].double(), ref64, rtol=tol, atol=tol * ref64.abs().max().item())
+
+
+def test_ordered_weight_grad_depends_on_the_experts_rows_only():
+    """dw of an expert is a fixed-order sum over its rows: the same rows in the same order give
+    the same bits whatever precedes them (another offset in memory, other experts' rows) and
+    whatever BLAS is installed; it equals x^T dy within rounding."""
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(2, 24, 16, generator=g)
+    x1, dy1 = torch.randn(37, 24, generator=g), torch.randn(37, 16, generator=g)
+
+    def dw(before):
+        x = torch.cat([torch.randn(before, 24, generator=g), x1]).requires_grad_()
+        wg = w.clone().requires_grad_()
+        expert_gemm(x, wg, torch.tensor([before, 37]), "ordered").backward(
+            torch.cat([torch.randn(before, 16, generator=g), dy1]))
+        return wg.grad[1]
+
+    ref = dw(0)
+    with FakeBlas():
+        for before in (1, 5, 64, 301):
+            assert torch.equal(dw(before), ref), before
+    torch.testing.assert_close(ref, x1.t() @ dy1, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("strategy", ["grouped", "loop"])
 def test_fast_paths_in_fp32_informational(strategy):
-    """Why the fp32 default pads: plain mm and grouped_mm in fp32 on CPU (MKL) change rows of
-    blocks below 4 rows. Informational: warns, never fails, if a future BLAS is stable."""
+    """Why the CPU default calls no BLAS: plain mm and grouped_mm in fp32 on CPU change rows with
+    the block size (which sizes depends on the CPU). Informational: warns, never fails, if this
+    CPU's BLAS happens to be stable at the sizes tried."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(1, 64, 96, generator=g)
     token = torch.randn(64, generator=g)
@@ -100,10 +166,24 @@ def test_fast_paths_in_fp32_informational(strategy):
         x = torch.randn(block, 64, generator=g)
         x[block - 1] = token
         rows.append(expert_gemm(x, w, torch.tensor([block]), strategy)[block - 1])
-    stable = all(torch.equal(r, rows[0]) for r in rows)
-    if stable:
-        warnings.warn(f"CPU fp32 {strategy} GEMM was row-stable here: padding may be unnecessary")
-    assert strategy == "loop" or torch.equal(rows[-1], rows[-2])  # same kernel class at 64 vs 200
+    if all(torch.equal(r, rows[0]) for r in rows):
+        warnings.warn(f"CPU fp32 {strategy} GEMM was row-stable here at {BLOCK_SIZES} rows")
+
+
+def test_unaligned_hidden_stays_row_stable():
+    """H=20 bf16 rows are 40 bytes (grouped_mm would reject them); H=20 halves to an odd level."""
+    experts = GroupedMLP(make_config("swiglu", torch.bfloat16, True, hidden=20, ffn=24, num_experts=3), 3)
+    assert experts.gemm_strategies(torch.zeros(1, 20, dtype=torch.bfloat16)) == ("ordered", "ordered")
+    _assert_row_stable(experts, torch.bfloat16)
+
+
+def test_strategy_selection_cpu():
+    cfg = make_config("gelu", torch.float32)
+    for x in (torch.zeros(1, 64), torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(1, 64, dtype=torch.float16)):
+        assert GroupedMLP(cfg, 4).gemm_strategies(x) == ("ordered", "ordered")  # never the CPU BLAS
+        assert SequentialMLP(cfg, 4).gemm_strategies(x) == ("ordered", "ordered")
+        assert GroupedMLP(cfg, 4, row_stable=False).gemm_strategies(x) == ("grouped", "grouped")
+        assert SequentialMLP(cfg, 4, row_stable=False).gemm_strategies(x) == ("loop", "loop")
 
 
 def _activation_mismatches(fn, dtype, device="cpu") -> int:
@@ -205,11 +285,11 @@ def test_ep_layouts_agree_including_weight_grads(cls, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_vs_sequential(dtype):
-    """Same weights, same tokens: bitwise equal in fp32 (both run the padded loop); in bf16
-    grouped_mm vs padded mm agree within rounding (bitwise in our runs, not promised)."""
+    """Same weights, same tokens: bitwise equal on CPU (both run "ordered"), and within rounding
+    of the fast grouped_mm path."""
     cfg = make_config("swiglu", dtype, probs_in_experts=True)
     x, tpe, probs = torch.randn(60, 64).to(dtype), torch.tensor([10, 0, 45, 5]), torch.rand(60)
     a, b = GroupedMLP(cfg, 4)(x, tpe, probs), SequentialMLP(cfg, 4)(x, tpe, probs)
-    if dtype == torch.float32:
-        assert torch.equal(a, b)
-    assert (a.float() - b.float()).abs().max() <= 8 * 2**-8 * a.float().abs().max()
+    assert torch.equal(a, b)
+    fast = GroupedMLP(cfg, 4, row_stable=False)(x, tpe, probs)
+    assert (a.float() - fast.float()).abs().max() <= 8 * 2**-8 * a.float().abs().max()

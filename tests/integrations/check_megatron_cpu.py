@@ -8,25 +8,24 @@ and then runs the command's own rank code (``moe_dispatch.check.main_worker``) u
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 from moe_dispatch import check
+from moe_dispatch.launch import end_spawned_rank, set_rank_env, spawn_ranks
 
 
 def _rank(local_rank: int, world: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+    set_rank_env(local_rank, world, port)
     from tests.megatron_cpu import apply_cpu_shims
 
     apply_cpu_shims()
     check.main_worker(args, "gloo")
-    check.end_spawned_rank()
+    end_spawned_rank()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = check.build_parser().parse_args(argv)
-    return check.spawn_ranks(_rank, args.ranks or 2, args, name="check --megatron (CPU)")
+    return spawn_ranks(_rank, args.ranks or 2, args, name="check --megatron (CPU)")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moe_dispatch.config import DISPATCHER_KINDS
+
 from .megatron_worker import _setup
 
 H, FFN, E, K, S, B = 64, 32, 8, 2, 16, 2
@@ -48,7 +50,7 @@ SETTING_BAD_RANK = 1
 
 
 def _layer(kind: str, pg, **overrides):
-    from moe_dispatch.integrations.megatron_build import build_moe_layer, load_seeded_weights, moe_transformer_config
+    from moe_dispatch.integrations.megatron.build import build_moe_layer, load_seeded_weights, moe_transformer_config
 
     settings = dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
                     moe_aux_loss_coeff=[1e-2, 1e-2, 1e-2], moe_router_score_function="sigmoid",
@@ -96,7 +98,7 @@ def fault_worker(rank: int, world_size: int) -> dict:
     gen = torch.Generator().manual_seed(40 + rank)
     x, dy = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
     records = {}
-    for kind in ("allgather", "alltoall"):
+    for kind in DISPATCHER_KINDS:
         layer = _layer(kind, pg)
         assert is_installed(layer) and layer._moe_dispatch_row_stable
         ref_out, ref_gx = _step(layer, x, dy)

@@ -15,10 +15,12 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from moe_dispatch.config import DISPATCHER_KINDS
+
 H, FFN, E, K = 64, 32, 8, 2
 G, B = 256, 2
 TRUNC = 90  # truncation: tokens >= TRUNC (of each rank's batch) zeroed
-KINDS = ("allgather", "alltoall")
+KINDS = DISPATCHER_KINDS
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -30,13 +32,13 @@ def _setup() -> None:
 
 
 def _pg(ep_group, single):
-    from moe_dispatch.integrations.megatron_build import process_groups
+    from moe_dispatch.integrations.megatron.build import process_groups
 
     return process_groups(ep_group, single)
 
 
 def _config(kind: str, dtype: torch.dtype, ep: int, **extra):
-    from moe_dispatch.integrations.megatron_build import moe_transformer_config
+    from moe_dispatch.integrations.megatron.build import moe_transformer_config
 
     return moe_transformer_config(H, FFN, E, K, kind, dtype, ep, **extra)
 
@@ -44,7 +46,7 @@ def _config(kind: str, dtype: torch.dtype, ep: int, **extra):
 def _build(cfg, pg, ours_from_spec: bool, row_stable_gemms: bool = False):
     """Megatron's MoELayer (ours_from_spec: DeterministicMoELayer built through our spec helper,
     with or without our row-stable GEMMs), with the deterministic weights."""
-    from moe_dispatch.integrations.megatron_build import build_moe_layer
+    from moe_dispatch.integrations.megatron.build import build_moe_layer
 
     layer = build_moe_layer(cfg, pg, ours=ours_from_spec, row_stable_gemms=row_stable_gemms)
     dtype = cfg.params_dtype
@@ -97,9 +99,12 @@ def _step(layer, x: torch.Tensor, dy: torch.Tensor) -> dict:
 def plugin_worker(rank: int, world_size: int) -> dict:
     assert world_size == 2
     _setup()
-    from moe_dispatch import MoEConfig
-    from moe_dispatch.dispatcher import build_dispatcher, dispatcher_from_megatron
-    from moe_dispatch.integrations.megatron import install, is_installed
+    from moe_dispatch.integrations.megatron import (
+        dispatcher_from_megatron,
+        install,
+        is_installed,
+        moe_config_from_megatron,
+    )
 
     singles = [dist.new_group([r]) for r in range(world_size)]
     world = dist.group.WORLD
@@ -119,7 +124,7 @@ def plugin_worker(rank: int, world_size: int) -> dict:
             rec["replaced"] = _step(layer, full_x[mine], full_dy[mine])
             # Negative control: our default mode (probs in the combine) under Megatron's experts,
             # which multiply the probs too: applied twice.
-            layer.token_dispatcher = build_dispatcher(MoEConfig.from_megatron(layer.config), world)
+            layer.token_dispatcher = dispatcher_from_megatron(moe_config_from_megatron(layer.config), pg2)
             rec["twice"] = _step(layer, full_x[mine], full_dy[mine])
             # Dispatcher only: Megatron's own GEMMs, so results compare bitwise with its stock layer.
             assert install(layer, row_stable_gemms=False) is layer and is_installed(layer)

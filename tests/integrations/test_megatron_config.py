@@ -1,4 +1,4 @@
-"""install() / check_supported() / MoEConfig.from_megatron(megatron_layer=True) on plain config
+"""install() / check_supported() / moe_config_from_megatron(megatron_layer=True) on plain config
 objects: no processes, no megatron import (the real TransformerConfig cases run in
 test_megatron_plugin.py)."""
 from __future__ import annotations
@@ -14,12 +14,13 @@ from moe_dispatch.integrations.megatron import (
     check_supported,
     install,
     is_installed,
+    moe_config_from_megatron,
     warn_if_untested,
 )
 
 
 def dispatcher_config(tc) -> MoEConfig:
-    return MoEConfig.from_megatron(tc, megatron_layer=True)
+    return moe_config_from_megatron(tc, megatron_layer=True)
 
 
 def megatron_config(**changes) -> SimpleNamespace:
@@ -89,14 +90,14 @@ def test_dispatcher_config():
     assert cfg.probs_in_experts and cfg.load_balancing_type == "none"
     # ... but not for our whole layer, which would have to implement them.
     with pytest.raises(ValueError, match="moe_input_jitter_eps"):
-        MoEConfig.from_megatron(megatron_config(moe_input_jitter_eps=0.1))
-    assert not MoEConfig.from_megatron(megatron_config()).probs_in_experts
+        moe_config_from_megatron(megatron_config(moe_input_jitter_eps=0.1))
+    assert not moe_config_from_megatron(megatron_config()).probs_in_experts
 
 
 def test_one_translator_shares_the_dispatch_fields():
     """Our whole layer and our dispatcher in Megatron's layer read the dispatch fields alike."""
     tc = megatron_config(moe_router_dtype="fp64", moe_token_dispatcher_type="allgather", moe_router_topk=3)
-    whole, dispatch = MoEConfig.from_megatron(tc), dispatcher_config(tc)
+    whole, dispatch = moe_config_from_megatron(tc), dispatcher_config(tc)
     for field in ("hidden_size", "num_experts", "topk", "ffn_hidden_size", "router_dtype", "dispatcher",
                   "params_dtype", "pad_multiple"):
         assert getattr(whole, field) == getattr(dispatch, field), field

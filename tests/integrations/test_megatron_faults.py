@@ -11,12 +11,13 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+from moe_dispatch.config import DISPATCHER_KINDS  # noqa: E402
 from tests.dispatcher.harness import run_ranks  # noqa: E402
 
 from .megatron_fault_worker import CASES, SETTING_BAD_RANK, SETTING_CASES, fault_worker  # noqa: E402
 
 CASE_TIMEOUT_S = 30
-KINDS = ("allgather", "alltoall")
+KINDS = DISPATCHER_KINDS
 # case -> words every rank's message must contain
 WORDS = {
     "hidden_size": ["hidden_states must have hidden size 64", "got 32", "EP rank 1"],

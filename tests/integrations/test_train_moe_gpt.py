@@ -1,7 +1,8 @@
 """scripts/train_moe_gpt.py at a small size on 2 CPU gloo ranks (EP 1 and 2, identical data on both
-ranks): the script's own claims pass, and this test re-checks them from its JSON: per step, the
-loss of every rank and the digest of every expert and router weight gradient are bitwise equal
-between allgather and alltoall, every rank reports the same loss, and the loss falls."""
+ranks; through tests/integrations/train_moe_gpt_cpu.py, which applies the CPU shims): the script's
+own claims pass, and this test re-checks them from its JSON: per step, the loss of every rank and
+the digest of every expert and router weight gradient are bitwise equal between allgather and
+alltoall, every rank reports the same loss, and the loss falls."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from moe_dispatch.config import DISPATCHER_KINDS
+
 pytest.importorskip("megatron.core")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +25,7 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("train") / "runs.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "train_moe_gpt.py"), "--cpu", "--steps", str(STEPS),
+    cmd = [sys.executable, "-m", "tests.integrations.train_moe_gpt_cpu", "--steps", str(STEPS),
            "--hidden", "32", "--ffn", "64", "--heads", "2", "--vocab", "64", "--seq", "16", "--batch", "2",
            "--data", "same", "--lr", "1e-2", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
@@ -59,7 +62,7 @@ def test_identical_data_identical_losses_and_learning(run):
         assert first == second, name
         assert all(math.isfinite(v) for v in first) and first[-1] < first[0], (name, first)
     # Same weights and tokens at both EP sizes: the forward (step 0) is the contract's.
-    for kind in ("allgather", "alltoall"):
+    for kind in DISPATCHER_KINDS:
         assert runs[f"EP 1 ours-{kind}"]["rank_losses"][0][0] == runs[f"EP 2 ours-{kind}"]["rank_losses"][0][0]
 
 

@@ -18,8 +18,7 @@ from moe_dispatch.ops import triton_kernels as K  # noqa: E402
 
 POINTERS = {
     "map_ptr": "*u8", "probs_ptr": "*fp32", "tokens_ptr": "*bf16", "slots_ptr": "*i32", "stats_ptr": "*i64",
-    "status_ptr": "*i32", "counts_ptr": "*i32", "chunk_max_ptr": "*i32", "chunk_counts_ptr": "*i32",
-    "chunk_base_ptr": "*i64", "tile_prefix_ptr": "*i32", "ticket_ptr": "*i32", "out_ptr": "*bf16",
+    "status_ptr": "*i32", "counts_ptr": "*i32", "chunk_max_ptr": "*i32", "out_ptr": "*bf16",
     "out_probs_ptr": "*fp32", "grad_ptr": "*bf16", "grad_probs_ptr": "*fp32", "grad_tokens_ptr": "*bf16",
     "grad_token_probs_ptr": "*fp32", "rows_ptr": "*bf16", "grad_rows_ptr": "*bf16", "partial_ptr": "*fp32",
     "x_ptr": "*bf16", "index_ptr": "*i64",
@@ -33,13 +32,9 @@ def variants():
     yield K._chunk_counts_kernel, dict(CHUNK_T=256, BLOCK_T=64, BLOCK_E=64, CHECK_PROBS=True, PROBS_WORD=1), {}
     for snap, check in ((False, False), (True, True)):
         yield K._slots_kernel, dict(common, BLOCK_T=64, BLOCK_C=32, SNAPSHOT=snap, CHECK_SIZES=check), {}
-    yield K._count_scan_kernel, dict(common, TILE_T=16, BLOCK_C=32, CHECK_PROBS=True, CHECK_SIZES=True), {}
-    yield K._count_scan_kernel, dict(common, TILE_T=16, BLOCK_C=32, CHECK_PROBS=False, CHECK_SIZES=False), {}
     for has_probs in (True, False):
         yield K._permute_kernel, dict(HAS_PROBS=has_probs, BLOCK_H=1024, TOKEN_MAJOR=False, BLOCK_K=8,
                                       STORE_CM=".cs"), {}
-        yield K._permute_map_kernel, dict(CHUNK_T=256, TILE_T=16, BLOCK_E=256, BLOCK_H=1024, BLOCK_K=8,
-                                          HAS_PROBS=has_probs, STORE_CM=".cs"), {}
         yield K._permute_bwd_kernel, dict(HAS_PROBS=has_probs, BLOCK_H=1024, TOKEN_MAJOR=True), {}
     for has_probs, fp64, fma in ((True, False, False), (True, False, True), (True, True, False), (False, False, False)):
         probs = {"probs_ptr": "*fp64", "partial_ptr": "*fp64", "grad_probs_ptr": "*fp64"} if fp64 else {}

@@ -150,16 +150,16 @@ def _ulp_close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool((diff <= 2 * half_ulp(torch.maximum(a.double().abs(), b.double().abs()), dtype)).all())
 
 
-@pytest.mark.parametrize("token_major,warps,rows_per_store,store_cache,map_tiling,routes",
-                         [(True, 2, 1, "", (2, 4, 2), (False, False, 16)),
-                          (False, 1, 2, ".wb", (64, 1, 1), (True, True, 4)),
-                          (False, 4, 8, ".cs", (3, None, None), (True, True, 16))])
+@pytest.mark.parametrize("token_major,warps,rows_per_store,store_cache,map_tiling,per_token",
+                         [(True, 2, 1, "", (2, 4, 2), False),
+                          (False, 1, 2, ".wb", (64, 1, 1), True),
+                          (False, 4, 8, ".cs", (3, None, None), True)])
 def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_per_store, store_cache, map_tiling,
-                                        routes):
+                                        per_token):
     """The launch knobs (program order, warps, store cache hint, the map's chunking, the block
-    size of the kernels whose sums run per element, and the alternative routes: the unpermute
-    backward per token, permute fused with its map) are free to tune: the interpreted kernels give
-    the same bits with any of them."""
+    size of the kernels whose sums run per element, and the alternative route: the unpermute
+    backward per token) are free to tune: the interpreted kernels give the same bits with any of
+    them."""
     from moe_dispatch.ops import triton_kernels as K
 
     routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(23, 8, 3, 40, torch.float32,
@@ -173,8 +173,7 @@ def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_pe
         monkeypatch.setitem(K.LAUNCH, "permute_store_cache", store_cache)
         for key, value in zip(("map_chunks", "map_block_t", "map_warps"), map_tiling):
             monkeypatch.setitem(K.LAUNCH, key, value)  # 23 tokens: 2 chunks of 12, or 23 chunks of 1
-        for key, value in zip(("unpermute_bwd_per_token", "permute_fused_map", "fused_prefix_t"), routes):
-            monkeypatch.setitem(K.LAUNCH, key, value)
+        monkeypatch.setitem(K.LAUNCH, "unpermute_bwd_per_token", per_token)
         tuned = _run(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs)
         slots, N = reference["row_id_map"].slots, reference["permuted"].shape[0]
         for block in (16, 32):
@@ -204,7 +203,6 @@ def test_triton_interpreter_matches_torch_twin(monkeypatch, dtype, probs_dtype, 
     if routes:
         from moe_dispatch.ops import triton_kernels as K
         monkeypatch.setitem(K.LAUNCH, "unpermute_bwd_per_token", True)
-        monkeypatch.setitem(K.LAUNCH, "permute_fused_map", True)
         monkeypatch.setitem(K.LAUNCH, "map_chunks", 3)
     a, b = _both_backends(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs, pad_multiple=pad_multiple)
     for key in ["slots", "permuted", "permuted_probs"]:
@@ -519,8 +517,8 @@ def test_triton_interpreter_many_experts_per_token_and_several_h_chunks():
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E,K,H", [(2048, 64, 6, 1000), (1000, 256, 8, 2100), (4096, 16, 4, 2048)])
 def test_cuda_alternative_routes_are_bitwise_equal(monkeypatch, T, E, K, H):
-    """LAUNCH's alternative routes on CUDA (permute fused with its map: the last-arriving program's
-    scan; the unpermute backward per token) give the default routes' bits, with and without counts."""
+    """LAUNCH's alternative route on CUDA (the unpermute backward per token) gives the default
+    route's bits, with and without counts, whatever the map's chunking."""
     from moe_dispatch.ops import triton_kernels as KT
 
     routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(T, E, K, H, torch.bfloat16, seed=8,
@@ -530,10 +528,8 @@ def test_cuda_alternative_routes_are_bitwise_equal(monkeypatch, T, E, K, H):
     base = _run(*args, pad_multiple=8)
     for chunks in (128, 7):
         monkeypatch.setitem(KT.LAUNCH, "map_chunks", chunks)
-        monkeypatch.setitem(KT.LAUNCH, "permute_fused_map", True)
         monkeypatch.setitem(KT.LAUNCH, "unpermute_bwd_per_token", True)
         for kw in ({}, {"tokens_per_expert": counts, "max_experts_per_token": K}):
             alt = _run(*args, pad_multiple=8, **kw)
             for key in ["slots", "permuted", "permuted_probs", "out", "grad_tokens", "grad_rows", "grad_probs"]:
                 assert torch.equal(base[key], alt[key]), (chunks, kw, key)
-    assert int(KT._ticket(torch.device("cuda", torch.cuda.current_device()))) == 0

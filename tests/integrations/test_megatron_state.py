@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_dispatch.experts import GroupedMLP, SequentialMLP, from_megatron_grouped, to_megatron_grouped
+from moe_dispatch.experts import GroupedMLP, SequentialMLP
+from moe_dispatch.integrations.megatron import (
+    from_megatron_grouped,
+    load_megatron_state_dict,
+    megatron_state_dict,
+    to_megatron_grouped,
+)
+from moe_dispatch.launch import free_port
 from tests.experts.reference import make_config, reference_forward, routed_batch
 from tests.experts.test_reference import TOL
 
@@ -22,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_sequential_layout_round_trip(activation):
     cfg = make_config(activation, num_experts=8)
     src = GroupedMLP(cfg, 4, local_expert_offset=4)  # EP rank 1 of 2: local indices 0..3
-    sd = src.megatron_state_dict("sequential", prefix="mlp.experts.")
+    sd = megatron_state_dict(src, "sequential", prefix="mlp.experts.")
     fc1_out = 2 * cfg.ffn_hidden_size if activation == "swiglu" else cfg.ffn_hidden_size
     assert sorted(sd) == sorted(
         f"mlp.experts.local_experts.{i}.linear_fc{j}.weight" for i in range(4) for j in (1, 2)
@@ -32,7 +38,7 @@ def test_sequential_layout_round_trip(activation):
     # Linear layout: y = x @ W^T, so Megatron's fc1 weight is our expert slice transposed.
     assert torch.equal(sd["mlp.experts.local_experts.2.linear_fc1.weight"], src.weight1[2].t())
     dst = SequentialMLP(make_config(activation, seed=99, num_experts=8), 4)
-    dst.load_megatron_state_dict(sd, "sequential", prefix="mlp.experts.")
+    load_megatron_state_dict(dst, sd, "sequential", prefix="mlp.experts.")
     assert torch.equal(dst.weight1, src.weight1) and torch.equal(dst.weight2, src.weight2)
 
 
@@ -55,25 +61,19 @@ def test_grouped_layout_matches_megatrons_view(activation):
     w1, w2 = from_megatron_grouped(sd, 4, cfg.hidden_size)
     assert torch.equal(w1, src.weight1) and torch.equal(w2, src.weight2)
     dst = GroupedMLP(make_config(activation, seed=7), 4)
-    dst.load_megatron_state_dict(sd, "grouped")
+    load_megatron_state_dict(dst, sd, "grouped")
     assert torch.equal(dst.weight1, src.weight1)
 
 
 def test_load_rejects_wrong_shapes():
-    sd = GroupedMLP(make_config("gelu", ffn=48), 4).megatron_state_dict("grouped")
+    sd = megatron_state_dict(GroupedMLP(make_config("gelu", ffn=48), 4), "grouped")
     with pytest.raises(ValueError, match="weight"):
-        GroupedMLP(make_config("gelu", ffn=40), 4).load_megatron_state_dict(sd, "grouped")
-    sd = GroupedMLP(make_config("gelu", ffn=48), 4).megatron_state_dict("sequential")
+        load_megatron_state_dict(GroupedMLP(make_config("gelu", ffn=40), 4), sd, "grouped")
+    sd = megatron_state_dict(GroupedMLP(make_config("gelu", ffn=48), 4), "sequential")
     with pytest.raises(ValueError, match="weight"):
-        GroupedMLP(make_config("gelu", ffn=96), 4).load_megatron_state_dict(sd, "sequential")
+        load_megatron_state_dict(GroupedMLP(make_config("gelu", ffn=96), 4), sd, "sequential")
     with pytest.raises(ValueError, match="layout"):
-        GroupedMLP(make_config("gelu"), 4).megatron_state_dict("flat")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        megatron_state_dict(GroupedMLP(make_config("gelu"), 4), "flat")
 
 
 @pytest.mark.slow
@@ -86,7 +86,7 @@ def test_against_megatron_sequential_mlp():
     # One thread: the worker is small, and it then does not compete with a parallel test run.
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",  # CPU shims: no GPU in the worker
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "tests.experts.megatron_worker", str(_free_port())],
+    proc = subprocess.run([sys.executable, "-m", "tests.integrations.megatron_state_worker", str(free_port())],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -4,7 +4,7 @@ Megatron needs torch.distributed and its parallel state initialised and
 ``torch.cuda.current_device`` pointing at the CPU (tests/megatron_cpu.py); a subprocess keeps that
 away from the other tests. Prints one JSON line per (activation, dtype): row-wise relative
 differences and bitwise flags.
-Usage: python -m tests.experts.megatron_worker PORT
+Usage: python -m tests.integrations.megatron_state_worker PORT
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def compare(activation: str, dtype: torch.dtype) -> dict:
     from megatron.core.transformer.moe.moe_utils import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from moe_dispatch.experts import GroupedMLP, to_megatron_sequential
+    from moe_dispatch.experts import GroupedMLP
+    from moe_dispatch.integrations.megatron import megatron_state_dict, to_megatron_sequential
     from tests.experts.reference import make_config, routed_batch
 
     counts = [7, 0, 30, 3]
@@ -57,7 +58,7 @@ def compare(activation: str, dtype: torch.dtype) -> dict:
     )
     submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     theirs = MegatronSequentialMLP(4, tc, submodules, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
-    result = theirs.load_state_dict(ours.megatron_state_dict("sequential"), strict=False)
+    result = theirs.load_state_dict(megatron_state_dict(ours, "sequential"), strict=False)
     assert not result.unexpected_keys and all(k.endswith("_extra_state") for k in result.missing_keys), result
 
     x, tpe, probs = routed_batch(counts, ours.hidden_size, dtype, seed=5)

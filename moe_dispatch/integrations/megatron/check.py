@@ -44,7 +44,7 @@ def _megatron_run(args: argparse.Namespace, device: torch.device, dtype: torch.d
                   ours: bool) -> Callable:
     """A check run function (see ``moe_dispatch.check.RunFn``) over Megatron layers, one per
     (dispatcher, EP size), built on first use and reused (grads zeroed before each step)."""
-    from .megatron_build import build_moe_layer, load_seeded_weights, moe_transformer_config, process_groups
+    from .build import build_moe_layer, load_seeded_weights, moe_transformer_config, process_groups
 
     layers: dict = {}
 
@@ -106,8 +106,8 @@ def run_megatron_checks(args: argparse.Namespace, device: torch.device, dtype: t
     """Checks (a)-(d) on megatron-core's MoELayer, stock (reference rows) and with our dispatcher
     installed. ``groups``: this rank's EP group per EP size (the check's). Collective: call on
     every rank, after ``moe_dispatch.check.run_checks``."""
-    from .megatron import warn_if_untested
-    from .megatron_build import prepare_megatron
+    from .build import prepare_megatron
+    from .supported import warn_if_untested
 
     rank, world = dist.get_rank(), dist.get_world_size()
     # Megatron's allgather dispatcher calls it; torch 2.13 renamed it

@@ -1,4 +1,6 @@
-"""Convert expert weights to and from Megatron-core's state dict names (0.16 layouts, TP=1).
+"""Our experts' weights under Megatron-core's state dict names (0.16 layouts, TP=1): the tensor
+converters, and ``megatron_state_dict`` / ``load_megatron_state_dict`` for a
+``moe_dispatch.experts`` GroupedMLP or SequentialMLP.
 
 Ours: ``weight1`` [E, H, fc1_out], ``weight2`` [E, ffn, H], y = x @ weight[e].
 
@@ -18,11 +20,12 @@ own experts 0..E_local-1 as Megatron's does.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
 Weights = Tuple[torch.Tensor, torch.Tensor]
+LAYOUTS = ("sequential", "grouped")
 
 
 def to_megatron_sequential(weight1: torch.Tensor, weight2: torch.Tensor, prefix: str = "") -> Dict[str, torch.Tensor]:
@@ -57,3 +60,32 @@ def from_megatron_grouped(state_dict: Dict[str, torch.Tensor], num_local_experts
     w1 = state_dict[f"{prefix}weight1"].contiguous()
     w2 = state_dict[f"{prefix}weight2"].contiguous()
     return w1.view(num_local_experts, hidden_size, -1).clone(), w2.view(num_local_experts, -1, hidden_size).clone()
+
+
+def megatron_state_dict(experts: Any, layout: str = "sequential", prefix: str = "") -> Dict[str, torch.Tensor]:
+    """``experts`` (our GroupedMLP / SequentialMLP) under Megatron-core's names: ``layout``
+    'sequential' (SequentialMLP, ``local_experts.{i}.linear_fc{1,2}.weight``) or 'grouped'
+    (GroupedMLP ``weight1/2``)."""
+    _check_layout(layout)
+    convert = to_megatron_sequential if layout == "sequential" else to_megatron_grouped
+    return convert(experts.weight1.detach(), experts.weight2.detach(), prefix)
+
+
+@torch.no_grad()
+def load_megatron_state_dict(experts: Any, state_dict: Dict[str, torch.Tensor], layout: str = "sequential",
+                             prefix: str = "") -> None:
+    """Inverse of `megatron_state_dict`: set ``experts``' weights; shapes must match them exactly."""
+    _check_layout(layout)
+    if layout == "sequential":
+        w1, w2 = from_megatron_sequential(state_dict, experts.num_local_experts, prefix)
+    else:
+        w1, w2 = from_megatron_grouped(state_dict, experts.num_local_experts, experts.hidden_size, prefix)
+    for param, w, name in ((experts.weight1, w1, "weight1"), (experts.weight2, w2, "weight2")):
+        if w.shape != param.shape:
+            raise ValueError(f"{name}: Megatron tensor maps to {tuple(w.shape)}, expected {tuple(param.shape)}")
+        param.copy_(w)
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be 'sequential' or 'grouped', got {layout!r}")

@@ -114,7 +114,8 @@ def build_moe_layer(config: Any, pg_collection: Any, ours: bool, device: Optiona
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as megatron_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from .megatron import get_moe_module_spec, is_installed
+    from .dispatcher import is_installed
+    from .specs import get_moe_module_spec
 
     if ours:
         spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, row_stable_gemms=row_stable_gemms)
@@ -136,8 +137,8 @@ def load_seeded_weights(layer: Any, init_seed: int) -> Any:
     its own: each global expert's fc1 / fc2 from its own generator (normal, std 1/sqrt(fan in)), the
     router's normal(0, 0.02) from ``init_seed + ROUTER_SEED_OFFSET``. A global expert's weights
     depend only on (init_seed, its id): layers of every EP size are the same model. Returns layer."""
-    from ..experts.init import WEIGHT1, WEIGHT2, init_expert_weights
-    from ..router.router import INIT_STD, ROUTER_SEED_OFFSET
+    from ...experts.init import WEIGHT1, WEIGHT2, init_expert_weights
+    from ...router.router import INIT_STD, ROUTER_SEED_OFFSET
 
     router = layer.router.weight
     gen = torch.Generator().manual_seed(init_seed + ROUTER_SEED_OFFSET)

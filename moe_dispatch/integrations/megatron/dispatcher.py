@@ -1,0 +1,181 @@
+"""Megatron-core's six-method token-dispatcher interface as a thin wrapper around our dispatcher.
+
+Megatron's MoELayer calls, in order:
+    dispatch_preprocess(hidden_states, routing_map, probs) -> (hidden [T, H], probs [T, E])
+    token_dispatch(hidden, probs)                           -> (received tokens, received probs)
+    dispatch_postprocess(tokens, probs)                     -> (permuted_tokens [N, H],
+                                                               tokens_per_expert [El], permuted_probs [N])
+    combine_preprocess(expert_output [N, H])                -> the checked expert output
+    token_combine(rows)                                     -> the owner's rows (unreduced)
+    combine_postprocess(rows)                               -> output, shaped like hidden_states
+The interface keeps state between the calls; here it is one frozen record per step (``_step``),
+which the next call checks and replaces. One wrapper serves one layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from ...dispatcher import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher, functional
+from ...dispatcher.exchange import Received
+from ...dispatcher.functional import DispatchHandle, Plan
+from .config import moe_config_from_megatron
+from .supported import check_groups, megatron_field
+
+Dispatcher = Union[AllGatherDispatcher, AllToAllDispatcher]
+
+
+@dataclass(frozen=True)
+class _Prepared:  # after dispatch_preprocess
+    plan: Plan
+    hidden_shape: torch.Size
+
+
+@dataclass(frozen=True)
+class _Sent:  # after token_dispatch: the owner's tensors (autograd) and what arrived
+    plan: Plan
+    hidden_shape: torch.Size
+    x: torch.Tensor
+    probs: torch.Tensor
+    recv: Received
+
+
+@dataclass(frozen=True)
+class _Dispatched:  # after dispatch_postprocess, combine_preprocess
+    handle: DispatchHandle
+
+
+@dataclass(frozen=True)
+class _Returned:  # after token_combine
+    handle: DispatchHandle
+    words: Optional[torch.Tensor] = None  # a sync-free step's check words (dispatcher/static.py)
+
+
+_Step = Union[None, _Prepared, _Sent, _Dispatched, _Returned]
+
+
+class MegatronTokenDispatcher:
+    """One of our dispatchers (``dispatcher``) behind Megatron's MoETokenDispatcher interface.
+
+    Exposes what Megatron's MoELayer and the plug-in read: ``config`` (our DispatchConfig),
+    ``ep_group``, ``ep_size``, ``ep_rank``, ``num_local_experts``, ``local_expert_indices``."""
+
+    # What Megatron's MoELayer reads besides the six methods. Self-contained: megatron-core
+    # 0.16.1 .. 0.19.2 and HEAD (0.20). Megatron's MoETokenDispatcher sets these in its __init__
+    # (``ep_size`` and ``ep_rank``, this rank's index in the EP group, are set below with the same
+    # meaning). Each value is the one Megatron's own allgather / alltoall dispatchers have in the
+    # modes we support.
+    tp_size = 1  # expert tensor-parallel size: always 1 here (install() rejects more)
+    tp_rank = 0
+    use_nccl_stream = False  # Megatron: A2A on a side stream to overlap shared experts; ours: current stream
+    shared_experts = None  # shared experts run by the layer, never inside the dispatcher
+    cudagraph_attrs: tuple = ()  # nothing for a CUDA graph of moe_preprocess to capture (not supported)
+    valid_cudagraph_attrs = None
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        """dispatcher: ours (``build_dispatcher``), on the layer's EP group."""
+        self.dispatcher = dispatcher
+        self.config = dispatcher.config
+        self.ep_group, self.ep_size, self.ep_rank = dispatcher.ep_group, dispatcher.ep_size, dispatcher.ep_rank
+        self.num_local_experts = dispatcher.num_local_experts
+        self.local_expert_indices = list(dispatcher.local_expert_indices)
+        self._step: _Step = None
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
+                            probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate (all ranks), exchange sizes; returns (hidden [T, H], probs [T, E] fp32/fp64)."""
+        self.dispatcher.agree(functional.device_of(hidden_states))
+        x, wire, plan = functional.prepare(hidden_states, routing_map, probs, self.config, self.ep_group,
+                                           self.dispatcher.latch)
+        self._step = _Prepared(plan, hidden_states.shape)
+        return x, wire
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send hidden_states [T, H] and probs [T, E] (the step's own, as dispatch_preprocess
+        returned them); returns (received tokens [R, H], received probs [R, El]), by source."""
+        step = self._expect(_Prepared, "dispatch_preprocess")
+        recv = functional.send_tokens(hidden_states, probs, step.plan)
+        self._step = _Sent(step.plan, step.hidden_shape, hidden_states, probs, recv)
+        return recv.hidden, recv.probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor,
+                             probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (permuted_tokens [N, H], tokens_per_expert CPU int64 [El], permuted_probs [N]).
+
+        With probs_in_experts=False the combine applies the probs, so experts must ignore
+        permuted_probs (returned detached, for inspection). Megatron's own experts always multiply
+        by them: ``dispatcher_from_megatron`` sets probs_in_experts=True for them."""
+        step = self._expect(_Sent, "token_dispatch")
+        recv = dataclasses.replace(step.recv, hidden=hidden_states, probs=probs)
+        rows, handle = functional.finish(step.x, step.probs, recv, step.plan, step.hidden_shape)
+        self._step = _Dispatched(handle)
+        return rows, functional.host_tokens_per_expert(handle), handle.permuted_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Expert output [N, H] -> the same rows, checked (see functional.check_expert_output)."""
+        return functional.check_expert_output(hidden_states, self._expect(_Dispatched, "dispatch_postprocess").handle)
+
+    def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Expert rows -> this rank's own rows, from every expert rank (unreduced)."""
+        handle = self._expect(_Dispatched, "dispatch_postprocess").handle
+        rows, words = functional.return_with_words(hidden_states, handle)
+        self._step = _Returned(handle, words)
+        return rows
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The owner's fixed-order fp32 weighted sum; returns hidden_states' original shape."""
+        step = self._expect(_Returned, "token_combine")
+        self._step = None
+        return functional.owner_sum(hidden_states, step.handle, step.words)
+
+    @property
+    def handle(self) -> Optional[DispatchHandle]:
+        """The current step's handle (after dispatch_postprocess), else None."""
+        return self._step.handle if isinstance(self._step, (_Dispatched, _Returned)) else None
+
+    def _expect(self, record: type, previous: str) -> Any:
+        if not isinstance(self._step, record):
+            raise RuntimeError(f"{type(self).__name__}: call {previous} first")
+        return self._step
+
+    def get_expert_zero_copy_buffers(self) -> tuple[None, None]:
+        """(output_buffer, grad_input_buffer) that the experts should write their output / input
+        gradient into (megatron-core >= 0.19). (None, None), as for Megatron's own allgather and
+        alltoall dispatchers: the experts allocate their own, which combine_preprocess reads."""
+        return None, None
+
+    def set_shared_experts(self, shared_experts: Any) -> None:
+        """Megatron's moe_shared_expert_overlap hook: not supported (the shared experts would run
+        inside the dispatcher's communication)."""
+        raise ValueError("moe_shared_expert_overlap=True is not supported by moe_dispatch's dispatchers: "
+                         "expected False (the layer then runs the shared experts itself)")
+
+
+def dispatcher_from_megatron(config: Any, pg_collection: Any) -> MegatronTokenDispatcher:
+    """Our dispatcher on ``pg_collection.ep`` behind Megatron's interface, in Megatron's argument
+    order ``(config, pg_collection)``.
+
+    Args:
+        config: a Megatron ``TransformerConfig``, converted with
+            ``moe_config_from_megatron(config, megatron_layer=True)``: the dispatcher serves
+            Megatron's own router and experts, which multiply the probs themselves, so it runs in
+            ``probs_in_experts`` mode and the probs are applied once. A ``MoEConfig`` is used as is.
+            (A TransformerConfig is told apart by its ``num_moe_experts`` field.)
+        pg_collection: Megatron's ProcessGroupCollection (``.ep``; ``.expt_tp`` and ``.tp_ep``
+            are checked when present, see ``check_groups``).
+
+    Raises:
+        ValueError: no EP group, or expert tensor parallelism: these dispatchers split experts
+            across EP ranks only.
+    """
+    if hasattr(config, "num_moe_experts"):  # Megatron's TransformerConfig
+        config = moe_config_from_megatron(config, megatron_layer=True)
+    return MegatronTokenDispatcher(build_dispatcher(config, check_groups(pg_collection)))
+
+
+def is_installed(moe_layer: Any) -> bool:
+    """True when moe_layer.token_dispatcher is one of ours (``install``, or ``dispatcher_from_megatron``)."""
+    return isinstance(megatron_field(moe_layer, "token_dispatcher"), MegatronTokenDispatcher)

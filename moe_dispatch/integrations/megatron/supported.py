@@ -1,0 +1,234 @@
+"""What of megatron-core we support, in one place: the one accessor for Megatron's objects
+(``megatron_field``) and every check, each a ValueError that names the Megatron field.
+
+- ``check_supported``: Megatron's MoELayer with our dispatcher (``install``, DeterministicMoELayer);
+- ``check_layer_supported``: our whole MoELayer built from a TransformerConfig;
+- ``check_groups``: the process groups our dispatcher runs on;
+- ``check_row_stable_supported``: the layers whose GEMMs ``make_row_stable`` can swap;
+- ``warn_if_untested``: a megatron-core release outside the tested range (a warning only).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ...config import DISPATCHER_KINDS
+
+SUPPORTED_DISPATCHERS = DISPATCHER_KINDS
+# The megatron-core releases the test suite runs against (oldest, newest).
+TESTED_MEGATRON_CORE = ("0.16.1", "0.19.2")
+# Parts of the MoE layer whose CUDA-graph capture would include the dispatch.
+_GRAPHED_DISPATCH_SCOPES = ("moe", "moe_preprocess", "full_iteration")
+# Fields whose non-default value changes our whole layer in a way we do not implement.
+_LAYER_UNSUPPORTED = {
+    "moe_input_jitter_eps": None,
+    "moe_router_force_load_balancing": False,
+    "moe_enable_routing_replay": False,
+    "moe_shared_expert_gate": False,
+    "moe_apply_probs_on_input": False,
+    "moe_router_padding_for_quantization": False,
+    "moe_latent_size": None,
+    "add_bias_linear": False,
+}
+_WARNED: set = set()
+
+
+def megatron_field(obj: Any, name: str, default: Any = None) -> Any:
+    """A field of one of Megatron's objects (TransformerConfig, ProcessGroupCollection, a layer)
+    in any supported release: a field this release lacks counts as ``default``."""
+    return getattr(obj, name, default)
+
+
+def warn_if_untested(version: Optional[str] = None) -> bool:
+    """Warn (once per version) when megatron-core is outside TESTED_MEGATRON_CORE; returns True
+    when it is outside. Only this warning reads the version: behaviour follows features."""
+    from packaging.version import Version  # a dependency of megatron-core
+
+    if version is None:
+        from megatron.core import package_info
+
+        version = package_info.__version__
+    low, high = TESTED_MEGATRON_CORE
+    # Release numbers only: wheels carry local tags (0.19.2+27280d6), which sort above 0.19.2.
+    inside = Version(low).release <= Version(version).release <= Version(high).release
+    if not inside and version not in _WARNED:
+        _WARNED.add(version)
+        warnings.warn(f"moe_dispatch's Megatron plug-in is tested with megatron-core {low} through {high}; "
+                      f"megatron-core {version} is installed: check it with `moe-dispatch check --megatron`",
+                      stacklevel=3)
+    return not inside
+
+
+def check_dispatcher_supported(config: Any) -> None:
+    """An MoE layer (``num_moe_experts``) with one of our dispatcher kinds: what every use of a
+    TransformerConfig needs."""
+    if not megatron_field(config, "num_moe_experts"):
+        raise ValueError("num_moe_experts is not set: this TransformerConfig has no MoE layer")
+    kind = megatron_field(config, "moe_token_dispatcher_type", "allgather")
+    if kind == "flex":
+        raise ValueError("moe_token_dispatcher_type='flex' (DeepEP / HybridEP) is not supported by "
+                         "moe_dispatch: expected 'allgather' or 'alltoall'")
+    if kind not in SUPPORTED_DISPATCHERS:
+        raise ValueError(f"moe_token_dispatcher_type={kind!r} is not supported: expected one of "
+                         f"{SUPPORTED_DISPATCHERS}")
+
+
+def check_supported(config: Any) -> None:
+    """Raise ValueError, naming the field, for Megatron settings our dispatcher cannot honour
+    inside Megatron's MoELayer.
+
+    config: megatron.core TransformerConfig of the MoE layer (any supported release: fields a
+    release lacks count as their default)."""
+    check_dispatcher_supported(config)
+    etp = megatron_field(config, "expert_tensor_parallel_size")
+    if etp is None:  # Megatron's default: the attention TP size
+        etp = megatron_field(config, "tensor_model_parallel_size", 1)
+    if etp != 1:
+        raise ValueError(f"expert tensor parallelism is not supported: expert_tensor_parallel_size="
+                         f"{etp}, expected 1 (it defaults to tensor_model_parallel_size; set it to 1)")
+    if megatron_field(config, "moe_shared_expert_overlap", False):
+        raise ValueError("moe_shared_expert_overlap=True is not supported: Megatron computes the shared "
+                         "experts inside its own dispatcher; expected False")
+    if megatron_field(config, "overlap_moe_expert_parallel_comm", False):
+        raise ValueError("overlap_moe_expert_parallel_comm=True is not supported: its schedule splits "
+                         "the dispatch's autograd graph; expected False")
+    if megatron_field(config, "moe_router_padding_for_quantization", False):
+        raise ValueError("moe_router_padding_for_quantization=True is not supported: it pads inside "
+                         "Megatron's dispatcher; expected False")
+    if megatron_field(config, "transformer_impl") == "inference_optimized":
+        raise ValueError("transformer_impl='inference_optimized' is not supported: its MoELayer swaps "
+                         "Megatron's inference dispatcher in at every forward; expected 'local' or "
+                         "'transformer_engine'")
+    why = _graph_capture_error(config)
+    if why:
+        raise ValueError(f"{why}, which reads split sizes on the host: expected cuda_graph_impl='none' or "
+                         "captured modules without moe / moe_preprocess / full_iteration")
+    router_dtype = megatron_field(config, "moe_router_dtype")
+    if router_dtype not in (None, "fp32", "fp64"):
+        raise ValueError(f"moe_router_dtype={router_dtype!r} is not supported: expected None, 'fp32' or 'fp64'")
+
+
+def _scope_names(scopes: Any) -> list:
+    if scopes is None:
+        return []
+    if isinstance(scopes, str):
+        scopes = [s for s in scopes.split(",") if s]
+    elif not isinstance(scopes, (list, tuple)):
+        scopes = [scopes]
+    return [megatron_field(s, "name", s) for s in scopes]
+
+
+def _graph_capture_error(config: Any) -> Optional[str]:
+    """Why this config's CUDA graphs would capture the dispatch, or None."""
+    graphs = megatron_field(config, "cuda_graph_impl", "none") or "none"
+    if graphs == "none":
+        return None
+    if graphs == "full_iteration":  # 0.18+: one graph of the whole forward-backward
+        return "cuda_graph_impl='full_iteration' would capture the dispatch"
+    # 0.18+ name the captured modules cuda_graph_modules (cuda_graph_scope is migrated into it).
+    field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+    scopes = _scope_names(megatron_field(config, field))
+    if scopes and not any(s in _GRAPHED_DISPATCH_SCOPES for s in scopes):
+        return None
+    return f"cuda_graph_impl={graphs!r} with {field}={scopes or '[] (whole layer)'} would capture the dispatch"
+
+
+def one_loss(config: Any, name: str, default: Any) -> Any:
+    """A load-balancing field's one value: Megatron accepts lists to combine several aux losses;
+    we support exactly one."""
+    value = megatron_field(config, name, default)
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise ValueError(f"{name}={value!r}: combining several load-balancing losses is not supported")
+        return value[0]
+    return value
+
+
+def megatron_activation(config: Any) -> str:
+    """Our activation of Megatron's MLP (``activation_func``, ``gated_linear_unit``)."""
+    import torch.nn.functional as F
+
+    func = megatron_field(config, "activation_func", F.gelu)
+    gated = bool(megatron_field(config, "gated_linear_unit", False))
+    if gated and func is F.silu:
+        return "swiglu"
+    if not gated and func is F.gelu:
+        return "gelu"
+    if not gated and func is F.relu:
+        return "relu"
+    raise ValueError(
+        f"activation_func={getattr(func, '__name__', func)!r} with gated_linear_unit={gated} "
+        "has no MoEConfig.activation (supported: gelu, relu, silu+GLU=swiglu)"
+    )
+
+
+def check_layer_supported(config: Any) -> None:
+    """Raise ValueError, naming the field, for Megatron features our whole MoELayer (router and
+    experts) does not implement."""
+    for name, default in _LAYER_UNSUPPORTED.items():
+        if megatron_field(config, name, default) not in (default, None):
+            raise ValueError(f"{name}={megatron_field(config, name)!r} is not supported by moe_dispatch")
+    if one_loss(config, "moe_router_load_balancing_type", "aux_loss") == "sinkhorn":
+        raise ValueError("moe_router_load_balancing_type='sinkhorn' is not supported")
+    losses = one_loss(config, "moe_aux_loss_coeff", 0.0) or megatron_field(config, "moe_z_loss_coeff")
+    if megatron_field(config, "calculate_per_token_loss", False) and losses:
+        # Megatron then multiplies the losses by the local token count; we keep the plain means.
+        raise ValueError("calculate_per_token_loss=True with MoE losses is not supported")
+    megatron_activation(config)
+
+
+def _group_size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def check_groups(pg_collection: Any) -> Any:
+    """The EP group of Megatron's ProcessGroupCollection (``.ep``; ``.expt_tp`` and ``.tp_ep`` are
+    checked when present). Raises ValueError for no EP group, or expert tensor parallelism
+    (``expt_tp`` size != 1, or ``tp_ep`` not the EP group): our dispatchers split experts across
+    EP ranks only."""
+    ep = megatron_field(pg_collection, "ep")
+    if ep is None:
+        raise ValueError("pg_collection.ep (the expert-parallel group) is required")
+    expt_tp = _group_size(megatron_field(pg_collection, "expt_tp"))
+    if expt_tp != 1:
+        raise ValueError(f"expert tensor parallelism is not supported: pg_collection.expt_tp has size "
+                         f"{expt_tp}, expected 1 (set expert_tensor_parallel_size=1)")
+    tp_ep = megatron_field(pg_collection, "tp_ep")
+    if tp_ep is not None and _group_size(tp_ep) != _group_size(ep):
+        raise ValueError(f"pg_collection.tp_ep has size {_group_size(tp_ep)} but ep has size {_group_size(ep)}; "
+                         "with expert tensor parallel size 1 they must be the same group")
+    return ep
+
+
+def row_stable_activation(config: Any) -> str:
+    """Our activation for the row-stable experts' forward (``make_row_stable``)."""
+    if megatron_field(config, "activation_func_clamp_value") is not None or \
+            megatron_field(config, "glu_linear_offset", 0.0):
+        raise ValueError("row_stable_gemms: activation_func_clamp_value / glu_linear_offset are not supported; "
+                         "expected None / 0.0 (or pass row_stable_gemms=False)")
+    try:
+        return megatron_activation(config)
+    except ValueError as exc:
+        act, gated = config.activation_func, bool(config.gated_linear_unit)
+        raise ValueError(f"row_stable_gemms: activation_func={getattr(act, '__name__', act)} with "
+                         f"gated_linear_unit={gated} is not supported; expected gelu, relu or "
+                         "silu+gated_linear_unit (swiglu), or pass row_stable_gemms=False") from exc
+
+
+def check_row_stable_supported(moe_layer: Any) -> None:
+    """Raise ValueError, naming the field, if ``make_row_stable`` cannot swap this layer's GEMMs."""
+    config = moe_layer.config
+    experts = megatron_field(moe_layer, "experts")
+    if type(experts).__name__ != "SequentialMLP" or not hasattr(experts, "local_experts"):
+        raise ValueError(f"row_stable_gemms needs SequentialMLP experts, got {type(experts).__name__} "
+                         "(use get_moe_module_spec(use_te=False), or pass row_stable_gemms=False)")
+    for field in ("add_bias_linear", "moe_apply_probs_on_input", "fp8", "fp4"):
+        if megatron_field(config, field):
+            raise ValueError(f"row_stable_gemms: {field}={megatron_field(config, field)!r} is not supported; "
+                             "expected False/None (or pass row_stable_gemms=False)")
+    row_stable_activation(config)
+    router = megatron_field(moe_layer, "router")
+    if router is None or megatron_field(router, "bias") is not None:
+        raise ValueError("row_stable_gemms: the router must have a weight and no bias (add_bias_linear=False)")

@@ -1,0 +1,119 @@
+"""The package's modules import each other without a circle, and its leaves load nothing above them.
+
+The import graph is read from the source (ast): an edge for every import of a package module,
+also those inside functions (a lazy import that closes a circle only hides it), but not those
+under ``if TYPE_CHECKING:`` (never run). Importing ``a.b.c`` also runs the packages ``a.b``'s
+``__init__``, so an edge goes to every package on the way that the importer is not inside.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "moe_dispatch"
+
+
+def _module_name(path: Path, package: Path) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the nodes inside an ``if TYPE_CHECKING:`` body."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    return skipped
+
+
+def _imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:
+    """The dotted names an import statement may load (a ``from x import y`` may load x.y)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[:len(base) - node.level + 1]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    return [target] + [f"{target}.{alias.name}" for alias in node.names]
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the package modules it imports (packages: their ``__init__``)."""
+    files = {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skipped = _type_checking_only(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in skipped:
+                continue
+            for name in _imported(node, module, path.name == "__init__.py"):
+                parts = name.split(".")
+                for i in range(1, len(parts) + 1):  # a.b.c runs a, a.b and a.b.c
+                    target = ".".join(parts[:i])
+                    if target in files and target != module and not module.startswith(target + "."):
+                        graph[module].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle [a, b, ..., a] of the graph, or [] if it has none."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt in path:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in done:
+                found = visit(nxt)
+                if found:
+                    return found
+        done.add(path.pop())
+        return []
+
+    for start in sorted(graph):
+        if start not in done:
+            found = visit(start)
+            if found:
+                return found
+    return []
+
+
+def test_graph_sees_the_package():
+    graph = import_graph()
+    assert "moe_dispatch.dispatcher.functional" in graph["moe_dispatch.dispatcher.dispatchers"]
+    assert "moe_dispatch.config" in graph["moe_dispatch.agreement"]
+    # a package import runs its __init__; imports within one's own package do not loop back
+    assert "moe_dispatch.dispatcher" in graph["moe_dispatch.layer"]
+    assert "moe_dispatch.dispatcher" not in graph["moe_dispatch.dispatcher.functional"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_import_circle():
+    cycle = find_cycle(import_graph())
+    assert not cycle, "import circle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("module, not_loaded", [
+    ("moe_dispatch.config", ["moe_dispatch.dispatcher", "moe_dispatch.router", "moe_dispatch.ops"]),
+    ("moe_dispatch.comm", ["moe_dispatch.config", "moe_dispatch.dispatcher"]),
+    ("moe_dispatch.agreement", ["moe_dispatch.dispatcher", "moe_dispatch.router", "moe_dispatch.ops"]),
+])
+def test_leaf_modules_load_nothing_above_them(module, not_loaded):
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('moe_dispatch')))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    loaded = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert module in loaded
+    assert not [m for m in loaded if any(m == n or m.startswith(n + ".") for n in not_loaded)], loaded
