@@ -286,8 +286,6 @@ def bench_layer_ep1(args, single) -> None:
     if DEVICE.type == "cuda":
         replay = captured_step(layer, x, g)
         rows.append(("sync-free captured (CUDA graph), grads reset each step", bench(replay), host_waits(replay)))
-    else:
-        say("# captured (CUDA graph) row: skipped, CUDA only")
     flops = 2 * 3 * T * K * H * F * 2
     say(f"\n## EP-1 MoELayer forward + backward (ours, alltoall, grouped row-stable experts): {T} tokens, H={H}, "
         f"ffn={F}, E={E}, K={K}, bf16, fp32 router; expert GEMM work {flops / 1e12:.2f} TFLOP")
@@ -297,6 +295,8 @@ def bench_layer_ep1(args, single) -> None:
     say("| EP-1 layer step | fwd+bwd (ms) | host syncs / host<->device copies per step |\n|---|---|---|")
     for name, ms, waits in rows:
         say(f"| EP-1 ours alltoall, {name} | {ms:.2f} | {waits} |")
+    if DEVICE.type != "cuda":
+        say("# captured (CUDA graph) row: skipped, CUDA only")
 
 
 def profile_dispatch(args, world: int, rank: int) -> None:

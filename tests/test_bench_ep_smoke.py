@@ -16,7 +16,9 @@ def test_bench_ep_cpu_smoke():
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    for row in ["EP-1 ours alltoall, grads reset each step", "EP-1 ours alltoall, grads accumulating",
+    for row in ["EP-1 ours alltoall, dropless, grads reset each step",
+                "EP-1 ours alltoall, sync-free, grads reset each step",
+                "EP-1 ours alltoall, sync-free, grads accumulating", "captured (CUDA graph) row: skipped, CUDA only",
                 "ours alltoall round trip", "ours allgather round trip", "Megatron alltoall round trip",
                 "ours alltoall, grouped experts", "Megatron allgather, SequentialMLP, no TE, our dispatcher installed"]:
         assert row in out, out
