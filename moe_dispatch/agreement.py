@@ -183,7 +183,7 @@ def _show(name: str, code: int) -> Any:
     """Invert _encode well enough for an error message."""
     if code == -1:
         return None
-    if name == "capacity_factor":
+    if name in ("capacity_factor", "ep_capacity_factor"):
         return struct.unpack("<d", struct.pack("<q", code))[0]
     if name in ("kind", "router_dtype"):
         return {zlib.crc32(k.encode()): k for k in (*DISPATCHER_KINDS, "fp32", "fp64")}.get(code, code)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_gather_rows
-from .config import DISPATCHER_KINDS
+from .config import DISPATCHER_KINDS, MoEConfig
 from .launch import end_spawned_rank, rank_device, set_rank_env, spawn_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -88,9 +88,12 @@ class Result:
     # A reference row (stock megatron-core under --megatron): printed, PASS or DIFF, never a FAIL
     # and never part of the exit code.
     informational: bool = False
+    skipped: str = ""  # why the row did not run (then it neither passes nor fails)
 
     @property
     def status(self) -> str:
+        if self.skipped:
+            return f"SKIP ({self.skipped})"
         return "PASS" if self.passed else ("DIFF" if self.informational else "FAIL")
 
     @property
@@ -260,7 +263,7 @@ def run_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
     results = contract_checks(args, device, sizes, dispatchers, run)
     layer = MoELayer(base.replace(dispatcher=dispatchers[0]), ep_group=groups[sizes[-1]],
                      layer_index=0).to(device)
-    return results + combine_rows(args, device, layer, sizes)
+    return results + combine_rows(args, device, layer, sizes) + captured_check(args, device, base)
 
 
 def _ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -347,6 +350,54 @@ def combine_rows(args: argparse.Namespace, device: torch.device, layer: torch.nn
         rows.append(Result(f"{REFERENCE_LABEL}reduce-scatter combine, EP 1 vs EP {ep}", _max_diff(single, other),
                            _bitwise(single, other), informational=True))
     return _gather_results(rows, device)
+
+
+def captured_check(args: argparse.Namespace, device: torch.device, config: MoEConfig) -> list[Result]:
+    """The EP-1 layer's sync-free forward + backward captured in a CUDA graph and replayed on
+    new tokens, against the eager step on them: output, input and router gradients bitwise. CUDA
+    only (skipped on CPU: there is nothing to capture). Collective: every rank calls it."""
+    from .layer import MoELayer
+
+    check = "CUDA-graph replay vs eager step: EP 1, sync-free"
+    if device.type != "cuda":
+        return [Result(check, 0.0, True, skipped="CUDA only")]
+    rank = dist.get_rank()
+    single = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]  # every rank creates every group
+    _progress(rank, "CUDA-graph capture, EP 1")
+    dtype = DTYPES[args.dtype]
+    layer = MoELayer(config, ep_group=single, layer_index=0).to(device)
+    gen = torch.Generator().manual_seed(args.seed + 200 + rank)
+    first, fresh, upstream = (torch.randn((args.tokens, args.hidden), generator=gen).to(dtype).to(device)
+                              for _ in range(3))
+    x = first.clone().requires_grad_()
+
+    def step() -> None:
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x).backward(upstream)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+        out.backward(upstream)
+    with torch.no_grad():
+        x.copy_(fresh)
+    graph.replay()
+    router = next(p for n, p in layer.named_parameters() if "router" in n)
+    captured = (out.detach().clone(), x.grad.detach().clone(), router.grad.detach().clone())
+    layer.zero_grad(set_to_none=True)  # the eager step writes fresh .grad, not into the graph's
+    eager = _run_layer(lambda: layer, fresh, upstream)
+    diff = max(_max_diff(a, b) for a, b in zip(captured, eager))
+    same = all(_bitwise(a, b) for a, b in zip(captured, eager))
+    return _gather_results([Result(check, diff, same)], device)
 
 
 def _megatron_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:

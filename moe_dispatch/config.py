@@ -80,7 +80,13 @@ class DispatchConfig:
             the handle's call across the group on the host (one 8-byte all-gather and one host
             synchronisation each) and raise at once if ranks combine different calls. Default
             False: the same comparison without a synchronisation, which poisons (NaN) and raises
-            at the next dispatch, but only if the calls' split sizes agree (README).
+            at the next dispatch, but only if the calls' split sizes agree (README). Sync-free at
+            EP > 1 the default compares the calls in the exchanges' status rows instead; strict
+            mode adds the host-side check (and its synchronisation) there too.
+        sync_free: the sync-free dispatch: sizes from the config and T alone, no host read
+            (dispatcher/static.py); at EP > 1 it needs ep_capacity_factor.
+        ep_capacity_factor: receive capacity of the static exchange at EP > 1, in units of the
+            balanced load (T * topk rows per rank); see static.StaticSizes.
     """
 
     kind: str
@@ -93,6 +99,8 @@ class DispatchConfig:
     capacity_factor: Optional[float] = None
     pad_to_capacity: bool = False
     strict_call_order: bool = False
+    sync_free: bool = False
+    ep_capacity_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.kind not in DISPATCHER_KINDS:
@@ -103,7 +111,7 @@ class DispatchConfig:
             raise ValueError(f"topk={self.topk} exceeds num_experts={self.num_experts}")
         if self.router_dtype not in (None, "fp32", "fp64"):
             raise ValueError(f"router_dtype must be None, 'fp32' or 'fp64', got {self.router_dtype!r}")
-        for name in ("probs_in_experts", "pad_to_capacity", "strict_call_order"):
+        for name in ("probs_in_experts", "pad_to_capacity", "strict_call_order", "sync_free"):
             _strict_bool(name, getattr(self, name))
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf)
@@ -111,6 +119,16 @@ class DispatchConfig:
             raise ValueError(f"capacity_factor must be None or a finite number > 0, got {cf!r}")
         if self.pad_to_capacity and cf is None:
             raise ValueError("pad_to_capacity=True needs capacity_factor to be set")
+        ecf = self.ep_capacity_factor
+        if ecf is not None and (isinstance(ecf, bool) or not isinstance(ecf, (int, float)) or not math.isfinite(ecf)
+                                or ecf <= 0):
+            raise ValueError(f"ep_capacity_factor must be None or a finite number > 0, got {ecf!r}")
+        if self.sync_free and (self.pad_to_capacity or self.pad_multiple != 1):
+            raise ValueError("sync_free=True (the static dispatch) needs pad_to_capacity=False and pad_multiple=1")
+
+    def replace(self, **changes: Any) -> "DispatchConfig":
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
 
     def wire_probs_dtype(self, probs_dtype: torch.dtype) -> torch.dtype:
         """Probabilities travel and are applied in fp32, or fp64 when the router works in fp64.
@@ -168,6 +186,13 @@ class MoEConfig:
     ``strict_call_order``: check on the host, before each combine and backward exchange, that every
     EP rank combines the same call (micro-batch); see ``DispatchConfig.strict_call_order``.
 
+    Sync-free step: ``ep_capacity_factor`` (None: the dropless exchange, which reads its sizes on
+    the host once per step) opts EP > 1 into the static-capacity exchange: every buffer and split
+    is sized from the config and T alone (T equal on every rank), no host read; results are
+    bitwise those of the dropless path while every rank's traffic fits, and NaN with an error on
+    every rank when it does not (dispatcher/static.py). At EP 1 the layer is sync-free anyway
+    (pad_multiple=1, no pad_to_capacity); the factor is then unused.
+
     Types are strict: bool fields take only True/False, int fields only ints (not bools or
     floats), float fields ints or floats; the Optional fields above take None as described.
     """
@@ -199,6 +224,7 @@ class MoEConfig:
     expert_impl: str = "grouped"
     shared_expert_ffn_hidden_size: Optional[int] = None
     strict_call_order: bool = False
+    ep_capacity_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("pre_softmax", "enable_expert_bias", "pad_to_capacity", "probs_in_experts", "strict_call_order"):
@@ -232,6 +258,12 @@ class MoEConfig:
             _finite_number("capacity_factor", self.capacity_factor, 0.0, strict=True)
         if self.pad_to_capacity and self.capacity_factor is None:
             raise ValueError("pad_to_capacity=True needs capacity_factor to be set")
+        if self.ep_capacity_factor is not None:
+            _finite_number("ep_capacity_factor", self.ep_capacity_factor, 0.0, strict=True)
+            if self.pad_to_capacity or self.pad_multiple != 1:
+                raise ValueError("ep_capacity_factor (the static-capacity exchange) needs pad_to_capacity=False and "
+                                 f"pad_multiple=1, got pad_to_capacity={self.pad_to_capacity}, "
+                                 f"pad_multiple={self.pad_multiple}")
         if self.shared_expert_ffn_hidden_size is not None:
             _positive_int("shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size)
         if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
@@ -279,7 +311,9 @@ class MoEConfig:
                               hidden_size=self.hidden_size, router_dtype=self.router_dtype,
                               probs_in_experts=self.probs_in_experts, pad_multiple=self.pad_multiple,
                               capacity_factor=self.capacity_factor if self.pad_to_capacity else None,
-                              pad_to_capacity=self.pad_to_capacity, strict_call_order=self.strict_call_order)
+                              pad_to_capacity=self.pad_to_capacity, strict_call_order=self.strict_call_order,
+                              sync_free=self.ep_capacity_factor is not None,
+                              ep_capacity_factor=self.ep_capacity_factor)
 
     def replace(self, **changes: Any) -> "MoEConfig":
         """A validated copy with some fields changed (the only way to change a frozen config)."""

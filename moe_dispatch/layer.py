@@ -15,8 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .agreement import hidden_states_problem
+from .comm import group_size_rank
 from .config import MoEConfig
 from .dispatcher import build_dispatcher
+from .dispatcher.functional import host_tokens_per_expert
 from .experts import GroupedMLP, SequentialMLP, layer_seed
 from .parallel import check_ddp
 from .router import TopKRouter
@@ -54,7 +56,13 @@ class MoELayer(nn.Module):
         # and with no extra synchronisation; the router's own check would add a host sync and
         # raise on one rank only, leaving the others waiting in the exchange.
         self.router = TopKRouter(seeded, check_finite=False)
-        self.dispatcher = build_dispatcher(config, ep_group)
+        dispatch_config = config.dispatch_config()
+        if group_size_rank(ep_group)[0] == 1 and not config.pad_to_capacity and config.pad_multiple == 1:
+            # Our router routes a token to at most topk experts, so N = T * topk is known on the host:
+            # the sync-free dispatch (no host read; dispatcher/static.py), bitwise the dropless one.
+            dispatch_config = dispatch_config.replace(sync_free=True)
+        # built once: each dispatcher takes the next layer id of its group (identity)
+        self.dispatcher = build_dispatcher(dispatch_config, ep_group)
         experts_cls = GroupedMLP if config.expert_impl == "grouped" else SequentialMLP
         num_local = self.dispatcher.num_local_experts
         sharded_over = None
@@ -97,7 +105,13 @@ class MoELayer(nn.Module):
         if not self.dispatcher.agreed:
             self.dispatcher.agree(device, [*self.config.field_values(), ("layer_index", self.layer_index)])
         problem = hidden_states_problem(hidden_states, self.config.hidden_size, device)
-        if problem is not None:
+        agreed = self.dispatcher.static_agreed_input() if problem is not None else None
+        if agreed is not None:
+            # Sync-free at EP > 1 after its first step: the peers are in no size exchange, so this rank
+            # takes part with zeros of the agreed shape and a bad input; every rank's outputs are NaN
+            # and every rank raises at the next poll (dispatcher/static.py).
+            hidden_states = torch.zeros(agreed[0], dtype=agreed[1], device=device)
+        elif problem is not None:
             three_d = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3
             batch = tuple(hidden_states.shape[1:2]) if three_d else ()  # [S, B, H]: the same B
             self.router(torch.zeros((0, *batch, self.config.hidden_size), dtype=self.router.weight.dtype,
@@ -108,11 +122,19 @@ class MoELayer(nn.Module):
         # Whether this rank's experts train: agreed with the group in the size exchange, so that a
         # rank whose inputs and experts need no gradient still runs the backward's exchanges.
         experts_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.experts.parameters())
-        expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(tokens, routing_map, probs,
-                                                                           experts_need_grad=experts_grad)
-        expert_output = self.experts(expert_input, tokens_per_expert, handle.permuted_probs,
-                                     offsets=handle.expert_offsets)
+        expert_input, handle = self.dispatcher.dispatch_rows(None if agreed else tokens, routing_map, probs,
+                                                             experts_need_grad=experts_grad)
+        if handle.trailing_rows:  # sync-free: device counts, read only by a GEMM path that needs them
+            expert_output = self.experts(expert_input, handle.expert_counts, handle.permuted_probs,
+                                         offsets=handle.expert_offsets, trailing_rows=True)
+        else:
+            expert_output = self.experts(expert_input, host_tokens_per_expert(handle), handle.permuted_probs,
+                                         offsets=handle.expert_offsets)
         output = self.dispatcher.combine(expert_output, handle)
+        if agreed is not None or handle.input_replaced:
+            # NaN in this rank's own shape; the graph stays, so the backward's collectives still run.
+            nan = torch.full(hidden_states.shape, float("nan"), dtype=output.dtype, device=output.device)
+            return nan + output.sum() * 0
         if self.shared_expert is not None:
             T = tokens.shape[0]
             # host counts for the loop GEMMs; device offsets (a fill, no copy) for grouped_mm

@@ -5,7 +5,8 @@ forward + backward, ours beside megatron-core's in the same run.
     torchrun --nproc-per-node 2 -m tests.bench_ep_cpu   # --cpu-smoke: gloo, tiny: checks the script runs
     torchrun --nproc-per-node 1 scripts/bench_ep.py --what layer   # the EP-1 layer on one GPU
     torchrun --nproc-per-node 1 scripts/bench_ep.py --what ep1,profile-layer --ep1-layers ours,installed
-        # EP 1 only: ours beside Megatron after install(), grads reset and accumulating, and profiles
+        # EP 1 only: ours (eager dropless, eager sync-free, and the sync-free step captured in a
+        # CUDA graph) beside Megatron after install(), grads reset and accumulating, and profiles
 
 Round trip: identity experts; ours (alltoall, allgather), Megatron's MoEAlltoAll/MoEAllGather
 token dispatchers, and a raw all_to_all_single of the K-copy rows there and back. The byte floor
@@ -243,9 +244,31 @@ def host_waits(fn, steps: int = 3) -> str:
     return f"{counts['syncs']:g} / {counts['copies']:g}"
 
 
+def captured_step(layer, x: torch.Tensor, fwd_bwd):
+    """A CUDA graph of one forward + backward (``fwd_bwd``) with the gradients reset (each replay
+    writes fresh .grad, as after zero_grad(set_to_none=True)); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (Triton compiles, allocator pools) off the capture stream
+        for _ in range(3):
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            fwd_bwd()
+    torch.cuda.current_stream().wait_stream(side)
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd_bwd()
+    return graph.replay
+
+
 def _ep1_layers(args, single, world: int, rank: int, which: str):
-    """(label, layer, x, dy, forward + backward) of the EP-1 layers named in ``which`` ('ours',
-    'installed': Megatron after install(), 'stock': Megatron's own), each rank alone."""
+    """(label, layer, x, forward + backward) of the EP-1 layers named in ``which`` ('ours': the
+    layer's default sync-free step and the dropless dispatcher, 'installed': Megatron after
+    install(), 'stock': Megatron's own), each rank alone."""
+    from moe_dispatch.dispatcher import AllToAllDispatcher
+
     T, E, K, H, F = args.tokens, args.experts, args.topk, args.hidden, args.ffn
     x = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn((T, H), device=DEVICE, dtype=torch.bfloat16)
@@ -254,7 +277,12 @@ def _ep1_layers(args, single, world: int, rank: int, which: str):
         config = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=F, params_dtype=torch.bfloat16,
                            load_balancing_type="none")
         ours_layer = MoELayer(config, single, layer_index=0).to(DEVICE)
-        out.append(("ours alltoall, grouped row-stable experts", ours_layer, x, lambda: ours_layer(x).backward(g)))
+        dropless = MoELayer(config, single, layer_index=0).to(DEVICE)
+        dropless.dispatcher = AllToAllDispatcher(config, single)  # sizes read on the host once per step
+        out.append(("ours alltoall, grouped row-stable experts, sync-free", ours_layer, x,
+                    lambda: ours_layer(x).backward(g)))
+        out.append(("ours alltoall, grouped row-stable experts, dropless", dropless, x,
+                    lambda: dropless(x).backward(g)))
     megatron = [(name, ours) for name, ours in (("installed", True), ("stock", False)) if name in which]
     if megatron:
         from moe_dispatch.integrations.megatron.build import build_moe_layer, process_groups
@@ -274,9 +302,10 @@ def _ep1_layers(args, single, world: int, rank: int, which: str):
 
 
 def bench_layer_ep1(args, single, world: int, rank: int) -> None:
-    """The EP-1 layers (each rank alone, group ``single``): ours, Megatron after install() and stock
-    Megatron (``--ep1-layers``), forward + backward with the gradients reset every step beside
-    gradients accumulating into .grad."""
+    """The EP-1 layers (each rank alone, group ``single``): ours (sync-free, dropless), Megatron
+    after install() and stock Megatron (``--ep1-layers``), forward + backward with the gradients
+    reset every step beside gradients accumulating into .grad; on CUDA also ours sync-free
+    captured in a CUDA graph (gradients reset each step)."""
     T, E, K, H, F = args.tokens, args.experts, args.topk, args.hidden, args.ffn
     rows = []
     for label, layer, x, fwd_bwd in _ep1_layers(args, single, world, rank, args.ep1_layers):
@@ -289,6 +318,13 @@ def bench_layer_ep1(args, single, world: int, rank: int) -> None:
             fwd_bwd()
         rows.append((label, "grads reset each step", bench(reset), host_waits(reset)))
         rows.append((label, "grads accumulating into .grad", bench(accumulate), host_waits(accumulate)))
+        if isinstance(layer, MoELayer) and layer.dispatcher.sync_free:
+            if DEVICE.type == "cuda":
+                replay = captured_step(layer, x, fwd_bwd)
+                rows.append((label, "captured (CUDA graph), grads reset each step", bench(replay),
+                             host_waits(replay)))
+            else:
+                say("# captured (CUDA graph) row: skipped, CUDA only")
         del layer
     flops = 2 * 3 * T * K * H * F * 2
     say(f"\n## EP-1 MoELayer forward + backward: {T} tokens, H={H}, ffn={F}, E={E}, K={K}, bf16, fp32 router; "

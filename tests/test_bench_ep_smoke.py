@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-EP1_LAYERS = ["ours alltoall, grouped row-stable experts",
+EP1_LAYERS = ["ours alltoall, grouped row-stable experts, sync-free",
+              "ours alltoall, grouped row-stable experts, dropless",
               "Megatron alltoall after install() (row-stable GEMMs, stacked expert weights)",
               "Megatron alltoall stock, SequentialMLP, no TE"]
 
@@ -21,8 +22,8 @@ def test_bench_ep_cpu_smoke():
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    rows = [f"EP-1 {EP1_LAYERS[1]} | {step}" for step in ("grads reset each step", "grads accumulating")]
-    rows += [f"profile: EP-1 {EP1_LAYERS[1]}, grads {mode}" for mode in ("reset", "accumulating")]
+    rows = [f"EP-1 {EP1_LAYERS[2]} | {step}" for step in ("grads reset each step", "grads accumulating")]
+    rows += [f"profile: EP-1 {EP1_LAYERS[2]}, grads {mode}" for mode in ("reset", "accumulating")]
     rows += ["ours alltoall round trip", "ours allgather round trip", "Megatron alltoall round trip",
              "ours alltoall, grouped experts", "Megatron allgather, SequentialMLP, no TE, our dispatcher installed"]
     for row in rows:
@@ -40,4 +41,5 @@ def test_bench_ep_cpu_smoke_ep1_layers():
     for layer in EP1_LAYERS:
         for step in ("grads reset each step", "grads accumulating"):
             assert f"EP-1 {layer} | {step}" in proc.stdout, (layer, step, proc.stdout)
+    assert "captured (CUDA graph) row: skipped, CUDA only" in proc.stdout, proc.stdout
     assert "round trip" not in proc.stdout and "failed" not in proc.stdout, proc.stdout

@@ -29,6 +29,7 @@ VALID = {
     "topk_scaling_factor": dict(topk_scaling_factor=2),
     "z_loss_coeff": dict(z_loss_coeff=1e-3),
     "capacity_factor": dict(capacity_factor=1),
+    "ep_capacity_factor": dict(ep_capacity_factor=1.5),
 }
 
 

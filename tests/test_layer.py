@@ -135,16 +135,45 @@ def host_calls_per_step(layer: MoELayer, x: torch.Tensor, steps: int = 3) -> dic
 
 @pytest.mark.gpu
 def test_gpu_layer_step_host_synchronisations():
-    """EP 1 layer step, forward + backward: one host synchronisation (the dispatcher reads the
-    routing counts once) and that one device-to-host copy; no host-to-device copies."""
+    """EP 1 layer step, forward + backward, sync-free (the layer's default at EP 1, bf16 grouped
+    experts on device offsets): no host synchronisation and no host<->device copy."""
     config = MoEConfig(hidden_size=256, num_experts=16, topk=4, ffn_hidden_size=256, params_dtype=torch.bfloat16)
     layer = MoELayer(config, layer_index=0).cuda()
+    assert layer.dispatcher.sync_free
     x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
     counts = host_calls_per_step(layer, x)
     print(f"\nEP-1 layer step (fwd+bwd): {counts['syncs']:g} host syncs, {counts['copies']:g} host<->device copies "
           f"per step; runtime calls over 3 steps: {counts['detail']}")
+    assert counts["syncs"] == 0, counts
+    assert counts["copies"] == 0, counts
+
+
+@pytest.mark.gpu
+def test_gpu_layer_step_raises_on_sync_under_debug_mode():
+    """The same step under torch.cuda.set_sync_debug_mode("error"): any synchronising call raises."""
+    config = MoEConfig(hidden_size=256, num_experts=16, topk=4, ffn_hidden_size=256, params_dtype=torch.bfloat16)
+    layer = MoELayer(config, layer_index=0).cuda()
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()  # warm up (Triton compiles, allocations)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            layer.zero_grad(set_to_none=True)
+            layer(x).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_gpu_dropless_dispatch_keeps_its_one_read():
+    """The dropless dispatch (the explicit dispatcher API, or pad_multiple > 1): one host sync."""
+    config = MoEConfig(hidden_size=256, num_experts=16, topk=4, ffn_hidden_size=256, params_dtype=torch.bfloat16,
+                       pad_multiple=8)
+    layer = MoELayer(config, layer_index=0).cuda()
+    assert not layer.dispatcher.sync_free
+    counts = host_calls_per_step(layer, torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16))
     assert counts["syncs"] == 1, counts
-    assert counts["copies"] == 1, counts
 
 
 @pytest.mark.gpu
@@ -165,14 +194,30 @@ def count_host_transfers_of(fn) -> dict:
 
 
 @pytest.mark.parametrize("pad_multiple", [1, 4])
-def test_layer_step_reads_the_host_once(pad_multiple):
-    """EP 1, forward + backward: one host read (the routing counts), and no table copied to the
-    device unless padding moves rows (then one)."""
+def test_layer_step_host_reads(pad_multiple):
+    """EP 1, forward + backward. pad_multiple=1: the sync-free dispatch, no host read and no table
+    copied. pad_multiple=4 (dropless dispatch): one host read (the routing counts) and one table
+    copied to the device (padding moves rows)."""
     config = MoEConfig(hidden_size=32, num_experts=8, topk=2, ffn_hidden_size=16, pad_multiple=pad_multiple)
     layer = MoELayer(config, layer_index=0)
     x = torch.randn(20, 32, requires_grad=True)
     counts = count_host_transfers_of(lambda: layer(x).sum().backward())
-    assert counts == {"read_host": 1, "to_device": int(pad_multiple > 1)}, counts
+    expected = 0 if pad_multiple == 1 else 1
+    assert counts == {"read_host": expected, "to_device": expected}, counts
+
+
+def test_explicit_dispatch_at_ep1_keeps_its_read():
+    """The functional dispatch() API at EP 1 is the dropless one: one host read."""
+    from moe_dispatch.dispatcher import combine, dispatch
+
+    config = MoEConfig(hidden_size=32, num_experts=8, topk=2, ffn_hidden_size=16)
+    layer = MoELayer(config, layer_index=0)
+    x = torch.randn(20, 32)
+    probs, routing_map = layer.router(x)
+    with count_host_transfers() as counts:
+        rows, tokens_per_expert, handle = dispatch(x, routing_map, probs, config)
+        combine(rows, handle)
+    assert counts == {"read_host": 1, "to_device": 0}, counts
 
 
 def _nccl_layer_worker(rank: int, world_size: int) -> dict:

@@ -10,7 +10,7 @@ from ..agreement import GROUP_LATCHES, InputProblem, agree_config
 from ..comm import ProcessGroup, group_size_rank
 from ..config import DispatchConfig, MoEConfig, as_dispatch_config
 from ..identity import StepCounter, new_layer_id
-from . import functional
+from . import functional, static
 from .functional import DispatchHandle, device_of
 from .layout import check_ep_size, exchange_sizes
 
@@ -35,6 +35,9 @@ class _Dispatcher:
         self.num_local_experts = check_ep_size(self.config.num_experts, self.ep_size)
         first = self.ep_rank * self.num_local_experts
         self.local_expert_indices = list(range(first, first + self.num_local_experts))
+        if self.config.sync_free and self.ep_size > 1 and self.config.ep_capacity_factor is None:
+            raise ValueError(f"sync_free=True at EP size {self.ep_size} needs ep_capacity_factor (the static-capacity "
+                             f"exchange), got None")
         self._agreed = self.ep_size == 1  # configuration agreed with the group (once, lazily)
         self.layer_id = new_layer_id(ep_group)
         self.steps = StepCounter(self.layer_id)  # this layer's forwards (identity.CallId)
@@ -60,11 +63,35 @@ class _Dispatcher:
         (``handle``: reuse a previous step's, for activation recomputation). ``experts_need_grad``:
         whether the experts that will run on the rows have trainable weights, for a caller that
         knows (a layer); None: assumed under grad mode (the combine's output then requires grad on
-        every rank, so that every rank's backward runs the combine's backward exchange)."""
+        every rank, so that every rank's backward runs the combine's backward exchange). Sync-free
+        (``config.sync_free``): tokens_per_expert is read from the device; ``dispatch_rows`` is not."""
+        rows, new = self.dispatch_rows(hidden_states, routing_map, probs, handle, experts_need_grad)
+        return rows, functional.host_tokens_per_expert(new), new
+
+    def dispatch_rows(self, hidden_states: Any, routing_map: torch.Tensor, probs: torch.Tensor,
+                      handle: Optional[DispatchHandle] = None, experts_need_grad: Optional[bool] = None,
+                      ) -> tuple[torch.Tensor, DispatchHandle]:
+        """dispatch without tokens_per_expert: (expert_input [N, H], handle); no host read in the
+        sync-free mode. hidden_states None: this rank's input was bad (sync-free at EP > 1, see
+        MoELayer.forward): it takes part with zeros and the step's outputs are NaN everywhere."""
+        if hidden_states is None:
+            hidden_states = static.BAD_INPUT
         if handle is None:
-            self.agree(device_of(hidden_states))
-        return functional.dispatch(hidden_states, routing_map, probs, self.config, self.ep_group, handle=handle,
-                                   latch=self.latch, agreed=True, steps=self.steps, experts_grad=experts_need_grad)
+            self.agree(device_of(hidden_states) if isinstance(hidden_states, torch.Tensor) else probs.device)
+        return functional.dispatch_rows(hidden_states, routing_map, probs, self.config, self.ep_group,
+                                        handle=handle, latch=self.latch, agreed=True, steps=self.steps,
+                                        experts_grad=experts_need_grad)
+
+    @property
+    def sync_free(self) -> bool:
+        """The sync-free dispatch (static.py): no host read per step."""
+        return self.config.sync_free
+
+    def static_agreed_input(self) -> Optional[tuple[torch.Size, torch.dtype]]:
+        """Sync-free at EP > 1 after the first step: the agreed hidden_states (shape, dtype)."""
+        if not (self.config.sync_free and self.ep_size > 1):
+            return None
+        return static.agreed_hidden(self.ep_group, self.config)
 
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """expert_output [N, H] -> hidden_states' shape; see functional.combine."""

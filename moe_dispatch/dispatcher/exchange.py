@@ -126,12 +126,14 @@ def _gather_rows_into(out: torch.Tensor, src: torch.Tensor, index: Optional[torc
 @dataclass(frozen=True)
 class Received:
     """What the forward exchange delivered: hidden [R, H], probs [R, El] and routing [R, El]
-    (None when not sent) as views of one buffer; ``order``: the source rank of each segment."""
+    (None when not sent) as views of one buffer; ``order``: the source rank of each segment;
+    ``words``: the sync-free dispatch's check words (static.py), None otherwise."""
 
     hidden: torch.Tensor
     probs: torch.Tensor
     routing: Optional[torch.Tensor]
     order: tuple[int, ...]
+    words: Optional[torch.Tensor] = None
 
 
 def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:

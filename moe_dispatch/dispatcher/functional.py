@@ -50,8 +50,10 @@ from ..config import DispatchConfig, MoEConfig, as_dispatch_config
 from ..identity import StepCounter, functional_counter
 from ..ops import RowIdMap, unpermute
 from ..ops.permutation import make_slots, permute_rows, runs_index
+from . import static
 from .exchange import KINDS, Received, ReturnRoute, return_rows, return_runs, send_back
 from .layout import Layout, exchange_sizes
+from .static import StaticPlan, StaticStep, pairs_to_dense
 
 Runs = tuple[torch.Tensor, torch.Tensor, int]  # (shifts, lengths) on the device, total positions
 
@@ -103,15 +105,40 @@ class DispatchHandle:
         hidden_shape: shape of the caller's hidden states ([T, H] or [S, B, H]).
         expert_offsets: int32 [El] on the device, cumulative rows per local expert (the offsets
             torch._grouped_mm takes: no host-to-device copy of tokens_per_expert).
+        static: the sync-free dispatch's part (its return route), None for the dropless path.
     """
 
-    plan: Plan
+    plan: Plan | StaticPlan
     expert_map: RowIdMap
     owner_map: RowIdMap
     probs: torch.Tensor
     permuted_probs: torch.Tensor
     hidden_shape: torch.Size
     expert_offsets: torch.Tensor
+    static: Optional[StaticStep] = None
+
+    @property
+    def expert_counts(self) -> torch.Tensor:
+        """int64 [El] on the device, rows per local expert (padding included): no host read."""
+        return self.expert_map.padded_tokens_per_expert
+
+    @property
+    def trailing_rows(self) -> bool:
+        """Sync-free: rows after the last expert's block (up to N) belong to no expert."""
+        return self.static is not None
+
+    @property
+    def input_replaced(self) -> bool:
+        """Sync-free at EP > 1: this rank's inputs were bad and it took part with zeros (NaN results)."""
+        return isinstance(self.plan, StaticPlan) and self.plan.replaced
+
+
+def host_tokens_per_expert(handle: DispatchHandle) -> torch.Tensor:
+    """CPU int64 [El], rows per local expert (padding included): the dropless plan's, or for a
+    sync-free handle read from the device now (a host sync on CUDA; only whoever asks pays it)."""
+    if handle.plan.tokens_per_expert is None:
+        return handle.expert_counts.cpu()
+    return handle.plan.tokens_per_expert
 
 
 # ---- row maps -----------------------------------------------------------------------------------
@@ -215,21 +242,6 @@ def expert_row_map(plan: Plan, recv_routing: torch.Tensor) -> RowIdMap:
                     routed, most)
 
 
-def pairs_to_dense(values: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:
-    """values [N] in row_id_map's row order -> [T, X] with out[t, x] = values[row(t, x)], 0 elsewhere.
-    Every (t, x) has at most one row, so this is a pure scatter: no sums."""
-    T, X = row_id_map.num_tokens, row_id_map.num_experts
-    if values.numel() == 0 or T == 0:
-        return values.new_zeros((T, X))
-    slots = row_id_map.slots
-    rows, cols = slots[:, 1:1 + X].long(), slots[:, 1 + X:].long()
-    valid = rows >= 0
-    picked = torch.where(valid, values[rows.clamp(min=0)], values.new_zeros(()))
-    out = values.new_zeros((T, X + 1))  # column X collects the unused slots (all writing 0)
-    out.scatter_(1, torch.where(valid, cols, X), picked)
-    return out[:, :X]
-
-
 # ---- the steps ----------------------------------------------------------------------------------
 def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
             latch: ErrorLatch, problem: Optional[InputProblem] = None, *, steps: StepCounter,
@@ -237,7 +249,10 @@ def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, grou
     """Size exchange (validates every rank's input, raises alike on all) and the step's Plan.
     Returns (hidden as [T, H], probs in the wire dtype with autograd, plan). ``steps``: the
     layer's forward counter (``identity``; advanced once the exchange succeeded); ``experts_grad``:
-    see ``exchange_sizes``."""
+    see ``exchange_sizes``. ``cfg.sync_free``: the sync-free plan instead (static.py: no size
+    exchange per step; the call travels in the exchanges' status rows)."""
+    if cfg.sync_free:
+        return static.prepare(hidden, routing_map, probs, cfg, group, latch, steps=steps, experts_grad=experts_grad)
     layout = exchange_sizes(hidden, routing_map, probs, cfg, group, latch, problem, call=steps.call(),
                             experts_grad=experts_grad)
     steps.advance()
@@ -248,6 +263,8 @@ def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, grou
 
 def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: Plan, with_routing: bool = True) -> Received:
     """x [T, H], probs [T, E] (wire dtype) -> this rank's rows, grouped by source (no autograd)."""
+    if isinstance(plan, StaticPlan):
+        return static.send_tokens(x, probs, plan)
     if plan.layout.ep_size == 1:
         return Received(x.detach(), probs.detach(), plan.routing_map, (0,))
     kind = KINDS[plan.config.kind]
@@ -307,6 +324,14 @@ def _grad_anchor(needed: bool, tensor: torch.Tensor, *others: torch.Tensor) -> O
 def finish(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: Plan, hidden_shape: torch.Size,
            expert_map: Optional[RowIdMap] = None) -> tuple[torch.Tensor, DispatchHandle]:
     """Expand the received rows into the receiver layout; returns (expert_input [N, H], handle)."""
+    if isinstance(plan, StaticPlan):
+        rows, row_probs, expert_map, step = static.expand(x, probs, recv, plan, expert_map)
+        offsets = torch.cumsum(expert_map.padded_tokens_per_expert, 0).to(torch.int32)  # cut to N (static.py)
+        owner_map = expert_map if plan.owner_map is None else plan.owner_map
+        handle = DispatchHandle(plan=plan, expert_map=expert_map, owner_map=owner_map, probs=probs,
+                                permuted_probs=row_probs, hidden_shape=hidden_shape, expert_offsets=offsets,
+                                static=step)
+        return rows, handle
     if expert_map is None:
         expert_map = expert_row_map(plan, recv.routing)
     probs_in = probs if plan.config.probs_in_experts else probs.detach()
@@ -352,6 +377,23 @@ def _reuse(previous: DispatchHandle, hidden: Any, routing_map: Any, probs: Any,
         plan.probs_dtype)
 
 
+def _reuse_static(previous: DispatchHandle, hidden: Any, routing_map: Any, probs: Any,
+                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+    """dispatch(handle=previous) in the sync-free mode: a new sync-free dispatch (there is no
+    size exchange to skip), whose routing is compared with the handle's on the device; a
+    difference sets the step's input word (NaN outputs, then the error; see static.py)."""
+    plan = previous.plan
+    x, wire, new_plan = static.prepare(hidden, routing_map, probs, plan.config, plan.group, plan.latch, steps=None,
+                                       call=plan.call)
+    same_shape = new_plan.routing_map.shape == plan.routing_map.shape
+    differs = (new_plan.routing_map != plan.routing_map).any() if same_shape else torch.ones((), dtype=torch.bool)
+    rank = new_plan.layout.rank
+    new_plan.words[static.W_INPUT] = torch.maximum(new_plan.words[static.W_INPUT],
+                                                   differs.to(new_plan.words.device, torch.int32) * (rank + 1))
+    shape = x.shape if new_plan.replaced else hidden.shape
+    return finish(x, wire, send_tokens(x, wire, new_plan), new_plan, shape)
+
+
 def device_of(hidden: Any) -> torch.device:
     """Where a step's small messages live: the hidden states' device (the CPU for a non-tensor)."""
     return hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
@@ -387,21 +429,35 @@ def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tenso
         handle: for ``combine`` (frozen).
 
     Unless ``agreed``, the configuration is agreed (one small fixed-size exchange at EP > 1) on
-    every call; the dispatcher objects do it once, at their first dispatch.
+    every call; the dispatcher objects do it once, at their first dispatch. A sync-free config
+    (``sync_free``): tokens_per_expert is read from the device (``dispatch_rows`` reads nothing).
     """
+    rows, new = dispatch_rows(hidden, routing_map, probs, config, ep_group, kind, handle, latch=latch, agreed=agreed,
+                              steps=steps, experts_grad=experts_grad)
+    return rows, host_tokens_per_expert(new), new
+
+
+def dispatch_rows(hidden: Any, routing_map: torch.Tensor, probs: torch.Tensor, config: MoEConfig | DispatchConfig,
+                  ep_group: ProcessGroup = None, kind: Optional[str] = None, handle: Optional[DispatchHandle] = None,
+                  *, latch: Optional[ErrorLatch] = None, agreed: bool = False,
+                  steps: Optional[StepCounter] = None, experts_grad: Optional[bool] = None,
+                  ) -> tuple[torch.Tensor, DispatchHandle]:
+    """``dispatch`` without the host counts: (expert_input [N, H], handle). Sync-free configs make
+    no host read here (the experts take ``handle.expert_counts`` / ``handle.expert_offsets``)."""
+    if handle is not None and handle.static is not None:
+        return _reuse_static(handle, hidden, routing_map, probs)
     if handle is not None:
         x, wire = _reuse(handle, hidden, routing_map, probs)
         recv = send_tokens(x, wire, handle.plan, with_routing=False)
-        rows, new = finish(x, wire, recv, handle.plan, handle.hidden_shape, handle.expert_map)
-        return rows, new.plan.tokens_per_expert, new
+        return finish(x, wire, recv, handle.plan, handle.hidden_shape, handle.expert_map)
     cfg = as_dispatch_config(config, kind)
     if not agreed:
         agree_config(cfg, ep_group, device_of(hidden))
     latch = GROUP_LATCHES.of(ep_group) if latch is None else latch
     steps = functional_counter(ep_group) if steps is None else steps
     x, wire, plan = prepare(hidden, routing_map, probs, cfg, ep_group, latch, steps=steps, experts_grad=experts_grad)
-    rows, new = finish(x, wire, send_tokens(x, wire, plan), plan, hidden.shape)
-    return rows, new.plan.tokens_per_expert, new
+    replaced = isinstance(plan, StaticPlan) and plan.replaced  # then zeros of the agreed [T, H]
+    return finish(x, wire, send_tokens(x, wire, plan), plan, x.shape if replaced else hidden.shape)
 
 
 def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Tensor:
@@ -419,7 +475,10 @@ def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Ten
     if handle.plan.layout.ep_size == 1:
         raise ValueError(f"expert_output must be [N, H] = [{N}, {H}] {dtype} on {device} (N = sum(tokens_per_expert)), "
                          f"got {got}" + (f" {expert_output.dtype}" if isinstance(expert_output, torch.Tensor) else ""))
-    if isinstance(expert_output, torch.Tensor) and expert_output.shape == (N, H) and expert_output.dtype != dtype:
+    if handle.static is not None:  # travels in the return exchange's status rows
+        route = handle.static.route
+        route.words[static.W_INPUT] = torch.clamp(route.words[static.W_INPUT], min=handle.plan.layout.rank + 1)
+    elif isinstance(expert_output, torch.Tensor) and expert_output.shape == (N, H) and expert_output.dtype != dtype:
         handle.plan.latch.set(EXPERT_DTYPE, dtype_code(dtype), dtype_code(expert_output.dtype), device=device)
     else:  # rows: -1 when not a 2-D tensor of width H (or on another device)
         ok_2d = isinstance(expert_output, torch.Tensor) and expert_output.dim() == 2 and expert_output.shape[1] == H
@@ -431,18 +490,28 @@ def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Ten
     return nan
 
 
+def return_with_words(expert_output: torch.Tensor, handle: DispatchHandle,
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(owner buffer [M, H], the sync-free step's check words from every rank, or None)."""
+    if handle.static is not None:
+        return static.return_to_owners(expert_output, handle.static)
+    if handle.plan.route is None:
+        return expert_output, None
+    anchor = _grad_anchor(handle.plan.layout.combine_backward, expert_output)
+    return return_rows(expert_output, handle.plan.route, anchor), None
+
+
 def return_to_owners(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Checked expert rows [N, H] -> the owner buffer [M, H] (the expert rows themselves at EP 1)."""
-    if handle.plan.route is None:
-        return expert_output
-    anchor = _grad_anchor(handle.plan.layout.combine_backward, expert_output)
-    return return_rows(expert_output, handle.plan.route, anchor)
+    return return_with_words(expert_output, handle)[0]
 
 
-def owner_sum(rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """The owner's fixed-order weighted sum of its rows [M, H] -> hidden_states' shape."""
+def owner_sum(rows: torch.Tensor, handle: DispatchHandle, words: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The owner's fixed-order weighted sum of its rows [M, H] -> hidden_states' shape (NaN for a
+    bad sync-free step: ``words`` from return_with_words)."""
     weights = None if handle.plan.config.probs_in_experts else handle.probs  # None: the experts applied them
-    return unpermute(rows, handle.owner_map, weights, restore_shape=handle.hidden_shape)
+    out = unpermute(rows, handle.owner_map, weights, restore_shape=handle.hidden_shape)
+    return static.poison(out, words, handle.plan.layout) if handle.static is not None else out
 
 
 def combine(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -453,4 +522,5 @@ def combine(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor
     A wrong expert_output: see ``check_expert_output`` (no hang; NaN, then the same error on every
     rank at the next dispatch on the group).
     """
-    return owner_sum(return_to_owners(check_expert_output(expert_output, handle), handle), handle)
+    rows, words = return_with_words(check_expert_output(expert_output, handle), handle)
+    return owner_sum(rows, handle, words)

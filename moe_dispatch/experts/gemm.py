@@ -88,10 +88,13 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def _counts(tokens_per_expert: torch.Tensor, n_rows: int) -> List[int]:
+def _counts(tokens_per_expert: torch.Tensor, n_rows: int, trailing_rows: bool = False) -> List[int]:
+    """Host counts (a device tensor is read here: a host sync on CUDA, only on these paths)."""
     counts = [int(c) for c in tokens_per_expert.tolist()]
-    if sum(counts) != n_rows or min(counts, default=0) < 0:
-        raise ValueError(f"tokens_per_expert {counts} must be >= 0 and sum to the {n_rows} input rows")
+    total = sum(counts)
+    if (total > n_rows if trailing_rows else total != n_rows) or min(counts, default=0) < 0:
+        raise ValueError(f"tokens_per_expert {counts} must be >= 0 and sum to "
+                         f"{'at most ' if trailing_rows else ''}the {n_rows} input rows")
     return counts
 
 
@@ -119,9 +122,9 @@ class _GroupedMM(torch.autograd.Function):
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor,
-             offsets: Optional[torch.Tensor]) -> torch.Tensor:
+             offsets: Optional[torch.Tensor], trailing_rows: bool = False) -> torch.Tensor:
     if tokens_per_expert.device.type == "cpu":
-        _counts(tokens_per_expert, x.shape[0])  # cheap check; a device tensor would need a sync
+        _counts(tokens_per_expert, x.shape[0], trailing_rows)  # cheap check; a device tensor would need a sync
     if offsets is None:
         # A CPU tensor here is a pageable host-to-device copy per call: pass offsets to avoid it.
         offsets = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
@@ -133,8 +136,9 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor,
 
 def _blockwise(x: torch.Tensor, w: torch.Tensor, counts: List[int], row_tile: int) -> torch.Tensor:
     """x [N, K] @ w[e] [K, M] per expert block: calls of exactly ``row_tile`` rows, or (0) one
-    call on exactly the expert's rows."""
+    call on exactly the expert's rows; rows after sum(counts) (trailing rows of no expert) give zeros."""
     out = x.new_empty(x.shape[0], w.shape[2])
+    out[sum(counts):].zero_()
     start = 0
     for e, m in enumerate(counts):
         # Full tiles are read in place; only the ragged tail is copied and zero-padded.
@@ -153,9 +157,11 @@ def _blockwise(x: torch.Tensor, w: torch.Tensor, counts: List[int], row_tile: in
 
 
 def _ordered(x: torch.Tensor, w: torch.Tensor, counts: List[int]) -> torch.Tensor:
-    """x [N, K] @ w[e] [K, M] per expert block by `ordered_mm` (no BLAS)."""
+    """x [N, K] @ w[e] [K, M] per expert block by `ordered_mm` (no BLAS); trailing rows give zeros."""
     out = x.new_empty(x.shape[0], w.shape[2])
-    for e, (rows, xe) in enumerate(zip(torch.split(out, counts), torch.split(x, counts))):
+    n = sum(counts)
+    out[n:].zero_()
+    for e, (rows, xe) in enumerate(zip(torch.split(out[:n], counts), torch.split(x[:n], counts))):
         rows.copy_(ordered_mm(xe, w[e]))
     return out
 
@@ -184,7 +190,8 @@ class _LoopMM(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gw = torch.empty_like(w)
             mm = ordered_mm if row_tile is None else torch.mm
-            for e, (xe, ge) in enumerate(zip(torch.split(x, counts), torch.split(grad, counts))):
+            n = sum(counts)  # trailing rows (no expert) add nothing
+            for e, (xe, ge) in enumerate(zip(torch.split(x[:n], counts), torch.split(grad[:n], counts))):
                 gw[e] = mm(xe.t(), ge)  # K = that expert's row count; an empty expert gives zeros
         return gx, gw, None, None
 
@@ -196,8 +203,14 @@ def expert_gemm(
     strategy: GemmStrategy,
     row_tile: int = 0,
     offsets: Optional[torch.Tensor] = None,
+    trailing_rows: bool = False,
 ) -> torch.Tensor:
     """``x`` [N, K] expert-major, ``w`` [E, K, M], ``tokens_per_expert`` [E] -> [N, M].
+
+    ``trailing_rows``: tokens_per_expert may sum to less than N (a sync-free dispatch's buffer);
+    the rows after the last expert's block belong to no expert: zeros on the loop paths,
+    unspecified on "grouped" (nothing of ours reads them). tokens_per_expert may then be a device
+    tensor: "grouped" never reads it; the loop paths read it (a host sync on CUDA).
 
     ``row_tile`` (``"tiled"`` only): rows per GEMM call, 0 means ``DEFAULT_ROW_TILE``.
     ``offsets``: optional int32 [E] on x's device, the cumulative sum of tokens_per_expert (what
@@ -205,8 +218,8 @@ def expert_gemm(
     """
     x = _dense(x)
     if strategy == "grouped":
-        return _grouped(x, w, tokens_per_expert, offsets)
+        return _grouped(x, w, tokens_per_expert, offsets, trailing_rows)
     tiles = {"ordered": None, "loop": 0, "tiled": row_tile or DEFAULT_ROW_TILE}
     if strategy not in tiles:
         raise ValueError(f"unknown GEMM strategy {strategy!r}, expected one of grouped, {', '.join(tiles)}")
-    return _LoopMM.apply(x, w, _counts(tokens_per_expert, x.shape[0]), tiles[strategy])
+    return _LoopMM.apply(x, w, _counts(tokens_per_expert, x.shape[0], trailing_rows), tiles[strategy])

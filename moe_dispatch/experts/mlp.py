@@ -125,11 +125,14 @@ class _LocalExperts(nn.Module):
         permuted_probs: Optional[torch.Tensor] = None,
         *,
         offsets: Optional[torch.Tensor] = None,
+        trailing_rows: bool = False,
     ) -> torch.Tensor:
         """permuted_tokens [N, H] (expert-major rows), tokens_per_expert [E_local] (int, summing
         to N), permuted_probs [N] or None -> [N, H] in permuted_tokens' dtype. ``offsets``:
         optional int32 [E_local] on the tokens' device, cumsum(tokens_per_expert) (e.g. the
         dispatcher's ``handle.expert_offsets``), so that grouped GEMMs copy nothing to the device.
+        ``trailing_rows`` (a sync-free dispatch, ``handle.trailing_rows``): tokens_per_expert may
+        sum to less than N and be a device tensor (``handle.expert_counts``); see ``expert_gemm``.
 
         With ``config.probs_in_experts`` and probs given, the activation is multiplied by each
         row's prob before fc2 (in float32 at least, rounded once), as Megatron's experts do;
@@ -145,14 +148,14 @@ class _LocalExperts(nn.Module):
         # Weights follow the activations' dtype (e.g. float32 master weights, bf16 compute).
         w1, w2 = self.weight1.to(x.dtype), self.weight2.to(x.dtype)
         s1 = select_gemm(x, w1, self.prefer_grouped, self.row_stable)
-        h = expert_gemm(x, w1, tokens_per_expert, s1, self.row_tile, offsets)
+        h = expert_gemm(x, w1, tokens_per_expert, s1, self.row_tile, offsets, trailing_rows)
         act = activate(h, self.activation)
         if self.probs_in_experts and permuted_probs is not None:
             if permuted_probs.shape != (x.shape[0],):
                 raise ValueError(f"permuted_probs must be [{x.shape[0]}], got {tuple(permuted_probs.shape)}")
             act = scale_rows(act, permuted_probs)
         s2 = select_gemm(act, w2, self.prefer_grouped, self.row_stable)
-        return expert_gemm(act, w2, tokens_per_expert, s2, self.row_tile, offsets)
+        return expert_gemm(act, w2, tokens_per_expert, s2, self.row_tile, offsets, trailing_rows)
 
     # ---- state dict: expert identity, DTensor shards for torch.distributed.checkpoint ----------
 

@@ -33,7 +33,7 @@ import torch
 
 # Status words (int32 each, 0 = fine); the kernels load all four at once.
 STATUS_WORDS = 4
-SIZES, PROBS_PERMUTE, PROBS_UNPERMUTE = 0, 1, 2
+SIZES, PROBS_PERMUTE, PROBS_UNPERMUTE, STEP = 0, 1, 2, 3  # STEP: a sync-free dispatch's checks
 
 _MASK64 = (1 << 64) - 1
 HASH_MUL1, HASH_MUL2 = 0x1E3779B97F4A7C15, 0x3F58476D1CE4E5B9
@@ -42,6 +42,14 @@ _status: dict[torch.device, torch.Tensor] = {}
 # (event, pinned snapshot, given counts, given max): permute calls whose check is still in flight.
 _pending: collections.deque = collections.deque()
 _free_pinned: dict[int, list[torch.Tensor]] = {}  # pinned snapshot buffers whose copy has arrived
+# Other modules' deferred checks (the sync-free dispatch's): (messages(), clear()) pairs that
+# check_device_errors reads first (they name more than a status word can) and fail() clears.
+_checks: list = []
+
+
+def register_check(messages, clear) -> None:
+    """Add a deferred check: ``messages()`` -> list[str] (may wait for the GPU), ``clear()``."""
+    _checks.append((messages, clear))
 
 
 def status(device: torch.device) -> torch.Tensor:
@@ -108,6 +116,8 @@ def fail(found: list[str]) -> None:
     for word in _status.values():  # every device: the error ends the step everywhere
         word.zero_()
     _pending.clear()
+    for _, clear in _checks:
+        clear()
     raise ValueError("; ".join(found))
 
 
@@ -154,6 +164,12 @@ def check_device_errors() -> None:
     while _pending:
         _pending[0][0].synchronize()
         poll()
+    for messages, _ in list(_checks):
+        fail(messages())
     for word in list(_status.values()):
-        fail(problems([], 0, word.tolist(), None, None))
+        words = word.tolist()
+        found = problems([], 0, words, None, None)
+        if words[STEP] and not found:
+            found = ["a sync-free dispatch found a bad input or a capacity overflow (its outputs were NaN)"]
+        fail(found)
 

@@ -13,6 +13,7 @@ which the next call checks and replaces. One wrapper serves one layer.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -50,6 +51,7 @@ class _Dispatched:  # after dispatch_postprocess, combine_preprocess
 @dataclass(frozen=True)
 class _Returned:  # after token_combine
     handle: DispatchHandle
+    words: Optional[torch.Tensor] = None  # a sync-free step's check words (dispatcher/static.py)
 
 
 _Step = Union[None, _Prepared, _Sent, _Dispatched, _Returned]
@@ -108,10 +110,10 @@ class MegatronTokenDispatcher:
         Megatron's own experts always multiply by them: they need probs_in_experts=True (the
         default of ``dispatcher_from_megatron``)."""
         step = self._expect(_Sent, "token_dispatch")
-        recv = Received(hidden_states, probs, step.recv.routing, step.recv.order)
+        recv = dataclasses.replace(step.recv, hidden=hidden_states, probs=probs)
         rows, handle = functional.finish(step.x, step.probs, recv, step.plan, step.hidden_shape)
         self._step = _Dispatched(handle)
-        return rows, handle.plan.tokens_per_expert, handle.permuted_probs
+        return rows, functional.host_tokens_per_expert(handle), handle.permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Expert output [N, H] -> the same rows, checked (see functional.check_expert_output)."""
@@ -120,14 +122,15 @@ class MegatronTokenDispatcher:
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Expert rows -> this rank's own rows, from every expert rank (unreduced)."""
         handle = self._expect(_Dispatched, "dispatch_postprocess").handle
-        self._step = _Returned(handle)
-        return functional.return_to_owners(hidden_states, handle)
+        rows, words = functional.return_with_words(hidden_states, handle)
+        self._step = _Returned(handle, words)
+        return rows
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The owner's fixed-order fp32 weighted sum; returns hidden_states' original shape."""
-        handle = self._expect(_Returned, "token_combine").handle
+        step = self._expect(_Returned, "token_combine")
         self._step = None
-        return functional.owner_sum(hidden_states, handle)
+        return functional.owner_sum(hidden_states, step.handle, step.words)
 
     @property
     def handle(self) -> Optional[DispatchHandle]:
