@@ -15,6 +15,7 @@ from moe_dispatch.integrations.megatron import (
     install,
     is_installed,
     moe_config_from_megatron,
+    sync_free_obstacle,
     warn_if_untested,
 )
 
@@ -43,13 +44,25 @@ def megatron_config(**changes) -> SimpleNamespace:
     (dict(moe_shared_expert_overlap=True), "moe_shared_expert_overlap=True"),
     (dict(overlap_moe_expert_parallel_comm=True), "overlap_moe_expert_parallel_comm=True"),
     (dict(moe_router_padding_for_quantization=True), "moe_router_padding_for_quantization=True"),
-    (dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe_preprocess"]), "cuda_graph_impl="),
-    (dict(cuda_graph_impl="local", cuda_graph_scope=[]), "cuda_graph_impl="),
+    # dispatch_preprocess captured alone: never (the other five calls run eagerly around it)
+    (dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe_router", "moe_preprocess"]),
+     "without moe_preprocess"),
+    # the whole MoE layer captured: only sync-free (EP 1, dropless, row_stable_gemms) and bf16
+    (dict(cuda_graph_impl="local", cuda_graph_scope=[], expert_model_parallel_size=2),
+     "cuda_graph_scope=[] (whole layer) would capture the dispatch"),
+    (dict(cuda_graph_impl="local", cuda_graph_scope=[], expert_model_parallel_size=2),
+     "EP group has size 2, expected 1"),
+    (dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe"], moe_expert_capacity_factor=1.0,
+          moe_pad_expert_input_to_capacity=True), "moe_expert_capacity_factor=1.0"),
+    (dict(cuda_graph_impl="local", cuda_graph_scope=["moe"], moe_expert_capacity_factor=1.5),
+     "expected None (dropless)"),
+    (dict(cuda_graph_impl="local", cuda_graph_scope=[], params_dtype=torch.float32),
+     "expected params_dtype=torch.bfloat16"),
     # megatron-core 0.18+: cuda_graph_modules (cuda_graph_scope migrated into it), full_iteration
     (dict(cuda_graph_impl="local", cuda_graph_scope=None, cuda_graph_modules=["moe_router", "moe_preprocess"]),
      "cuda_graph_modules=['moe_router', 'moe_preprocess']"),
-    (dict(cuda_graph_impl="full_iteration", cuda_graph_scope=None, cuda_graph_modules=[]),
-     "cuda_graph_impl='full_iteration'"),
+    (dict(cuda_graph_impl="full_iteration", cuda_graph_scope=None, cuda_graph_modules=[], expert_model_parallel_size=4),
+     "cuda_graph_impl='full_iteration' would capture the dispatch"),
     (dict(transformer_impl="inference_optimized"), "transformer_impl='inference_optimized'"),
     (dict(num_moe_experts=None), "num_moe_experts"),
 ])
@@ -66,9 +79,42 @@ def test_supported_settings_pass():
                     dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn", "moe_router"]),
                     dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=None,
                          cuda_graph_modules=["moe_router"]),
+                    # the whole MoE layer captured, sync-free (EP 1 here: the config names no other)
+                    dict(cuda_graph_impl="local", cuda_graph_scope=[]),
+                    dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn", "moe"],
+                         expert_model_parallel_size=1, moe_expert_capacity_factor=-1.0),
+                    dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]),
+                    dict(cuda_graph_impl="full_iteration", cuda_graph_scope=None, cuda_graph_modules=[]),
+                    # a capture without the MoE layer: any EP size, capacity or dtype
+                    dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn"], expert_model_parallel_size=2,
+                         moe_expert_capacity_factor=1.0, params_dtype=torch.float32),
                     dict(transformer_impl="local"),
                     dict(expert_tensor_parallel_size=None, tensor_model_parallel_size=1)):
         check_supported(megatron_config(**changes))
+
+
+def test_sync_free_obstacle():
+    """install()'s dispatcher runs sync-free exactly at EP 1, dropless, with row_stable_gemms."""
+    assert sync_free_obstacle(megatron_config(), 1, True) is None
+    assert sync_free_obstacle(megatron_config(moe_expert_capacity_factor=-1.0), 1, True) is None  # Megatron: dropless
+    assert "size 2, expected 1" in sync_free_obstacle(megatron_config(), 2, True)
+    assert "row_stable_gemms=False" in sync_free_obstacle(megatron_config(), 1, False)
+    assert "moe_expert_capacity_factor=1.0" in sync_free_obstacle(megatron_config(moe_expert_capacity_factor=1.0),
+                                                                  1, True)
+
+
+def test_whole_layer_capture_needs_row_stable_gemms():
+    """row_stable_gemms=False keeps Megatron's experts, which read tokens_per_expert on the host."""
+    whole = megatron_config(cuda_graph_impl="local", cuda_graph_scope=[])
+    check_supported(whole)
+    with pytest.raises(ValueError, match="row_stable_gemms=False: Megatron's own experts"):
+        check_supported(whole, row_stable_gemms=False)
+    with pytest.raises(ValueError, match="size 2"):
+        check_supported(whole, ep_size=2)
+    layer = SimpleNamespace(config=whole)
+    with pytest.raises(ValueError, match="row_stable_gemms=False"):
+        install(layer, row_stable_gemms=False)
+    assert not is_installed(layer)
 
 
 def test_dispatcher_config():

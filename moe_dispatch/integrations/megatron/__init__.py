@@ -40,17 +40,20 @@ from .state import (
 from .supported import (
     SUPPORTED_DISPATCHERS,
     TESTED_MEGATRON_CORE,
+    check_graph_capture,
     check_row_stable_supported,
     check_supported,
+    sync_free_obstacle,
     warn_if_untested,
 )
 
 __all__ = ["DeterministicMoELayer",  # noqa: F822  (built lazily, see __getattr__)
-           "MegatronTokenDispatcher", "SUPPORTED_DISPATCHERS", "TESTED_MEGATRON_CORE", "check_inputs_together",
-           "check_row_stable_supported", "check_supported", "deterministic_moe_spec", "dispatcher_from_megatron",
-           "from_megatron_grouped", "from_megatron_sequential", "get_moe_module_spec", "install", "is_installed",
-           "load_megatron_state_dict", "make_row_stable", "megatron_moe_settings", "megatron_state_dict",
-           "moe_config_from_megatron", "to_megatron_grouped", "to_megatron_sequential", "warn_if_untested"]
+           "MegatronTokenDispatcher", "SUPPORTED_DISPATCHERS", "TESTED_MEGATRON_CORE", "check_graph_capture",
+           "check_inputs_together", "check_row_stable_supported", "check_supported", "deterministic_moe_spec",
+           "dispatcher_from_megatron", "from_megatron_grouped", "from_megatron_sequential", "get_moe_module_spec",
+           "install", "is_installed", "load_megatron_state_dict", "make_row_stable", "megatron_moe_settings",
+           "megatron_state_dict", "moe_config_from_megatron", "sync_free_obstacle", "to_megatron_grouped",
+           "to_megatron_sequential", "warn_if_untested"]
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: DeterministicMoELayer is built lazily

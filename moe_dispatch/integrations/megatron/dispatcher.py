@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ...config import as_dispatch_config
 from ...dispatcher import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher, functional
 from ...dispatcher.exchange import Received
 from ...dispatcher.functional import DispatchHandle, Plan
@@ -103,8 +104,13 @@ class MegatronTokenDispatcher:
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor,
                              probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (permuted_tokens [N, H], tokens_per_expert CPU int64 [El], permuted_probs [N]).
+        """Returns (permuted_tokens [N, H], tokens_per_expert int64 [El], permuted_probs [N]).
 
+        tokens_per_expert is on the CPU (the dropless plan's), or, sync-free (``config.sync_free``:
+        install() at EP 1), the handle's device counts, read by nobody on the host: N = T * topk,
+        the rows after the last expert's block belong to no expert (``handle.trailing_rows``), and
+        ``make_row_stable``'s experts take the device offsets (Megatron's MoELayer only hands
+        tokens_per_expert to its experts).
         With probs_in_experts=False the combine applies the probs, so experts must ignore
         permuted_probs (returned detached, for inspection): ``make_row_stable``'s experts do.
         Megatron's own experts always multiply by them: they need probs_in_experts=True (the
@@ -113,7 +119,8 @@ class MegatronTokenDispatcher:
         recv = dataclasses.replace(step.recv, hidden=hidden_states, probs=probs)
         rows, handle = functional.finish(step.x, step.probs, recv, step.plan, step.hidden_shape)
         self._step = _Dispatched(handle)
-        return rows, functional.host_tokens_per_expert(handle), handle.permuted_probs
+        counts = handle.expert_counts if handle.trailing_rows else functional.host_tokens_per_expert(handle)
+        return rows, counts, handle.permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Expert output [N, H] -> the same rows, checked (see functional.check_expert_output)."""
@@ -155,8 +162,8 @@ class MegatronTokenDispatcher:
                          "expected False (the layer then runs the shared experts itself)")
 
 
-def dispatcher_from_megatron(config: Any, pg_collection: Any, *,
-                             probs_in_experts: bool = True) -> MegatronTokenDispatcher:
+def dispatcher_from_megatron(config: Any, pg_collection: Any, *, probs_in_experts: bool = True,
+                             sync_free: bool = False) -> MegatronTokenDispatcher:
     """Our dispatcher on ``pg_collection.ep`` behind Megatron's interface, in Megatron's argument
     order ``(config, pg_collection)``.
 
@@ -170,14 +177,20 @@ def dispatcher_from_megatron(config: Any, pg_collection: Any, *,
             ``install`` sets up), so the combine weights the rows in its fp32 sum.
         pg_collection: Megatron's ProcessGroupCollection (``.ep``; ``.expt_tp`` and ``.tp_ep``
             are checked when present, see ``check_groups``).
+        sync_free: the sync-free dispatch (dispatcher/static.py: no host read per step), for
+            experts that take device counts (``make_row_stable``'s; install() decides, see
+            ``sync_free_obstacle``): EP size 1, no capacity padding, at most topk experts per token.
 
     Raises:
         ValueError: no EP group, or expert tensor parallelism: these dispatchers split experts
-            across EP ranks only.
+            across EP ranks only; sync_free at EP > 1.
     """
     if hasattr(config, "num_moe_experts"):  # Megatron's TransformerConfig
         config = moe_config_from_megatron(config, megatron_layer=True, probs_in_experts=probs_in_experts)
-    return MegatronTokenDispatcher(build_dispatcher(config, check_groups(pg_collection)))
+    dispatch_config = as_dispatch_config(config)
+    if sync_free:
+        dispatch_config = dispatch_config.replace(sync_free=True)
+    return MegatronTokenDispatcher(build_dispatcher(dispatch_config, check_groups(pg_collection)))
 
 
 def is_installed(moe_layer: Any) -> bool:

@@ -140,7 +140,7 @@ class _ExpertLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, tokens_per_expert: torch.Tensor, offsets: Optional[torch.Tensor],  # type: ignore[override]
-                owner: Any, *weights: torch.Tensor) -> torch.Tensor:
+                owner: Any, trailing_rows: bool, *weights: torch.Tensor) -> torch.Tensor:
         w = _stack(weights, x.dtype, owner)  # [El, out, in]
         x = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone(memory_format=torch.contiguous_format)
         wt = w.transpose(1, 2)  # [El, in, out]: expert_gemm's [E, K, M], no copy
@@ -148,45 +148,53 @@ class _ExpertLinear(torch.autograd.Function):
         if strategy == "grouped" and offsets is None:
             offsets = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
         ctx.save_for_backward(x, w, offsets, *weights)  # the weights: autograd's in-place checks
-        ctx.tokens_per_expert, ctx.strategy = tokens_per_expert, strategy
-        return expert_gemm(x, wt, tokens_per_expert, strategy, offsets=offsets)
+        ctx.tokens_per_expert, ctx.strategy, ctx.trailing_rows = tokens_per_expert, strategy, trailing_rows
+        return expert_gemm(x, wt, tokens_per_expert, strategy, offsets=offsets, trailing_rows=trailing_rows)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         x, w, offsets, *weights = ctx.saved_tensors
-        tokens_per_expert, strategy = ctx.tokens_per_expert, ctx.strategy
+        tokens_per_expert, strategy, trailing = ctx.tokens_per_expert, ctx.strategy, ctx.trailing_rows
         grad = grad if grad.is_contiguous() and grad.data_ptr() % 16 == 0 else \
             grad.clone(memory_format=torch.contiguous_format)
         # dx rows: dy_row @ W[e], the forward's strategy (same padding / tiling: row-stable).
-        dx = expert_gemm(grad, w, tokens_per_expert, strategy, offsets=offsets) if ctx.needs_input_grad[0] else None
-        if not any(ctx.needs_input_grad[4:]):
-            return (dx, None, None, None) + (None,) * len(weights)
+        dx = expert_gemm(grad, w, tokens_per_expert, strategy, offsets=offsets, trailing_rows=trailing) \
+            if ctx.needs_input_grad[0] else None
+        none = (None, None, None, None)  # tokens_per_expert, offsets, owner, trailing_rows
+        if not any(ctx.needs_input_grad[5:]):
+            return (dx, *none) + (None,) * len(weights)
         # dW[e] = dy_e^T @ x_e over expert e's rows: directly [El, out, in], the layout of .grad.
         if grad.shape[0] == 0:
             dw = torch.zeros_like(w)
-        elif strategy == "grouped":
+        elif strategy == "grouped":  # groups end at the last offset: trailing rows add nothing
             dw = torch._grouped_mm(grad.t(), x, offs=offsets)
         else:
+            # host counts (a device tensor is read here: a sync on CUDA, on these paths only)
             counts = [int(c) for c in tokens_per_expert.tolist()]
+            n = sum(counts)  # trailing rows (no expert) add nothing
             # expert_gemm's own weight-gradient product per strategy, operands swapped: each entry
             # is the same products summed in the same order, so the bits are those of its transpose.
             mm = ordered_mm if strategy == "ordered" else torch.mm
             dw = w.new_empty(w.shape)
-            for e, (xe, ge) in enumerate(zip(torch.split(x, counts), torch.split(grad, counts))):
+            for e, (xe, ge) in enumerate(zip(torch.split(x[:n], counts), torch.split(grad[:n], counts))):
                 dw[e] = mm(ge.t(), xe)  # an empty expert gives zeros
         if dw.dtype != weights[0].dtype:
             dw = dw.to(weights[0].dtype)
-        return (dx, None, None, None) + tuple(dw.unbind(0))
+        return (dx, *none) + tuple(dw.unbind(0))
 
 
 def expert_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], tokens_per_expert: torch.Tensor,
-                  offsets: Optional[torch.Tensor] = None, owner: Any = None) -> torch.Tensor:
+                  offsets: Optional[torch.Tensor] = None, owner: Any = None,
+                  trailing_rows: bool = False) -> torch.Tensor:
     """x [N, in] expert-major, ``weights`` El tensors [out, in] (Megatron's Linear layout),
-    ``tokens_per_expert`` [El] (CPU int) -> [N, out] in x's dtype, row-stable (``select_gemm``).
+    ``tokens_per_expert`` [El] (CPU int, or on the device) -> [N, out] in x's dtype, row-stable
+    (``select_gemm``).
 
     ``offsets``: int32 [El] on x's device, cumsum(tokens_per_expert) (saves a host-to-device copy
-    for grouped_mm). ``owner``: the module whose one warning about copied weights this is."""
+    for grouped_mm; with it grouped_mm reads nothing on the host). ``owner``: the module whose one
+    warning about copied weights this is. ``trailing_rows``: tokens_per_expert may sum to less
+    than N (a sync-free dispatch's buffer; see ``expert_gemm``)."""
     if len(weights) != tokens_per_expert.shape[0]:
         raise ValueError(f"tokens_per_expert must be [{len(weights)}] (one per weight), "
                          f"got {tuple(tokens_per_expert.shape)}")
-    return _ExpertLinear.apply(x, tokens_per_expert, offsets, owner, *weights)
+    return _ExpertLinear.apply(x, tokens_per_expert, offsets, owner, trailing_rows, *weights)

@@ -8,10 +8,20 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, Optional
 
+import torch.distributed as dist
+
 from .dispatcher import dispatcher_from_megatron, is_installed
 from .inputs import check_inputs_together
 from .row_stable import make_row_stable
-from .supported import check_row_stable_supported, check_supported, megatron_field, warn_if_untested
+from .supported import (
+    check_graph_capture,
+    check_groups,
+    check_row_stable_supported,
+    check_supported,
+    megatron_field,
+    sync_free_obstacle,
+    warn_if_untested,
+)
 
 
 def _groups_of(moe_layer: Any, pg_collection: Any) -> Any:
@@ -55,16 +65,24 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
     The dispatcher is ``dispatcher_from_megatron(moe_layer.config, groups, probs_in_experts=...)``:
     with ``row_stable_gemms`` the combine applies the probs in its fp32 sum (our experts' forward
     ignores ``permuted_probs``), else Megatron's experts multiply them (once either way).
+    At EP size 1, dropless, with ``row_stable_gemms`` (``sync_free_obstacle`` is None) it runs
+    sync-free: no host read in the forward or backward of the dispatch and our experts (bitwise
+    the dropless dispatch's results), so CUDA graphs may capture the whole MoE layer
+    (``check_graph_capture``); otherwise its size exchange reads split sizes on the host per step.
     Idempotent: installing twice keeps one of ours (rebuilt from the same groups). Call it
     before the first forward; the dispatcher keeps one step's state between dispatch and combine.
     """
     config = moe_layer.config
-    check_supported(config)
+    check_supported(config, row_stable_gemms=row_stable_gemms)
     warn_if_untested()
     if row_stable_gemms:
         check_row_stable_supported(moe_layer)
-    dispatcher = dispatcher_from_megatron(config, _groups_of(moe_layer, pg_collection),
-                                          probs_in_experts=not row_stable_gemms)
+    groups = _groups_of(moe_layer, pg_collection)
+    ep = check_groups(groups)
+    obstacle = sync_free_obstacle(config, 1 if ep is None else dist.get_world_size(ep), row_stable_gemms)
+    check_graph_capture(config, obstacle)  # again, on the layer's own EP group
+    dispatcher = dispatcher_from_megatron(config, groups, probs_in_experts=not row_stable_gemms,
+                                          sync_free=obstacle is None)
     expected = list(megatron_field(moe_layer, "local_expert_indices", dispatcher.local_expert_indices))
     if dispatcher.local_expert_indices != expected:
         raise ValueError(f"EP group mismatch: the dispatcher's local experts {dispatcher.local_expert_indices} "

@@ -58,12 +58,13 @@ def make_row_stable(moe_layer: Any) -> Any:
         x = permuted_local_hidden_states
         if not isinstance(tokens_per_expert, torch.Tensor):
             tokens_per_expert = torch.as_tensor(tokens_per_expert)
-        offsets = _expert_offsets(self, tokens_per_expert)
-        h = expert_linear(x, expert_weights(self, "linear_fc1"), tokens_per_expert, offsets, self)
+        offsets, trailing = _expert_offsets(self, tokens_per_expert)
+        h = expert_linear(x, expert_weights(self, "linear_fc1"), tokens_per_expert, offsets, self, trailing)
         act = activate(h, activation)
         if _experts_apply_probs(self):
             act = scale_rows(act, permuted_probs)
-        return expert_linear(act, expert_weights(self, "linear_fc2"), tokens_per_expert, offsets, self), None
+        return expert_linear(act, expert_weights(self, "linear_fc2"), tokens_per_expert, offsets, self,
+                             trailing), None
 
     if not stack_expert_weights(experts):
         warn_copied(experts, stacklevel=3)
@@ -83,13 +84,16 @@ def _experts_apply_probs(experts: Any) -> bool:
     return not isinstance(dispatcher, MegatronTokenDispatcher) or dispatcher.config.probs_in_experts
 
 
-def _expert_offsets(experts: Any, tokens_per_expert: "torch.Tensor") -> Optional["torch.Tensor"]:
-    """The dispatcher's device offsets (int32 [El], cumsum of the rows per expert) when
-    tokens_per_expert is this step's own, so grouped_mm copies nothing host-to-device; else None."""
+def _expert_offsets(experts: Any, tokens_per_expert: "torch.Tensor") -> tuple[Optional["torch.Tensor"], bool]:
+    """(the dispatcher's device offsets, int32 [El], cumsum of the rows per expert; its
+    ``trailing_rows``) when tokens_per_expert is this step's own (the plan's CPU counts, or a
+    sync-free step's device counts), so grouped_mm copies and reads nothing on the host; else
+    (None, False)."""
     from .dispatcher import MegatronTokenDispatcher
 
     dispatcher = getattr(experts, "_moe_dispatch_dispatcher", None)
     handle = dispatcher.handle if isinstance(dispatcher, MegatronTokenDispatcher) else None
-    if handle is not None and handle.plan.tokens_per_expert is tokens_per_expert:
-        return handle.expert_offsets
-    return None
+    if handle is not None and (handle.plan.tokens_per_expert is tokens_per_expert
+                               or handle.expert_counts is tokens_per_expert):
+        return handle.expert_offsets, handle.trailing_rows
+    return None, False

@@ -51,7 +51,7 @@ def deterministic_moe_layer_class() -> type:
             def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None,
                          pg_collection: Optional[Any] = None, is_mtp_layer: bool = False,
                          name: Optional[str] = None, row_stable_gemms: bool = True) -> None:
-                check_supported(config)
+                check_supported(config, row_stable_gemms=row_stable_gemms)
                 extra = {}
                 for key, value, default in (("is_mtp_layer", is_mtp_layer, False), ("name", name, None)):
                     if key in accepted:

@@ -2,6 +2,8 @@
 (``megatron_field``) and every check, each a ValueError that names the Megatron field.
 
 - ``check_supported``: Megatron's MoELayer with our dispatcher (``install``, DeterministicMoELayer);
+- ``sync_free_obstacle``, ``check_graph_capture``: when install()'s dispatcher runs sync-free, and
+  the CUDA graphs that may then capture it;
 - ``check_layer_supported``: our whole MoELayer built from a TransformerConfig;
 - ``check_groups``: the process groups our dispatcher runs on;
 - ``check_row_stable_supported``: the layers whose GEMMs ``make_row_stable`` can swap;
@@ -12,6 +14,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from ...config import DISPATCHER_KINDS
@@ -19,8 +22,11 @@ from ...config import DISPATCHER_KINDS
 SUPPORTED_DISPATCHERS = DISPATCHER_KINDS
 # The megatron-core releases the test suite runs against (oldest, newest).
 TESTED_MEGATRON_CORE = ("0.16.1", "0.19.2")
-# Parts of the MoE layer whose CUDA-graph capture would include the dispatch.
-_GRAPHED_DISPATCH_SCOPES = ("moe", "moe_preprocess", "full_iteration")
+# Captured modules that hold the whole MoE layer (an empty list: the whole transformer layer).
+_WHOLE_LAYER_SCOPES = ("moe", "full_iteration")
+# Captured modules that hold dispatch_preprocess alone: Megatron replays it apart from the other
+# five dispatcher calls, which run eagerly around it (not supported: each call checks the last).
+_PARTIAL_DISPATCH_SCOPES = ("moe_preprocess",)
 # Fields whose non-default value changes our whole layer in a way we do not implement.
 _LAYER_UNSUPPORTED = {
     "moe_input_jitter_eps": None,
@@ -75,12 +81,15 @@ def check_dispatcher_supported(config: Any) -> None:
                          f"{SUPPORTED_DISPATCHERS}")
 
 
-def check_supported(config: Any) -> None:
+def check_supported(config: Any, *, row_stable_gemms: bool = True, ep_size: Optional[int] = None) -> None:
     """Raise ValueError, naming the field, for Megatron settings our dispatcher cannot honour
     inside Megatron's MoELayer.
 
     config: megatron.core TransformerConfig of the MoE layer (any supported release: fields a
-    release lacks count as their default)."""
+    release lacks count as their default). ``row_stable_gemms`` and ``ep_size`` (default: the
+    config's ``expert_model_parallel_size``) decide whether the dispatcher runs sync-free, which
+    CUDA graphs of the whole MoE layer need (``check_graph_capture``; install() checks again on
+    the layer's EP group)."""
     check_dispatcher_supported(config)
     etp = megatron_field(config, "expert_tensor_parallel_size")
     if etp is None:  # Megatron's default: the attention TP size
@@ -101,13 +110,31 @@ def check_supported(config: Any) -> None:
         raise ValueError("transformer_impl='inference_optimized' is not supported: its MoELayer swaps "
                          "Megatron's inference dispatcher in at every forward; expected 'local' or "
                          "'transformer_engine'")
-    why = _graph_capture_error(config)
-    if why:
-        raise ValueError(f"{why}, which reads split sizes on the host: expected cuda_graph_impl='none' or "
-                         "captured modules without moe / moe_preprocess / full_iteration")
+    if ep_size is None:
+        ep_size = megatron_field(config, "expert_model_parallel_size", 1) or 1
+    check_graph_capture(config, sync_free_obstacle(config, ep_size, row_stable_gemms))
     router_dtype = megatron_field(config, "moe_router_dtype")
     if router_dtype not in (None, "fp32", "fp64"):
         raise ValueError(f"moe_router_dtype={router_dtype!r} is not supported: expected None, 'fp32' or 'fp64'")
+
+
+def sync_free_obstacle(config: Any, ep_size: int, row_stable_gemms: bool) -> Optional[str]:
+    """Why install()'s dispatcher cannot run this layer sync-free (no host read per step, so the
+    layer can be captured in a CUDA graph), naming the setting and what is expected; None when it
+    runs sync-free: EP size 1, dropless, and our row-stable experts (``row_stable_gemms``), which
+    take device offsets. Megatron's router routes every token to exactly topk experts unless
+    capacity dropping is set, so the receiver rows N = T * topk are known on the host."""
+    if ep_size != 1:
+        return (f"the layer's EP group has size {ep_size}, expected 1 (install() has no static-capacity "
+                "exchange for EP > 1: there the dropless dispatch reads its split sizes on the host)")
+    if not row_stable_gemms:
+        return ("row_stable_gemms=False: Megatron's own experts read tokens_per_expert on the host; "
+                "expected row_stable_gemms=True")
+    capacity = megatron_field(config, "moe_expert_capacity_factor")
+    if capacity is not None and capacity >= 0:  # Megatron: a negative factor means dropless
+        return (f"moe_expert_capacity_factor={capacity!r} (capacity dropping / padding), expected None "
+                "(dropless)")
+    return None
 
 
 def _scope_names(scopes: Any) -> list:
@@ -120,19 +147,42 @@ def _scope_names(scopes: Any) -> list:
     return [megatron_field(s, "name", s) for s in scopes]
 
 
-def _graph_capture_error(config: Any) -> Optional[str]:
-    """Why this config's CUDA graphs would capture the dispatch, or None."""
+def check_graph_capture(config: Any, obstacle: Optional[str]) -> None:
+    """Raise ValueError, naming the field, when the config's CUDA graphs would capture our
+    dispatcher in a way it cannot be replayed. ``obstacle``: ``sync_free_obstacle``'s answer.
+
+    Captures of the whole MoE layer (``cuda_graph_impl='full_iteration'``, captured modules empty
+    (the whole transformer layer) or holding 'moe' / 'full_iteration') need the sync-free
+    dispatch (obstacle None) and bf16 parameters (the row-stable grouped expert GEMM; other dtypes
+    read tokens_per_expert on the host). 'moe_preprocess' is refused always: Megatron replays
+    dispatch_preprocess alone and runs the other five dispatcher calls eagerly. Captures without
+    the MoE layer (attn, mlp, moe_router alone) are not ours to check."""
     graphs = megatron_field(config, "cuda_graph_impl", "none") or "none"
     if graphs == "none":
-        return None
-    if graphs == "full_iteration":  # 0.18+: one graph of the whole forward-backward
-        return "cuda_graph_impl='full_iteration' would capture the dispatch"
+        return
     # 0.18+ name the captured modules cuda_graph_modules (cuda_graph_scope is migrated into it).
     field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
     scopes = _scope_names(megatron_field(config, field))
-    if scopes and not any(s in _GRAPHED_DISPATCH_SCOPES for s in scopes):
-        return None
-    return f"cuda_graph_impl={graphs!r} with {field}={scopes or '[] (whole layer)'} would capture the dispatch"
+    if graphs == "full_iteration":  # 0.18+: one graph of the whole forward-backward
+        setting = "cuda_graph_impl='full_iteration'"
+    else:
+        setting = f"cuda_graph_impl={graphs!r} with {field}={scopes or '[] (whole layer)'}"
+    if any(s in _PARTIAL_DISPATCH_SCOPES for s in scopes):
+        raise ValueError(f"{setting} would capture dispatch_preprocess without the rest of the dispatch (Megatron "
+                         f"replays it alone): expected {field} without moe_preprocess (e.g. ['attn', 'moe_router'] "
+                         "with cuda_graph_impl='transformer_engine'), or the whole MoE layer captured (['moe'] or [], "
+                         "with the sync-free dispatch)")
+    whole = graphs == "full_iteration" or not scopes or any(s in _WHOLE_LAYER_SCOPES for s in scopes)
+    if not whole:
+        return
+    if obstacle is not None:
+        raise ValueError(f"{setting} would capture the dispatch, which is capturable only sync-free (install() at "
+                         f"EP 1, dropless, row_stable_gemms=True), not here: {obstacle}; or expected "
+                         f"cuda_graph_impl='none' or captured modules without the MoE layer")
+    dtype = megatron_field(config, "params_dtype")
+    if dtype is not None and dtype != torch.bfloat16:
+        raise ValueError(f"{setting} with params_dtype={dtype}: the row-stable expert GEMMs read tokens_per_expert "
+                         "on the host except bf16's grouped GEMM (CUDA sm90+); expected params_dtype=torch.bfloat16")
 
 
 def one_loss(config: Any, name: str, default: Any) -> Any:
