@@ -156,10 +156,12 @@ def _read_status(buf: torch.Tensor, chunks: int, chunk_rows: int, valid_rows: in
 
 # ---- call identity ------------------------------------------------------------------------------
 def set_call_words(words: torch.Tensor, call: CallId) -> None:
-    """Write ``call`` into words' W_CALL slots (scalar fills: no copy, capture-safe)."""
+    """Write ``call`` into words' W_CALL slots with scalar fills (kernels that take the value as an
+    argument: no host-to-device copy, capture-safe). ``words[i] = v`` would not be: a 0-dim
+    destination makes torch copy a CPU scalar tensor, a synchronising copy that capture refuses."""
     for i, v in enumerate((call.layer + 1, call.step % _CALL_RANGE)):
-        words[W_CALL + 2 * i] = v
-        words[W_CALL + 2 * i + 1] = _CALL_RANGE - v
+        words[W_CALL + 2 * i].fill_(v)
+        words[W_CALL + 2 * i + 1].fill_(_CALL_RANGE - v)
 
 
 def fold_call(words: torch.Tensor, what: int) -> torch.Tensor:
@@ -392,7 +394,7 @@ def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, call:
     words = torch.zeros(NUM_WORDS, dtype=torch.int32, device=device)
     words[W_NONFINITE] = (~torch.isfinite(wire)).any().to(torch.int32)
     words[W_MAX_K] = stats[E].to(torch.int32)
-    words[W_INPUT] = input_code
+    words[W_INPUT].fill_(input_code)  # a scalar fill, not ``words[i] = v`` (see set_call_words)
     owner_map = None
     if P > 1:
         set_call_words(words, call)

@@ -10,7 +10,7 @@ from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.dispatcher import AllToAllDispatcher
 from moe_dispatch.dispatcher.static import StaticSizes
 from moe_dispatch.ops import check_device_errors
-from tests.cuda_host_waits import count_host_transfers
+from tests.cuda_host_waits import count_host_transfers, count_scalar_copies
 from tests.dispatcher import static_workers as workers
 from tests.dispatcher.harness import run_ranks
 
@@ -31,10 +31,11 @@ def test_ep1_layer_is_sync_free_and_bitwise_dropless(dtype, probs_in_experts):
     x = torch.randn(2, 10, 32).to(dtype)
     upstream = torch.randn(2, 10, 32).to(dtype)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    with count_host_transfers() as counts:
+    with count_host_transfers() as counts, count_scalar_copies() as scalar_copies:
         ya = a(xa)
         ya.backward(upstream)
     assert counts == {"read_host": 0, "to_device": 0}, counts
+    assert not scalar_copies, scalar_copies[0]  # on CUDA: a host sync, and capture would fail
     yb = b(xb)
     yb.backward(upstream)
     assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
