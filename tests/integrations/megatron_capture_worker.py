@@ -28,15 +28,6 @@ def _note_counts(experts, args) -> None:
     experts.device_counts = tokens_per_expert is handle.expert_counts
 
 
-def _dropless(layer, pg) -> None:
-    """The same installed layer on the dropless dispatcher (what install() used at EP 1 before)."""
-    from moe_dispatch.integrations.megatron import dispatcher_from_megatron
-
-    dispatcher = dispatcher_from_megatron(layer.config, pg, probs_in_experts=False)
-    layer.token_dispatcher = dispatcher
-    layer.experts._moe_dispatch_dispatcher = dispatcher
-
-
 def sync_free_worker(rank: int, world_size: int) -> dict:
     assert world_size == 1
     _setup()
@@ -49,10 +40,9 @@ def sync_free_worker(rank: int, world_size: int) -> dict:
         x, dy = _tokens(dtype, "full")
         for kind in DISPATCHER_KINDS:
             rec = {}
-            layer = install(_build(_config(kind, dtype, 1), pg1, ours_from_spec=False), pg1)
-            twin = install(_build(_config(kind, dtype, 1), pg1, ours_from_spec=False), pg1)
+            layer = install(_build(_config(kind, dtype, 1), pg1, ours_from_spec=False), pg1, sync_free=True)
+            twin = install(_build(_config(kind, dtype, 1), pg1, ours_from_spec=False), pg1)  # default: dropless
             rec["sync_free"] = (layer.token_dispatcher.config.sync_free, twin.token_dispatcher.config.sync_free)
-            _dropless(twin, pg1)
             for module in (layer, twin):
                 module.experts.register_forward_pre_hook(_note_counts)
             with count_host_transfers() as counts:
@@ -69,7 +59,17 @@ def sync_free_worker(rank: int, world_size: int) -> dict:
     plain = install(_build(_config("alltoall", torch.float32, 1), pg1, ours_from_spec=False), pg1,
                     row_stable_gemms=False)
     records["plain_sync_free"] = plain.token_dispatcher.config.sync_free
+    unfit = _build(_config("alltoall", torch.float32, 1), pg1, ours_from_spec=False)
+    records["refused"] = _error(lambda: install(unfit, pg1, row_stable_gemms=False, sync_free=True))
     return records
+
+
+def _error(fn) -> "str | None":
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _grads(layer, x: torch.Tensor) -> list:
@@ -123,7 +123,7 @@ def capture_worker(rank: int, world_size: int) -> dict:
             config = moe_transformer_config(H, FFN, E, K, kind, torch.bfloat16, 1, router_dtype="fp32",
                                             moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
             layer = load_seeded_weights(build_moe_layer(config, pg, ours=False), init_seed=1234)
-            return install(layer, pg).to(device)
+            return install(layer, pg, sync_free=True).to(device)
         layer, twin = build(), build()
         rec: dict = {"sync_free": layer.token_dispatcher.config.sync_free}
         names = ["output", "x.grad"] + [f"{n}.grad" for n, _ in layer.named_parameters()]

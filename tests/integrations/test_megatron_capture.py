@@ -41,7 +41,7 @@ def test_sync_free_install_is_bitwise_dropless(cpu_rank, dtype, kind):
     """Output, input gradient, router and every expert weight gradient: the same bits as the same
     layer on the dropless dispatcher, at two batch sizes."""
     rec = cpu_rank[(dtype, kind)]
-    assert rec["sync_free"] == (True, True)  # install() at EP 1 (the twin is then swapped to dropless)
+    assert rec["sync_free"] == (True, False)  # install(sync_free=True) at EP 1; the default is dropless
     _step_equal(rec["ours"], rec["dropless"], "sync-free vs dropless")
     _step_equal(rec["ours_again"], rec["dropless_again"], "sync-free vs dropless, T = 64")
 
@@ -58,6 +58,8 @@ def test_sync_free_install_reads_nothing_on_the_host(cpu_rank, kind):
 
 def test_megatron_experts_keep_the_dropless_dispatch(cpu_rank):
     assert cpu_rank["plain_sync_free"] is False  # row_stable_gemms=False: Megatron's experts read host counts
+    refused = cpu_rank["refused"]  # and sync_free=True says why it cannot be
+    assert refused is not None and "install(sync_free=True)" in refused and "row_stable_gemms=False" in refused
 
 
 @pytest.mark.gpu

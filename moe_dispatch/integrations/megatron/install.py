@@ -14,6 +14,7 @@ from .dispatcher import dispatcher_from_megatron, is_installed
 from .inputs import check_inputs_together
 from .row_stable import make_row_stable
 from .supported import (
+    captures_whole_layer,
     check_graph_capture,
     check_groups,
     check_row_stable_supported,
@@ -40,7 +41,8 @@ def _groups_of(moe_layer: Any, pg_collection: Any) -> Any:
     return SimpleNamespace(ep=ep)
 
 
-def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_gemms: bool = True) -> Any:
+def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_gemms: bool = True,
+            sync_free: Optional[bool] = None) -> Any:
     """Replace ``moe_layer.token_dispatcher`` by ours of the same kind; returns ``moe_layer``.
 
     Args:
@@ -65,10 +67,13 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
     The dispatcher is ``dispatcher_from_megatron(moe_layer.config, groups, probs_in_experts=...)``:
     with ``row_stable_gemms`` the combine applies the probs in its fp32 sum (our experts' forward
     ignores ``permuted_probs``), else Megatron's experts multiply them (once either way).
-    At EP size 1, dropless, with ``row_stable_gemms`` (``sync_free_obstacle`` is None) it runs
-    sync-free: no host read in the forward or backward of the dispatch and our experts (bitwise
-    the dropless dispatch's results), so CUDA graphs may capture the whole MoE layer
-    (``check_graph_capture``); otherwise its size exchange reads split sizes on the host per step.
+    ``sync_free``: run the sync-free dispatch (no host read in the forward or backward of the
+    dispatch and our experts; bitwise the dropless dispatch's results), which CUDA graphs of the
+    whole MoE layer need (``check_graph_capture``). It needs EP size 1, no capacity dropping and
+    ``row_stable_gemms`` (``sync_free_obstacle``). None (default): sync-free exactly when the
+    config captures the whole MoE layer in CUDA graphs (``captures_whole_layer``), else the
+    dropless dispatch, which reads its split sizes on the host once per step; True: sync-free or
+    a ValueError saying why not; False: dropless.
     Idempotent: installing twice keeps one of ours (rebuilt from the same groups). Call it
     before the first forward; the dispatcher keeps one step's state between dispatch and combine.
     """
@@ -80,9 +85,14 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
     groups = _groups_of(moe_layer, pg_collection)
     ep = check_groups(groups)
     obstacle = sync_free_obstacle(config, 1 if ep is None else dist.get_world_size(ep), row_stable_gemms)
+    if sync_free is False:
+        obstacle = obstacle or "install(sync_free=False)"
+    elif sync_free and obstacle is not None:
+        raise ValueError(f"install(sync_free=True): the layer cannot run sync-free: {obstacle}")
     check_graph_capture(config, obstacle)  # again, on the layer's own EP group
+    run_sync_free = obstacle is None and (bool(sync_free) or captures_whole_layer(config))
     dispatcher = dispatcher_from_megatron(config, groups, probs_in_experts=not row_stable_gemms,
-                                          sync_free=obstacle is None)
+                                          sync_free=run_sync_free)
     expected = list(megatron_field(moe_layer, "local_expert_indices", dispatcher.local_expert_indices))
     if dispatcher.local_expert_indices != expected:
         raise ValueError(f"EP group mismatch: the dispatcher's local experts {dispatcher.local_expert_indices} "

@@ -147,6 +147,18 @@ def _scope_names(scopes: Any) -> list:
     return [megatron_field(s, "name", s) for s in scopes]
 
 
+def captures_whole_layer(config: Any) -> bool:
+    """Whether the config's CUDA graphs capture the whole MoE layer: cuda_graph_impl
+    'full_iteration', or captured modules empty (the whole transformer layer) or holding 'moe' /
+    'full_iteration'."""
+    graphs = megatron_field(config, "cuda_graph_impl", "none") or "none"
+    if graphs == "none":
+        return False
+    field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+    scopes = _scope_names(megatron_field(config, field))
+    return graphs == "full_iteration" or not scopes or any(s in _WHOLE_LAYER_SCOPES for s in scopes)
+
+
 def check_graph_capture(config: Any, obstacle: Optional[str]) -> None:
     """Raise ValueError, naming the field, when the config's CUDA graphs would capture our
     dispatcher in a way it cannot be replayed. ``obstacle``: ``sync_free_obstacle``'s answer.
@@ -172,8 +184,7 @@ def check_graph_capture(config: Any, obstacle: Optional[str]) -> None:
                          f"replays it alone): expected {field} without moe_preprocess (e.g. ['attn', 'moe_router'] "
                          "with cuda_graph_impl='transformer_engine'), or the whole MoE layer captured (['moe'] or [], "
                          "with the sync-free dispatch)")
-    whole = graphs == "full_iteration" or not scopes or any(s in _WHOLE_LAYER_SCOPES for s in scopes)
-    if not whole:
+    if not captures_whole_layer(config):
         return
     if obstacle is not None:
         raise ValueError(f"{setting} would capture the dispatch, which is capturable only sync-free (install() at "
