@@ -32,7 +32,7 @@ def sync_free_worker(rank: int, world_size: int) -> dict:
     assert world_size == 1
     _setup()
     from moe_dispatch.integrations.megatron import install
-    from tests.cuda_host_waits import count_host_transfers
+    from tests.cuda_host_waits import count_host_transfers, count_scalar_copies
 
     pg1 = _pg(dist.group.WORLD, dist.group.WORLD)
     records = {}
@@ -45,9 +45,9 @@ def sync_free_worker(rank: int, world_size: int) -> dict:
             rec["sync_free"] = (layer.token_dispatcher.config.sync_free, twin.token_dispatcher.config.sync_free)
             for module in (layer, twin):
                 module.experts.register_forward_pre_hook(_note_counts)
-            with count_host_transfers() as counts:
+            with count_host_transfers() as counts, count_scalar_copies() as scalar_copies:
                 rec["ours"] = _step(layer, x, dy)
-            rec["ours_reads"] = dict(counts)
+            rec["ours_reads"] = dict(counts, scalar_copies=len(scalar_copies))
             with count_host_transfers() as counts:
                 rec["dropless"] = _step(twin, x, dy)
             rec["dropless_reads"] = dict(counts)
