@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .agreement import hidden_states_problem
-from .comm import group_size_rank
+from .comm import group_key, group_size_rank
 from .config import MoEConfig
 from .dispatcher import build_dispatcher
 from .dispatcher.functional import host_tokens_per_expert
@@ -65,9 +65,7 @@ class MoELayer(nn.Module):
         self.dispatcher = build_dispatcher(dispatch_config, ep_group)
         experts_cls = GroupedMLP if config.expert_impl == "grouped" else SequentialMLP
         num_local = self.dispatcher.num_local_experts
-        sharded_over = None
-        if self.dispatcher.ep_size > 1:
-            sharded_over = ep_group if ep_group is not None else dist.group.WORLD
+        sharded_over = group_key(ep_group) if self.dispatcher.ep_size > 1 else None
         self.experts = experts_cls(seeded, num_local, self.dispatcher.ep_rank * num_local, ep_group=sharded_over)
         self.shared_expert: Optional[nn.Module] = None
         if config.shared_expert_ffn_hidden_size:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .experts.mlp import _LocalExperts
+from .experts import LocalExperts
 
 
 def expert_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
@@ -33,7 +33,7 @@ def expert_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     shared expert, experts at EP 1) are not listed: data parallelism averages them as usual."""
     out = []
     for module_name, module in model.named_modules():
-        if isinstance(module, _LocalExperts) and module.ep_group is not None:
+        if isinstance(module, LocalExperts) and module.ep_group is not None:
             prefix = f"{module_name}." if module_name else ""
             out.extend((prefix + name, p) for name, p in module.named_parameters(recurse=False))
     return out
@@ -80,7 +80,7 @@ def allreduce_expert_grads(model: nn.Module, expert_dp_group: dist.ProcessGroup,
         offset += n
 
 
-def check_ddp(experts: _LocalExperts) -> None:
+def check_ddp(experts: LocalExperts) -> None:
     """ValueError if a DistributedDataParallel forward is running, owns ``experts``' weights and
     spans ranks that hold other experts (checked once per wrapper, with one all-gather on its
     group, which every rank of it runs at the same forward)."""
@@ -115,7 +115,7 @@ def _expert_layout(model: nn.Module, device: torch.device) -> torch.Tensor:
     """int64 [2]: how many sharded expert modules, and a digest of their first ids and sizes."""
     count, digest = 0, 0
     for module in model.modules():
-        if isinstance(module, _LocalExperts) and module.ep_group is not None:
+        if isinstance(module, LocalExperts) and module.ep_group is not None:
             count += 1
             digest = (digest * 1000003 + module.local_expert_offset * 1009 + module.num_local_experts) % (2**61 - 1)
     return torch.tensor([count, digest], dtype=torch.int64, device=device)

@@ -7,10 +7,11 @@ row-stability status, `activations` for why the CPU activations are hand-built.
 from .activations import activate, scale_rows
 from .gemm import expert_gemm, grouped_mm_row_stable, grouped_mm_supported, select_gemm
 from .init import expert_seed, init_expert_weights, layer_seed
-from .mlp import GroupedMLP, SequentialMLP
+from .mlp import GroupedMLP, LocalExperts, SequentialMLP
 
 __all__ = [
     "GroupedMLP",
+    "LocalExperts",
     "SequentialMLP",
     "activate",
     "scale_rows",

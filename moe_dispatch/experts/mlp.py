@@ -42,7 +42,7 @@ from .gemm import GemmStrategy, expert_gemm, select_gemm
 from .init import WEIGHT1, WEIGHT2, init_expert_weights
 
 
-class _LocalExperts(nn.Module):
+class LocalExperts(nn.Module):
     """Shared parameters, init and forward; subclasses choose the GEMM strategy."""
 
     prefer_grouped: bool = False
@@ -250,7 +250,7 @@ def _rows_of(ids: torch.Tensor, wanted: List[int], prefix: str) -> Optional[torc
     return torch.tensor([held.index(i) for i in wanted], dtype=torch.int64, device=ids.device)
 
 
-class GroupedMLP(_LocalExperts):
+class GroupedMLP(LocalExperts):
     """Local experts through ``torch._grouped_mm`` where it is available and (by default)
     row-stable: CUDA bf16 (sm90+) with 16-byte aligned rows. Elsewhere the row-stable paths
     ("ordered" on CPU, "tiled" on CUDA); with ``row_stable=False``, grouped_mm wherever it runs
@@ -259,7 +259,7 @@ class GroupedMLP(_LocalExperts):
     prefer_grouped = True
 
 
-class SequentialMLP(_LocalExperts):
+class SequentialMLP(LocalExperts):
     """Local experts one at a time: "ordered" on CPU (no BLAS, a fixed summation order), "tiled"
     on CUDA (plain mm in fixed 256-row calls), so a row's result never changes with the row count.
     ``row_stable=False`` multiplies exactly each expert's rows with mm, as Megatron's
