@@ -356,6 +356,7 @@ def captured_check(args: argparse.Namespace, device: torch.device, config: MoECo
     """The EP-1 layer's sync-free forward + backward captured in a CUDA graph and replayed on
     new tokens, against the eager step on them: output, input and router gradients bitwise. CUDA
     only (skipped on CPU: there is nothing to capture). Collective: every rank calls it."""
+    from .capture import capture_step
     from .layer import MoELayer
 
     check = "CUDA-graph replay vs eager step: EP 1, sync-free"
@@ -371,23 +372,12 @@ def captured_check(args: argparse.Namespace, device: torch.device, config: MoECo
                               for _ in range(3))
     x = first.clone().requires_grad_()
 
-    def step() -> None:
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        layer(x).backward(upstream)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    layer.zero_grad(set_to_none=True)
-    x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def step() -> torch.Tensor:
         out = layer(x)
         out.backward(upstream)
+        return out
+
+    graph, out = capture_step(layer, x, step, warmup=2)
     with torch.no_grad():
         x.copy_(fresh)
     graph.replay()

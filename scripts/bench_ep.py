@@ -34,6 +34,7 @@ import triton
 from bench_ops import routing, time_host_calls  # python puts this script's folder first on its path
 
 from moe_dispatch import MoEConfig, MoELayer, profiling
+from moe_dispatch.capture import capture_step
 from moe_dispatch.config import DISPATCHER_KINDS
 from moe_dispatch.dispatcher import build_dispatcher
 
@@ -244,25 +245,6 @@ def host_waits(fn, steps: int = 3) -> str:
     return f"{counts['syncs']:g} / {counts['copies']:g}"
 
 
-def captured_step(layer, x: torch.Tensor, fwd_bwd):
-    """A CUDA graph of one forward + backward (``fwd_bwd``) with the gradients reset (each replay
-    writes fresh .grad, as after zero_grad(set_to_none=True)); returns its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (Triton compiles, allocator pools) off the capture stream
-        for _ in range(3):
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
-            fwd_bwd()
-    torch.cuda.current_stream().wait_stream(side)
-    layer.zero_grad(set_to_none=True)
-    x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fwd_bwd()
-    return graph.replay
-
-
 def _ep1_layers(args, single, world: int, rank: int, which: str):
     """(label, layer, x, forward + backward) of the EP-1 layers named in ``which`` ('ours': the
     layer's default sync-free step and the dropless dispatcher, 'installed': Megatron after
@@ -320,7 +302,7 @@ def bench_layer_ep1(args, single, world: int, rank: int) -> None:
         rows.append((label, "grads accumulating into .grad", bench(accumulate), host_waits(accumulate)))
         if isinstance(layer, MoELayer) and layer.dispatcher.sync_free:
             if DEVICE.type == "cuda":
-                replay = captured_step(layer, x, fwd_bwd)
+                replay = capture_step(layer, x, fwd_bwd)[0].replay  # grads reset each replay
                 rows.append((label, "captured (CUDA graph), grads reset each step", bench(replay),
                              host_waits(replay)))
             else:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe_dispatch import MoEConfig, MoELayer
+from moe_dispatch.capture import capture_step
 from moe_dispatch.dispatcher import AllToAllDispatcher
 from moe_dispatch.ops import check_device_errors, permute
 
@@ -29,20 +30,12 @@ def _eager(layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor) -> list[tor
 def _capture(layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor):
     """(graph, static output, static gradients [x, *parameters]): forward + backward with the
     gradients reset (each replay writes the graph's own .grad tensors, kept here)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
-            layer(x).backward(upstream)
-    torch.cuda.current_stream().wait_stream(side)
-    layer.zero_grad(set_to_none=True)
-    x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def step() -> torch.Tensor:
         out = layer(x)
         out.backward(upstream)
+        return out
+
+    graph, out = capture_step(layer, x, step)
     return graph, out, [x.grad] + [p.grad for p in layer.parameters()]
 
 

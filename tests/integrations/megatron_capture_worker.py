@@ -102,6 +102,7 @@ def capture_worker(rank: int, world_size: int) -> dict:
     tokens against eager steps, the sync-free eager step against the dropless one, host waits."""
     assert world_size == 1
     warnings.filterwarnings("ignore")  # Megatron's import-time notices (no TE, no apex, ...)
+    from moe_dispatch.capture import capture_step
     from moe_dispatch.integrations.megatron import install
     from moe_dispatch.integrations.megatron.build import (
         build_moe_layer,
@@ -131,20 +132,12 @@ def capture_worker(rank: int, world_size: int) -> dict:
         dy = torch.randn((T, 1, H), generator=gen, device=device, dtype=torch.bfloat16)
         x = torch.randn((T, 1, H), generator=gen, device=device, dtype=torch.bfloat16, requires_grad=True)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (Triton compiles, allocator pools) off the capture stream
-            for _ in range(3):
-                layer.zero_grad(set_to_none=True)
-                x.grad = None
-                layer(x)[0].backward(dy)
-        torch.cuda.current_stream().wait_stream(side)
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out, _ = layer(x)
-            static_out.backward(dy)
+        def step() -> torch.Tensor:
+            out, _ = layer(x)
+            out.backward(dy)
+            return out
+
+        graph, static_out = capture_step(layer, x, step)
         static_grads = _grads(layer, x)
         rec["replays"] = []
         for _ in range(2):  # new tokens copied into the static input, then replay
