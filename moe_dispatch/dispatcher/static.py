@@ -59,7 +59,7 @@ from ..agreement import (
     fingerprint_hash,
 )
 from ..autograd import refuse_double_backward
-from ..comm import ProcessGroup, all_gather_rows, all_to_all_rows, group_size_rank
+from ..comm import ProcessGroup, all_gather_rows, all_to_all_rows, group_key, group_size_rank
 from ..config import DispatchConfig
 from ..identity import CallId, StepCounter, layer_name
 from ..ops import RowIdMap, guard, unpermute
@@ -245,18 +245,11 @@ _LATCHED: dict = {}
 _AGREED: dict = {}
 
 
-def _key(group: ProcessGroup) -> Any:
-    """None and the default group are one group."""
-    if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.group.WORLD
-    return group
-
-
 def _latch(group: ProcessGroup, words: torch.Tensor, sizes: StaticSizes) -> None:
     """Keep the step's words (max with earlier ones, in place: capture-safe) and poison on CUDA."""
-    entry = _LATCHED.get(_key(group))
+    entry = _LATCHED.get(group_key(group))
     if entry is None or entry[0].device != words.device:
-        entry = _LATCHED[_key(group)] = [torch.zeros(NUM_WORDS, dtype=torch.int32, device=words.device), sizes]
+        entry = _LATCHED[group_key(group)] = [torch.zeros(NUM_WORDS, dtype=torch.int32, device=words.device), sizes]
     entry[0].copy_(torch.maximum(entry[0], words))
     entry[1] = sizes
     if words.is_cuda:  # every later kernel of ours writes NaN (ops/guard.py)
@@ -266,7 +259,7 @@ def _latch(group: ProcessGroup, words: torch.Tensor, sizes: StaticSizes) -> None
 
 def raise_latched(group: ProcessGroup) -> None:
     """At a sync-free dispatch: raise an earlier step's problem on CPU (no sync there)."""
-    entry = _LATCHED.get(_key(group))
+    entry = _LATCHED.get(group_key(group))
     if entry is not None and entry[0].device.type == "cpu":
         _raise(entry[0].tolist(), entry[1])
 
@@ -322,7 +315,7 @@ BAD_INPUT = object()  # hidden_states of a rank whose input was bad (it takes pa
 
 def agreed_hidden(group: ProcessGroup, cfg: DispatchConfig) -> Optional[tuple[torch.Size, torch.dtype]]:
     """(shape, dtype) of the first sync-free step's hidden_states at EP > 1, None before it."""
-    agreed = _AGREED.get((_key(group), fingerprint_hash(cfg)))
+    agreed = _AGREED.get((group_key(group), fingerprint_hash(cfg)))
     return None if agreed is None else (torch.Size(agreed[0][0]), agreed[0][1])
 
 
@@ -357,7 +350,7 @@ def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, grou
             raise ValueError("invalid MoE dispatch input: " + "; ".join(problems))
     else:
         from .layout import exchange_sizes
-        key = (_key(group), fingerprint_hash(cfg))
+        key = (group_key(group), fingerprint_hash(cfg))
         if key not in _AGREED:
             # The first step: the dropless size exchange validates every rank (raising alike on all)
             # and tells every rank every T.
