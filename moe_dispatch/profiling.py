@@ -63,7 +63,7 @@ def _phase_name(event: Any) -> str:
 
 def _is_runtime(event: Any) -> bool:
     """A CUDA runtime / driver call (cudaLaunchKernel, cuLaunchKernelEx, ...), not a torch op."""
-    return event.name.startswith(("cuda", "cu"))
+    return event.name.startswith("cu")
 
 
 def _innermost_op(spans: list, when: float) -> Optional[str]:

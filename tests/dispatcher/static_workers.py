@@ -108,7 +108,8 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
     return dict(nan=bool(torch.isnan(out).all()), error=error)
 
 
-def _error_of(fn) -> "str | None":
+def value_error_of(fn) -> "str | None":
+    """The message of the ValueError ``fn()`` raises, or None."""
     try:
         fn()
     except ValueError as e:
@@ -130,7 +131,7 @@ def call_order_worker(rank: int, world_size: int, case: str) -> dict:
     if case == "swapped":
         order = layers if rank == 0 else layers[::-1]
         nan = bool(torch.isnan(order[0](x)).all())
-        return {"nan": nan, "error": _error_of(lambda: order[1](x))}  # CPU: the next dispatch raises
+        return {"nan": nan, "error": value_error_of(lambda: order[1](x))}  # CPU: the next dispatch raises
     d = layers[0].dispatcher
     handles = []
     for mb in range(2):
@@ -146,5 +147,5 @@ def call_order_worker(rank: int, world_size: int, case: str) -> dict:
     except ValueError as e:
         strict_error = str(e)
     nan = bool(outs) and all(bool(torch.isnan(o).all()) for o in outs)
-    error = strict_error or _error_of(lambda: layers[0](x))
+    error = strict_error or value_error_of(lambda: layers[0](x))
     return {"nan": nan, "error": error, "strict": strict_error is not None}

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from moe_dispatch.config import DISPATCHER_KINDS
+from tests.dispatcher.static_workers import value_error_of
 
 from .megatron_worker import DTYPES, _build, _config, _pg, _setup, _step, _tokens
 
@@ -60,16 +61,8 @@ def sync_free_worker(rank: int, world_size: int) -> dict:
                     row_stable_gemms=False)
     records["plain_sync_free"] = plain.token_dispatcher.config.sync_free
     unfit = _build(_config("alltoall", torch.float32, 1), pg1, ours_from_spec=False)
-    records["refused"] = _error(lambda: install(unfit, pg1, row_stable_gemms=False, sync_free=True))
+    records["refused"] = value_error_of(lambda: install(unfit, pg1, row_stable_gemms=False, sync_free=True))
     return records
-
-
-def _error(fn) -> "str | None":
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return None
 
 
 def _grads(layer, x: torch.Tensor) -> list:

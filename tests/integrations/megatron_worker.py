@@ -96,6 +96,25 @@ def _step(layer, x: torch.Tensor, dy: torch.Tensor) -> dict:
                 min_rows=min_rows)
 
 
+def assert_equal(a: torch.Tensor, b: torch.Tensor, what) -> None:
+    """Same dtype, shape and bits (test-side check of the records the workers return)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    assert torch.equal(a, b), (what, (a.double() - b.double()).abs().max().item())
+
+
+def assert_steps_equal(a: dict, b: dict, what, contiguous_expert_grads: bool = False) -> None:
+    """Two ``_step`` records bitwise equal: output, input and router gradients, and both expert
+    weight gradients of the 8 experts (with ``contiguous_expert_grads``, also contiguous)."""
+    for field in ("out", "gx", "router"):
+        assert_equal(a[field], b[field], (what, field))
+    assert sorted(a["experts"]) == sorted(b["experts"]) == list(range(8))
+    for e in a["experts"]:
+        for i in range(2):
+            assert_equal(a["experts"][e][i], b["experts"][e][i], (what, "expert", e, i))
+            if contiguous_expert_grads:
+                assert a["experts"][e][i].is_contiguous()
+
+
 def plugin_worker(rank: int, world_size: int) -> dict:
     assert world_size == 2
     _setup()

@@ -12,6 +12,7 @@ from moe_dispatch.config import DISPATCHER_KINDS  # noqa: E402
 from tests.dispatcher.harness import run_ranks  # noqa: E402
 
 from .megatron_capture_worker import capture_worker, sync_free_worker  # noqa: E402
+from .megatron_worker import assert_steps_equal  # noqa: E402
 
 DTYPE_NAMES = ("fp32", "bf16")
 
@@ -21,19 +22,6 @@ def cpu_rank():
     return run_ranks(sync_free_worker, 1, timeout=300)[0]
 
 
-def _equal(a: torch.Tensor, b: torch.Tensor, what) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    assert torch.equal(a, b), (what, (a.double() - b.double()).abs().max().item())
-
-
-def _step_equal(a: dict, b: dict, what) -> None:
-    for field in ("out", "gx", "router"):
-        _equal(a[field], b[field], (what, field))
-    assert sorted(a["experts"]) == sorted(b["experts"]) == list(range(8))
-    for e in a["experts"]:
-        for i in range(2):
-            _equal(a["experts"][e][i], b["experts"][e][i], (what, "expert", e, i))
-
 
 @pytest.mark.parametrize("kind", DISPATCHER_KINDS)
 @pytest.mark.parametrize("dtype", DTYPE_NAMES)
@@ -42,8 +30,8 @@ def test_sync_free_install_is_bitwise_dropless(cpu_rank, dtype, kind):
     layer on the dropless dispatcher, at two batch sizes."""
     rec = cpu_rank[(dtype, kind)]
     assert rec["sync_free"] == (True, False)  # install(sync_free=True) at EP 1; the default is dropless
-    _step_equal(rec["ours"], rec["dropless"], "sync-free vs dropless")
-    _step_equal(rec["ours_again"], rec["dropless_again"], "sync-free vs dropless, T = 64")
+    assert_steps_equal(rec["ours"], rec["dropless"], "sync-free vs dropless")
+    assert_steps_equal(rec["ours_again"], rec["dropless_again"], "sync-free vs dropless, T = 64")
 
 
 @pytest.mark.parametrize("kind", DISPATCHER_KINDS)

@@ -12,6 +12,7 @@ pytest.importorskip("megatron.core")
 from tests.dispatcher.harness import run_ranks  # noqa: E402
 
 from .megatron_stacked_worker import STEPS, stacked_worker  # noqa: E402
+from .megatron_worker import assert_equal, assert_steps_equal  # noqa: E402
 
 DTYPE_NAMES = ("fp32", "bf16")
 
@@ -21,35 +22,21 @@ def rank():
     return run_ranks(stacked_worker, 1, timeout=300)[0]
 
 
-def _equal(a: torch.Tensor, b: torch.Tensor, what) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    assert torch.equal(a, b), (what, (a.double() - b.double()).abs().max().item())
-
-
-def _step_equal(a: dict, b: dict, what) -> None:
-    for field in ("out", "gx", "router"):
-        _equal(a[field], b[field], (what, field))
-    assert sorted(a["experts"]) == sorted(b["experts"]) == list(range(8))
-    for e in a["experts"]:
-        for i in range(2):
-            _equal(a["experts"][e][i], b["experts"][e][i], (what, "expert", e, i))
-            assert a["experts"][e][i].is_contiguous()
-
 
 @pytest.mark.parametrize("dtype", DTYPE_NAMES)
 def test_fast_path_bitwise_equals_stack_copy_path(rank, dtype):
     rec = rank[dtype]["equivalence"]
     assert rec["stacked"] == (True, True)
-    _step_equal(rec["fast"], rec["old"], "fast vs stack copy")
+    assert_steps_equal(rec["fast"], rec["old"], "fast vs stack copy", contiguous_expert_grads=True)
     assert sorted(rec["fast_acc"]) == sorted(rec["old_acc"])
     for name in rec["fast_acc"]:  # gradients accumulated over two passes
-        _equal(rec["fast_acc"][name], rec["old_acc"][name], ("accumulated", name))
+        assert_equal(rec["fast_acc"][name], rec["old_acc"][name], ("accumulated", name))
     # Weights moved out of the stack: the forward copies them, says so once, same bits.
     assert rec["unstacked"] == (False, False) and rec["copy_warnings"] == 1
-    _step_equal(rec["copied"], rec["old"], "copied vs stack copy")
+    assert_steps_equal(rec["copied"], rec["old"], "copied vs stack copy", contiguous_expert_grads=True)
     # .to() gives every weight a new tensor: they are stacked again.
     assert rec["restacked"] == (True, True)
-    _step_equal(rec["after_restack"], rec["old"], "after restack")
+    assert_steps_equal(rec["after_restack"], rec["old"], "after restack", contiguous_expert_grads=True)
 
 
 def test_install_keeps_parameter_objects(rank):
@@ -66,14 +53,15 @@ def test_state_dict_round_trip(rank, dtype):
     assert list(rec["stock_sd"]) == list(rec["ours_sd"])
     for key in rec["stock_sd"]:
         if isinstance(rec["stock_sd"][key], torch.Tensor):
-            _equal(rec["stock_sd"][key], rec["ours_sd"][key], ("stock -> ours", key))
+            assert_equal(rec["stock_sd"][key], rec["ours_sd"][key], ("stock -> ours", key))
     assert rec["stacked"] == (True, True)  # load_state_dict copied into the views
-    _equal(rec["stack_fc1"], rec["stock_fc1"], "the stack holds the loaded weights")
-    _step_equal(rec["ours_out"], rec["ours_old_out"], "loaded weights, fast vs stack copy")
+    assert_equal(rec["stack_fc1"], rec["stock_fc1"], "the stack holds the loaded weights")
+    assert_steps_equal(rec["ours_out"], rec["ours_old_out"], "loaded weights, fast vs stack copy",
+                       contiguous_expert_grads=True)
     assert list(rec["back_sd"]) == list(rec["ours_sd2"])
     for key in rec["back_sd"]:
         if isinstance(rec["back_sd"][key], torch.Tensor):
-            _equal(rec["back_sd"][key], rec["ours_sd2"][key], ("ours -> stock", key))
+            assert_equal(rec["back_sd"][key], rec["ours_sd2"][key], ("ours -> stock", key))
     stock_sharded, ours_sharded = rec["sharded"]
     assert list(stock_sharded) == list(ours_sharded)
     assert any(key.endswith("linear_fc1.weight") for key in stock_sharded)
@@ -81,7 +69,7 @@ def test_state_dict_round_trip(rank, dtype):
         ours_entry = ours_sharded[key]
         assert stock_entry[:-1] == ours_entry[:-1] if len(stock_entry) == 4 else stock_entry == ours_entry, key
         if len(stock_entry) == 4:
-            _equal(stock_entry[3], ours_entry[3], ("sharded", key))
+            assert_equal(stock_entry[3], ours_entry[3], ("sharded", key))
 
 
 @pytest.mark.parametrize("dtype", DTYPE_NAMES)
@@ -90,10 +78,10 @@ def test_adam_trains_the_same_parameters(rank, dtype):
     assert rec["fast_params"] == rec["old_params"] == rec["stock_params"]
     assert rec["fast_same_objects"] and rec["old_same_objects"]
     for step in range(STEPS):
-        _equal(rec["fast"]["outs"][step], rec["old"]["outs"][step], ("out", step))
+        assert_equal(rec["fast"]["outs"][step], rec["old"]["outs"][step], ("out", step))
     assert step > 0 and not torch.equal(rec["fast"]["outs"][0], rec["fast"]["outs"][-1])  # it did train
     for name, value in rec["old"]["params"].items():
-        _equal(rec["fast"]["params"][name], value, ("param after Adam", name))
+        assert_equal(rec["fast"]["params"][name], value, ("param after Adam", name))
     assert rec["fast"]["stacked"] == (True, True)  # the optimizer updated the views in place
 
 
@@ -106,8 +94,8 @@ def test_megatron_ddp(rank, dtype):
     assert rec[True]["stacked"] == (False, False) and rec[True]["warned"]
     for dist_opt in (False, True):
         got = rec[dist_opt]
-        _equal(got["out"], rec["plain"]["out"], (dist_opt, "out"))
-        _equal(got["gx"], rec["plain"]["gx"], (dist_opt, "gx"))
+        assert_equal(got["out"], rec["plain"]["out"], (dist_opt, "out"))
+        assert_equal(got["gx"], rec["plain"]["gx"], (dist_opt, "gx"))
         assert sorted(got["main_grads"]) == sorted(rec["plain_grads"])
         for name, grad in rec["plain_grads"].items():
-            _equal(got["main_grads"][name].to(grad.dtype), grad, (dist_opt, "main_grad", name))
+            assert_equal(got["main_grads"][name].to(grad.dtype), grad, (dist_opt, "main_grad", name))

@@ -147,15 +147,21 @@ def _scope_names(scopes: Any) -> list:
     return [megatron_field(s, "name", s) for s in scopes]
 
 
+def _graph_settings(config: Any) -> tuple[str, str, list]:
+    """(cuda_graph_impl, the field naming the captured modules, their names)."""
+    graphs = megatron_field(config, "cuda_graph_impl", "none") or "none"
+    # 0.18+ name the captured modules cuda_graph_modules (cuda_graph_scope is migrated into it).
+    field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+    return graphs, field, _scope_names(megatron_field(config, field))
+
+
 def captures_whole_layer(config: Any) -> bool:
     """Whether the config's CUDA graphs capture the whole MoE layer: cuda_graph_impl
     'full_iteration', or captured modules empty (the whole transformer layer) or holding 'moe' /
     'full_iteration'."""
-    graphs = megatron_field(config, "cuda_graph_impl", "none") or "none"
+    graphs, _, scopes = _graph_settings(config)
     if graphs == "none":
         return False
-    field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
-    scopes = _scope_names(megatron_field(config, field))
     return graphs == "full_iteration" or not scopes or any(s in _WHOLE_LAYER_SCOPES for s in scopes)
 
 
@@ -169,12 +175,9 @@ def check_graph_capture(config: Any, obstacle: Optional[str]) -> None:
     read tokens_per_expert on the host). 'moe_preprocess' is refused always: Megatron replays
     dispatch_preprocess alone and runs the other five dispatcher calls eagerly. Captures without
     the MoE layer (attn, mlp, moe_router alone) are not ours to check."""
-    graphs = megatron_field(config, "cuda_graph_impl", "none") or "none"
+    graphs, field, scopes = _graph_settings(config)
     if graphs == "none":
         return
-    # 0.18+ name the captured modules cuda_graph_modules (cuda_graph_scope is migrated into it).
-    field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
-    scopes = _scope_names(megatron_field(config, field))
     if graphs == "full_iteration":  # 0.18+: one graph of the whole forward-backward
         setting = "cuda_graph_impl='full_iteration'"
     else:
