@@ -320,7 +320,7 @@ def bench_layer_ep1(args, single, world: int, rank: int) -> None:
 
 
 _PHASES = {"router": ("forward",), "experts": ("forward",),
-           "dispatcher": ("dispatch", "combine"),  # ours
+           "dispatcher": ("dispatch_rows", "combine"),  # ours (MoELayer calls dispatch_rows)
            "token_dispatcher": ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
                                 "combine_preprocess", "token_combine", "combine_postprocess")}  # Megatron's
 
