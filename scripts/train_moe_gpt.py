@@ -202,6 +202,7 @@ def _sync_grads(model) -> None:
             dist.all_reduce(p.grad, group=group)
 
 
+WARMUP_STEPS = 3  # steps left out of the median step time
 PROGRESS_SECONDS = 2.0  # rank 0 prints a progress line at least this often (and at the first and last step)
 
 
@@ -210,9 +211,10 @@ def train(args: argparse.Namespace, model, device: torch.device, stream: torch.T
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device=device), 1)[None, None]
     positions = torch.arange(args.seq, device=device)[None].expand(args.batch, -1)
-    losses, mean_losses, grads = [], [], []
+    losses, mean_losses, grads, step_seconds = [], [], [], []
     start = last_print = time.perf_counter()
     for step in range(args.steps):
+        step_start = time.perf_counter()
         tokens, labels = (t.to(device) for t in batch_at(stream, step, rank, args))
         opt.zero_grad(set_to_none=True)
         per_token = model(tokens, positions, mask, labels=labels)  # [B, S] fp32
@@ -224,15 +226,19 @@ def train(args: argparse.Namespace, model, device: torch.device, stream: torch.T
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(loss.item())
-        mean_losses.append(mean.item() / dist.get_world_size())
+        mean_losses.append(mean.item() / dist.get_world_size())  # .item() waits for the step's GPU work
         now = time.perf_counter()
+        step_seconds.append(now - step_start)
         if rank == 0 and (step in (0, args.steps - 1) or now - last_print >= PROGRESS_SECONDS):
             print(f"  ... {now - args.t0:6.1f} s  {name}: step {step + 1}/{args.steps}, loss {mean_losses[-1]:.4f}",
                   flush=True)
             last_print = now
     seconds = time.perf_counter() - start
+    # The first steps autotune Triton kernels and warm allocators; the median of the rest is a step's cost.
+    steady = sorted(step_seconds[WARMUP_STEPS:] or step_seconds)
     dispatchers = sorted({_dispatcher_name(m) for m in model.modules() if hasattr(m, "token_dispatcher")})
-    return dict(losses=losses, mean_losses=mean_losses, grads=grads, seconds=seconds, dispatchers=dispatchers)
+    return dict(losses=losses, mean_losses=mean_losses, grads=grads, seconds=seconds,
+                step_seconds=steady[len(steady) // 2], dispatchers=dispatchers)
 
 
 def _dispatcher_name(moe_layer) -> str:
@@ -538,13 +544,14 @@ def main(argv: list[str] | None = None, rank_fn: Callable = rank_main) -> int:
                                                rank_losses=[r[name]["losses"] for r in ranks],
                                                rank_grads=[r[name]["grads"] for r in ranks],
                                                dispatchers=run["dispatchers"],
-                                               seconds=max(r[name]["seconds"] for r in ranks))
+                                               seconds=max(r[name]["seconds"] for r in ranks),
+                                               step_seconds=max(r[name]["step_seconds"] for r in ranks))
     rows += ep_claims(by_ep)
     last = f"loss step {args.steps - 1}"
-    print(f"\n{'run':<28} | loss step 0 | {last} | s per step")
+    print(f"\n{'run':<28} | loss step 0 | {last} | s per step (median of steps {WARMUP_STEPS}+)")
     for name, run in dump.items():
         print(f"{name:<28} | {run['mean_losses'][0]:>11.5f} | {run['mean_losses'][-1]:>{len(last)}.5f} | "
-              f"{run['seconds'] / args.steps:.4f}")
+              f"{run['step_seconds']:.4f}")
     print("\n" + TABLE_LEGEND)
     width = max(len(r[0]) for r in rows)
     print(f"{'claim':<{width}} | {'result':<16} | detail")
