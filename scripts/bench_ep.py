@@ -248,7 +248,8 @@ def host_waits(fn, steps: int = 3) -> str:
 def _ep1_layers(args, single, world: int, rank: int, which: str):
     """(label, layer, x, forward + backward) of the EP-1 layers named in ``which`` ('ours': the
     layer's default sync-free step and the dropless dispatcher, 'installed': Megatron after
-    install(), 'stock': Megatron's own), each rank alone."""
+    install(), 'installed-sync-free': after install(sync_free=True), 'stock': Megatron's own), each
+    rank alone."""
     from moe_dispatch.dispatcher import AllToAllDispatcher
 
     T, E, K, H, F = args.tokens, args.experts, args.topk, args.hidden, args.ffn
@@ -265,22 +266,35 @@ def _ep1_layers(args, single, world: int, rank: int, which: str):
                     lambda: ours_layer(x).backward(g)))
         out.append(("ours alltoall, grouped row-stable experts, dropless", dropless, x,
                     lambda: dropless(x).backward(g)))
-    megatron = [(name, ours) for name, ours in (("installed", True), ("stock", False)) if name in which]
+    megatron = [name for name in ("installed", "installed-sync-free", "stock") if name in which.split(",")]
     if megatron:
+        from moe_dispatch.integrations.megatron import install
         from moe_dispatch.integrations.megatron.build import build_moe_layer, process_groups
         megatron_groups(world, rank)  # Megatron's set-up (and the CPU shims on --cpu-smoke)
         pg = process_groups(single, single)
         xm = x.detach().view(T, 1, H).clone().requires_grad_()
         gm = g.view(T, 1, H)
-        for name, ours in megatron:
-            layer = build_moe_layer(megatron_config(H, E, K, F, 1, "alltoall"), pg, ours=ours, device=DEVICE)
-            label = ("Megatron alltoall after install() (row-stable GEMMs, stacked expert weights)" if ours else
-                     "Megatron alltoall stock, SequentialMLP, no TE")
+        for name in megatron:
+            layer = build_moe_layer(megatron_config(H, E, K, F, 1, "alltoall"), pg, ours=name != "stock",
+                                    device=DEVICE)
+            label = {"installed": "Megatron alltoall after install() (row-stable GEMMs, stacked expert weights)",
+                     "installed-sync-free": "Megatron alltoall after install(sync_free=True)",
+                     "stock": "Megatron alltoall stock, SequentialMLP, no TE"}[name]
+            if name == "installed-sync-free":
+                install(layer, pg, sync_free=True)  # again: idempotent, now with the sync-free dispatch
 
             def fwd_bwd(layer=layer):
                 layer(xm)[0].backward(gm)
             out.append((label, layer, xm, fwd_bwd))
     return out
+
+
+def _sync_free(layer) -> bool:
+    """Our MoELayer or Megatron's after install(), running the sync-free dispatch."""
+    if isinstance(layer, MoELayer):
+        return layer.dispatcher.sync_free
+    from moe_dispatch.integrations.megatron import is_installed
+    return is_installed(layer) and layer.token_dispatcher.config.sync_free
 
 
 def bench_layer_ep1(args, single, world: int, rank: int) -> None:
@@ -300,7 +314,7 @@ def bench_layer_ep1(args, single, world: int, rank: int) -> None:
             fwd_bwd()
         rows.append((label, "grads reset each step", bench(reset), host_waits(reset)))
         rows.append((label, "grads accumulating into .grad", bench(accumulate), host_waits(accumulate)))
-        if isinstance(layer, MoELayer) and layer.dispatcher.sync_free:
+        if _sync_free(layer):
             if DEVICE.type == "cuda":
                 replay = capture_step(layer, x, fwd_bwd)[0].replay  # grads reset each replay
                 rows.append((label, "captured (CUDA graph), grads reset each step", bench(replay),
@@ -449,7 +463,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--topk", type=int, default=6)
     parser.add_argument("--ep1-layers", default="ours,installed,stock",
-                        help="EP-1 layers for the 'ep1' and 'profile-layer' parts: ours, installed, stock")
+                        help="EP-1 layers for the 'ep1' and 'profile-layer' parts: ours, installed, "
+                             "installed-sync-free (install(sync_free=True)), stock")
     parser.add_argument("--profile-rows", type=int, default=25, help="rows of each profile table")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo on CPU at a tiny size: does the script run?")
     args = parser.parse_args(argv)

@@ -10,7 +10,8 @@ from pathlib import Path
 EP1_LAYERS = ["ours alltoall, grouped row-stable experts, sync-free",
               "ours alltoall, grouped row-stable experts, dropless",
               "Megatron alltoall after install() (row-stable GEMMs, stacked expert weights)",
-              "Megatron alltoall stock, SequentialMLP, no TE"]
+              "Megatron alltoall stock, SequentialMLP, no TE",
+              "Megatron alltoall after install(sync_free=True)"]
 
 
 def test_bench_ep_cpu_smoke():
@@ -32,14 +33,16 @@ def test_bench_ep_cpu_smoke():
 
 
 def test_bench_ep_cpu_smoke_ep1_layers():
-    """The EP-1 part alone, every layer (ours, Megatron after install(), stock), both gradient modes."""
+    """The EP-1 part alone, every layer (ours, Megatron after install() and install(sync_free=True),
+    stock), both gradient modes."""
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m",
-                           "tests.bench_ep_cpu", "--what", "ep1"], capture_output=True, text=True, timeout=180,
+                           "tests.bench_ep_cpu", "--what", "ep1",
+                           "--ep1-layers", "ours,installed,stock,installed-sync-free"], capture_output=True, text=True, timeout=180,
                           cwd=root, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for layer in EP1_LAYERS:
         for step in ("grads reset each step", "grads accumulating"):
             assert f"EP-1 {layer} | {step}" in proc.stdout, (layer, step, proc.stdout)
-    assert "captured (CUDA graph) row: skipped, CUDA only" in proc.stdout, proc.stdout
+    assert proc.stdout.count("captured (CUDA graph) row: skipped, CUDA only") == 2, proc.stdout  # both sync-free
     assert "round trip" not in proc.stdout and "failed" not in proc.stdout, proc.stdout
