@@ -38,7 +38,8 @@ def test_bench_ep_cpu_smoke_ep1_layers():
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m",
                            "tests.bench_ep_cpu", "--what", "ep1",
-                           "--ep1-layers", "ours,installed,stock,installed-sync-free"], capture_output=True, text=True, timeout=180,
+                           "--ep1-layers", "ours,installed,stock,installed-sync-free"],
+                          capture_output=True, text=True, timeout=180,
                           cwd=root, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for layer in EP1_LAYERS:
