@@ -221,20 +221,25 @@ def train(args: argparse.Namespace, model, device: torch.device, stream: torch.T
         loss = per_token.float().mean()
         loss.backward()
         _sync_grads(model)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the digests below copy every gradient to the host: not timed
+        digest_start = time.perf_counter()
         grads.append(_grad_digests(model))
+        digest_seconds = time.perf_counter() - digest_start
         opt.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(loss.item())
         mean_losses.append(mean.item() / dist.get_world_size())  # .item() waits for the step's GPU work
         now = time.perf_counter()
-        step_seconds.append(now - step_start)
+        step_seconds.append(now - step_start - digest_seconds)
         if rank == 0 and (step in (0, args.steps - 1) or now - last_print >= PROGRESS_SECONDS):
             print(f"  ... {now - args.t0:6.1f} s  {name}: step {step + 1}/{args.steps}, loss {mean_losses[-1]:.4f}",
                   flush=True)
             last_print = now
     seconds = time.perf_counter() - start
-    # The first steps autotune Triton kernels and warm allocators; the median of the rest is a step's cost.
+    # A step's cost without its gradient digests: the median after the first steps, which autotune
+    # Triton kernels and warm the allocator.
     steady = sorted(step_seconds[WARMUP_STEPS:] or step_seconds)
     dispatchers = sorted({_dispatcher_name(m) for m in model.modules() if hasattr(m, "token_dispatcher")})
     return dict(losses=losses, mean_losses=mean_losses, grads=grads, seconds=seconds,
@@ -548,7 +553,8 @@ def main(argv: list[str] | None = None, rank_fn: Callable = rank_main) -> int:
                                                step_seconds=max(r[name]["step_seconds"] for r in ranks))
     rows += ep_claims(by_ep)
     last = f"loss step {args.steps - 1}"
-    print(f"\n{'run':<28} | loss step 0 | {last} | s per step (median of steps {WARMUP_STEPS}+)")
+    print(f"\n{'run':<28} | loss step 0 | {last} | s per step (median of steps {WARMUP_STEPS}+, "
+          "gradient digests not counted)")
     for name, run in dump.items():
         print(f"{name:<28} | {run['mean_losses'][0]:>11.5f} | {run['mean_losses'][-1]:>{len(last)}.5f} | "
               f"{run['step_seconds']:.4f}")
