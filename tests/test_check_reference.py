@@ -4,6 +4,8 @@ rank rounds its partial sum to bf16) really differs between EP 1 and EP 2, 4, wh
 our combine bit for bit. Across ranks, dispatchers and EP sizes: tests/test_layer.py."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +22,11 @@ def one_rank(tmp_path):
     dist.destroy_process_group()
 
 
+def _shown_ulps(row) -> float:
+    """The figure the float64 row prints: the worst error past the fp32 sum's share, in ulps."""
+    return float(re.search(r": ([0-9.]+) ulp of bf16 past the fp32 sum's error \(bound 0\.50\)", row.check).group(1))
+
+
 def _layer(args) -> MoELayer:
     config = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk,
                        ffn_hidden_size=args.ffn, init_seed=args.seed)
@@ -32,6 +39,7 @@ def test_reference_rows_differ_and_ours_is_within_one_rounding(one_rank):
     ours, *reference = rows
     assert ours.passed and not ours.informational and "float64" in ours.check, ours
     assert 0 < ours.max_diff  # bf16 output: a real rounding, within the bound
+    assert 0 < _shown_ulps(ours) <= 0.5, ours.check
     assert [r.check for r in reference] == ["reference, not ours: reduce-scatter combine, EP 1 vs EP 2",
                                             "reference, not ours: reduce-scatter combine, EP 1 vs EP 4"]
     for r in reference:
@@ -64,3 +72,4 @@ def test_float64_row_fails_for_a_wrong_combine(one_rank, monkeypatch):
     monkeypatch.setattr(layer, "forward", lambda x: forward(x) * (1 + 2 ** -6))
     ours, *_ = combine_rows(args, torch.device("cpu"), layer, [1, 2])
     assert not ours.passed and ours.failed
+    assert _shown_ulps(ours) > 0.5, ours.check
