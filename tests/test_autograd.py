@@ -101,7 +101,7 @@ PATHS = {
     "_GroupedMM": _gemm("grouped"),
     "moe_dispatch::permute_rows": _permute, "moe_dispatch::unpermute_rows": _unpermute,
     "moe_dispatch::gather_rows": _gather,
-    "_Expand": _expand, "_ReturnRows": _return_rows,
+    "Expand": _expand, "_ReturnRows": _return_rows,
 }
 
 

@@ -3,8 +3,9 @@ results: expert outputs return unreduced to each token's owner, which sums them 
 in fp32 (fp64 for fp64 probs).
 
 Modules: ``layout`` (the size exchange: validation, sizes), ``exchange`` (the kinds' transport,
-forward and back), ``functional`` (dispatch / combine and the frozen handle), ``dispatchers``
-(the objects). Agreement across ranks and latched errors: ``moe_dispatch.agreement``; which layer
+forward and back), ``expand`` (the received rows into the expert layout, and their gradients
+back), ``functional`` (dispatch / combine and the frozen handle), ``static`` (the sync-free
+plan), ``dispatchers`` (the objects). Agreement across ranks and latched errors: ``moe_dispatch.agreement``; which layer
 and step a collective belongs to: ``moe_dispatch.identity``; the settings:
 ``moe_dispatch.config.DispatchConfig``; Megatron's six-method interface:
 ``moe_dispatch.integrations.megatron``.

@@ -28,6 +28,7 @@ tokens ascending (then capacity padding). At EP size 1 both are the same buffer 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -44,16 +45,16 @@ from ..agreement import (
     agree_config,
     dtype_code,
 )
-from ..autograd import refuse_double_backward
 from ..comm import ProcessGroup, to_device
 from ..config import DispatchConfig, MoEConfig, as_dispatch_config
 from ..identity import StepCounter, functional_counter
 from ..ops import RowIdMap, unpermute
-from ..ops.permutation import make_slots, permute_rows, runs_index
+from ..ops.permutation import make_slots, runs_index
 from . import static
 from .exchange import KINDS, Received, ReturnRoute, return_rows, return_runs, send_back
+from .expand import Expand, ReturnPath
 from .layout import Layout, exchange_sizes
-from .static import StaticPlan, StaticStep, pairs_to_dense
+from .static import StaticPlan, StaticStep
 
 Runs = tuple[torch.Tensor, torch.Tensor, int]  # (shifts, lengths) on the device, total positions
 
@@ -271,46 +272,6 @@ def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: Plan, with_routing: 
     return kind.send(x.detach(), probs.detach(), plan.routing_map, plan.layout, plan.group, with_routing)
 
 
-class _Expand(torch.autograd.Function):
-    """Forward: one row per (received token, local expert), the receiver layout.
-    Backward: every row's gradient goes back to its owner unreduced (``send_back``), where
-    ``unpermute`` without probs sums a token's rows in ascending expert order in fp32.
-
-    Inputs: x [T, H] and probs [T, E] are the owner's tensors that autograd links to; the received
-    tensors (detached, views of the exchange's buffer) carry the values."""
-
-    @staticmethod
-    def forward(ctx, x, probs, recv_x, recv_probs, plan, expert_map, anchor):
-        rows, row_probs = permute_rows(recv_x, expert_map.slots, recv_probs, expert_map.num_out_tokens,
-                                       expert_map.has_pad_rows)
-        ctx.plan, ctx.expert_map, ctx.x_shape, ctx.probs_dtype = plan, expert_map, x.shape, recv_probs.dtype
-        # The probs gradient travels back only if some rank needs it (same collectives everywhere).
-        ctx.send_probs_grad = plan.config.probs_in_experts and plan.layout.probs_grad
-        if not plan.config.probs_in_experts:
-            ctx.mark_non_differentiable(row_probs)
-        return rows, row_probs
-
-    @staticmethod
-    def backward(ctx, grad_rows, grad_row_probs):
-        refuse_double_backward("_Expand")
-        plan = ctx.plan
-        if ctx.send_probs_grad and grad_row_probs is None:
-            grad_row_probs = torch.zeros(grad_rows.shape[0], dtype=ctx.probs_dtype, device=grad_rows.device)
-        grad_row_probs = grad_row_probs if ctx.send_probs_grad else None
-        if plan.route is None:
-            rows, owner_probs, owner_map = grad_rows.contiguous(), grad_row_probs, ctx.expert_map
-        else:
-            rows, owner_probs = send_back(grad_rows.contiguous(), grad_row_probs, plan.route,
-                                          code=DISPATCH_BACKWARD_CALL)
-            owner_map = plan.owner_map
-        grad_x = grad_probs = None
-        if ctx.needs_input_grad[0]:  # else this rank ran the exchange for the others only
-            grad_x = unpermute(rows, owner_map, None).view(ctx.x_shape)
-        if owner_probs is not None and ctx.needs_input_grad[1]:
-            grad_probs = pairs_to_dense(owner_probs, owner_map)
-        return grad_x, grad_probs, None, None, None, None, None
-
-
 def _grad_anchor(needed: bool, tensor: torch.Tensor, *others: torch.Tensor) -> Optional[torch.Tensor]:
     """A leaf that requires grad, when some rank's backward runs an exchange (``needed``, agreed in
     the size exchange) but none of this rank's inputs to it requires grad: given to the exchange's
@@ -336,7 +297,14 @@ def finish(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: Plan, hid
         expert_map = expert_row_map(plan, recv.routing)
     probs_in = probs if plan.config.probs_in_experts else probs.detach()
     anchor = _grad_anchor(plan.route is not None and plan.layout.dispatch_backward, x, probs_in)
-    rows, row_probs = _Expand.apply(x, probs_in, recv.hidden, recv.probs, plan, expert_map, anchor)
+    exchanged = plan.route is not None
+    path = ReturnPath(send=functools.partial(send_back, route=plan.route, code=DISPATCH_BACKWARD_CALL) if exchanged
+                      else None, owner_map=plan.owner_map if exchanged else None,
+                      # only if some rank needs it (plan.layout.probs_grad is agreed): same collectives everywhere
+                      send_probs_grad=plan.config.probs_in_experts and plan.layout.probs_grad,
+                      zero_fill=expert_map.has_pad_rows)
+    rows, row_probs = Expand.apply(x, probs_in, recv.hidden, recv.probs, path, expert_map,
+                                   plan.config.probs_in_experts, anchor)
     offsets = torch.cumsum(expert_map.padded_tokens_per_expert, 0).to(torch.int32)
     owner_map = expert_map if plan.owner_map is None else plan.owner_map
     handle = DispatchHandle(plan=plan, expert_map=expert_map, owner_map=owner_map, probs=probs,

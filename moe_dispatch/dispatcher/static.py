@@ -62,9 +62,10 @@ from ..autograd import refuse_double_backward
 from ..comm import ProcessGroup, all_gather_rows, all_to_all_rows, group_key, group_size_rank
 from ..config import DispatchConfig
 from ..identity import CallId, StepCounter, layer_name
-from ..ops import RowIdMap, guard, unpermute
-from ..ops.permutation import make_slots, permute_rows
+from ..ops import RowIdMap, guard
+from ..ops.permutation import make_slots
 from .exchange import Received, RowFormat
+from .expand import Expand, ReturnPath, SendBack
 
 # Check words (int32, combined across ranks by max). W_CALL: 4 words, the sender's call of one
 # exchange (_call_words); W_ORDER: which exchange found different calls (an _ORDER_WHAT key), then
@@ -407,21 +408,6 @@ def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, call:
                       words=words)
 
 
-def pairs_to_dense(values: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:
-    """values [N] in row_id_map's row order -> [T, X] with out[t, x] = values[row(t, x)], 0 elsewhere.
-    Every (t, x) has at most one row, so this is a pure scatter: no sums."""
-    T, X = row_id_map.num_tokens, row_id_map.num_experts
-    if values.numel() == 0 or T == 0:
-        return values.new_zeros((T, X))
-    slots = row_id_map.slots
-    rows, cols = slots[:, 1:1 + X].long(), slots[:, 1 + X:].long()
-    valid = rows >= 0
-    picked = torch.where(valid, values[rows.clamp(min=0)], values.new_zeros(()))
-    out = values.new_zeros((T, X + 1))  # column X collects the unused slots (all writing 0)
-    out.scatter_(1, torch.where(valid, cols, X), picked)
-    return out[:, :X]
-
-
 # ---- the forward exchange -------------------------------------------------------------------------
 @torch.no_grad()
 def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: StaticPlan) -> Received:
@@ -611,41 +597,16 @@ class _ReturnRows(torch.autograd.Function):
         return send_forth(grad, ctx.route, ctx.sizes), None, None, None
 
 
-class _Expand(torch.autograd.Function):
-    """functional._Expand for the sync-free plan: the backward returns through the static route."""
+def _return_exchange(step: StaticStep) -> SendBack:
+    """Expand's return path over the static route: the rows' gradients and the words; a bad step's
+    are latched (CUDA: before unpermute, whose kernel sees them) and poisoned."""
+    sizes = step.plan.layout
 
-    @staticmethod
-    def forward(ctx, x, probs, recv_x, recv_probs, step, expert_map, anchor):
-        plan = step.plan
-        rows, row_probs = permute_rows(recv_x, expert_map.slots, recv_probs, expert_map.num_out_tokens, True)
-        ctx.step, ctx.expert_map, ctx.x_shape, ctx.probs_dtype = step, expert_map, x.shape, recv_probs.dtype
-        ctx.send_probs_grad = plan.config.probs_in_experts
-        if not plan.config.probs_in_experts:
-            ctx.mark_non_differentiable(row_probs)
-        return rows, row_probs
-
-    @staticmethod
-    def backward(ctx, grad_rows, grad_row_probs):
-        refuse_double_backward("static._Expand")
-        step = ctx.step
-        if ctx.send_probs_grad and grad_row_probs is None:
-            grad_row_probs = torch.zeros(grad_rows.shape[0], dtype=ctx.probs_dtype, device=grad_rows.device)
-        grad_row_probs = grad_row_probs if ctx.send_probs_grad else None
-        if step.route is None:
-            rows, owner_probs, owner_map = grad_rows.contiguous(), grad_row_probs, ctx.expert_map
-        else:
-            rows, owner_probs, words = send_back(grad_rows.contiguous(), grad_row_probs, step.route,
-                                                 DISPATCH_BACKWARD_CALL)
-            _latch(step.plan.group, words, step.plan.layout)  # CUDA: before unpermute, whose kernel sees it
-            rows = poison(rows, words, step.plan.layout)
-            owner_probs = poison(owner_probs, words, step.plan.layout) if owner_probs is not None else None
-            owner_map = step.plan.owner_map
-        grad_x = grad_probs = None
-        if ctx.needs_input_grad[0]:  # else this rank ran the exchange for the others only
-            grad_x = unpermute(rows, owner_map, None).view(ctx.x_shape)
-        if owner_probs is not None and ctx.needs_input_grad[1]:
-            grad_probs = pairs_to_dense(owner_probs, owner_map)
-        return grad_x, grad_probs, None, None, None, None, None
+    def send(rows: torch.Tensor, probs: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        rows, probs, words = send_back(rows, probs, step.route, DISPATCH_BACKWARD_CALL)
+        _latch(step.plan.group, words, sizes)
+        return poison(rows, words, sizes), poison(probs, words, sizes) if probs is not None else None
+    return send
 
 
 def _anchor(step: StaticStep, *tensors: torch.Tensor) -> Optional[torch.Tensor]:
@@ -674,8 +635,12 @@ def expand(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: StaticPla
         _latch(plan.group, route.words, plan.layout)
     step = StaticStep(plan, route)
     probs_in = probs if plan.config.probs_in_experts else probs.detach()
-    rows, row_probs = _Expand.apply(x, probs_in, recv.hidden, recv.probs, step, expert_map,
-                                    _anchor(step, x, probs_in))
+    exchanged = route is not None
+    path = ReturnPath(send=_return_exchange(step) if exchanged else None,
+                      owner_map=plan.owner_map if exchanged else None,
+                      send_probs_grad=plan.config.probs_in_experts, zero_fill=True)
+    rows, row_probs = Expand.apply(x, probs_in, recv.hidden, recv.probs, path, expert_map,
+                                   plan.config.probs_in_experts, _anchor(step, x, probs_in))
     return rows, row_probs, expert_map, step
 
 
