@@ -297,10 +297,11 @@ def finish(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: Plan, hid
         expert_map = expert_row_map(plan, recv.routing)
     probs_in = probs if plan.config.probs_in_experts else probs.detach()
     anchor = _grad_anchor(plan.route is not None and plan.layout.dispatch_backward, x, probs_in)
-    exchanged = plan.route is not None
-    path = ReturnPath(send=functools.partial(send_back, route=plan.route, code=DISPATCH_BACKWARD_CALL) if exchanged
-                      else None, owner_map=plan.owner_map if exchanged else None,
-                      # only if some rank needs it (plan.layout.probs_grad is agreed): same collectives everywhere
+    send = (functools.partial(send_back, route=plan.route, code=DISPATCH_BACKWARD_CALL)
+            if plan.route is not None else None)
+    # The probs gradient travels back only if some rank needs it (layout.probs_grad is agreed):
+    # the same collectives everywhere.
+    path = ReturnPath(send=send, owner_map=plan.owner_map if send is not None else None,
                       send_probs_grad=plan.config.probs_in_experts and plan.layout.probs_grad,
                       zero_fill=expert_map.has_pad_rows)
     rows, row_probs = Expand.apply(x, probs_in, recv.hidden, recv.probs, path, expert_map,

@@ -635,9 +635,8 @@ def expand(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: StaticPla
         _latch(plan.group, route.words, plan.layout)
     step = StaticStep(plan, route)
     probs_in = probs if plan.config.probs_in_experts else probs.detach()
-    exchanged = route is not None
-    path = ReturnPath(send=_return_exchange(step) if exchanged else None,
-                      owner_map=plan.owner_map if exchanged else None,
+    send = _return_exchange(step) if route is not None else None
+    path = ReturnPath(send=send, owner_map=plan.owner_map if send is not None else None,
                       send_probs_grad=plan.config.probs_in_experts, zero_fill=True)
     rows, row_probs = Expand.apply(x, probs_in, recv.hidden, recv.probs, path, expert_map,
                                    plan.config.probs_in_experts, _anchor(step, x, probs_in))

@@ -12,9 +12,9 @@ from moe_dispatch.config import DISPATCHER_KINDS  # noqa: E402
 from tests.dispatcher.harness import run_ranks  # noqa: E402
 
 from .megatron_capture_worker import capture_worker, sync_free_worker  # noqa: E402
-from .megatron_worker import assert_steps_equal  # noqa: E402
+from .megatron_worker import DTYPES, assert_steps_equal  # noqa: E402
 
-DTYPE_NAMES = ("fp32", "bf16")
+DTYPE_NAMES = tuple(DTYPES)  # the dtypes the worker ran
 
 
 @pytest.fixture(scope="module")

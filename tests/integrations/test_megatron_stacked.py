@@ -12,9 +12,9 @@ pytest.importorskip("megatron.core")
 from tests.dispatcher.harness import run_ranks  # noqa: E402
 
 from .megatron_stacked_worker import STEPS, stacked_worker  # noqa: E402
-from .megatron_worker import assert_equal, assert_steps_equal  # noqa: E402
+from .megatron_worker import DTYPES, assert_equal, assert_steps_equal  # noqa: E402
 
-DTYPE_NAMES = ("fp32", "bf16")
+DTYPE_NAMES = tuple(DTYPES)  # the dtypes the worker ran
 
 
 @pytest.fixture(scope="module")
