@@ -4,8 +4,8 @@
 
 Knobs (none changes a value: tests/ops/test_permutation.py::test_launch_tuning_changes_no_value):
 program order (token-major or chunk-major), warps, rows per 2-D store and the cache hint of the
-row stores (write-back or streaming) in the permute kernel, the H-block of the kernels whose sums
-run per element (the unpermute backward's block is fixed: it sets the probs-gradient chunking),
+row stores (write-back or streaming) in the permute kernel, the slots per unrolled step of the
+summing kernels, the H-block of the kernels whose sums run per element (the unpermute backward's block is fixed: it sets the probs-gradient chunking),
 and with --passes map, make_slots' chunks, tokens per tile and warps; with --passes routes, the
 alternative route of LAUNCH (the unpermute backward per token). Prints
 CUDA-graph replay medians (do_bench_cudagraph, GPU time only) over each pass's byte floor, and the
@@ -55,28 +55,34 @@ def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> N
             continue
         floor = nbytes / bw * 1e3
         results = []
+        orders = [False, True]
         blocks = [1024, 2048, 4096] if block_free else [None]
         warp_counts = [4, 8, 16]
         stores, caches = [defaults["rows_per_store"]], [defaults["permute_store_cache"]]
+        slots = [defaults["slots_per_step"]]
         if name == "permute rows":  # two more knobs: keep the grid small
             blocks, warp_counts, stores, caches = [1024, 2048], [4, 8], [1, 4, 8], ["", ".cs"]
-        knobs = itertools.product([False, True], warp_counts, blocks, stores, caches)
-        for token_major, warps, blk, per_store, cache in knobs:
-            KT.LAUNCH.update(token_major=token_major, warps=warps, rows_per_store=per_store, permute_store_cache=cache)
+        else:  # the summing kernels: slots per step; chunk-major order (token-major lost every time)
+            orders, blocks, warp_counts, slots = [False], blocks[:2], warp_counts[:2 if block_free else 3], [1, 2, 4, 8]
+        knobs = itertools.product(orders, warp_counts, blocks, stores, caches, slots)
+        for token_major, warps, blk, per_store, cache, per_step in knobs:
+            KT.LAUNCH.update(token_major=token_major, warps=warps, rows_per_store=per_store, permute_store_cache=cache,
+                             slots_per_step=per_step)
             try:
                 ms = graph_ms(make(blk))
             except Exception as exc:  # e.g. too many registers for a block/warps pair
-                print(f"# {name} {token_major} {warps} {blk} {per_store}: {type(exc).__name__}", file=sys.stderr)
+                print(f"# {name} {token_major} {warps} {blk} {per_store} {per_step}: {type(exc).__name__}",
+                      file=sys.stderr)
                 continue
-            results.append((ms / floor, ms, token_major, warps, blk, per_store, cache or "write-back"))
+            results.append((ms / floor, ms, token_major, warps, blk, per_store, cache or "write-back", per_step))
         KT.LAUNCH.update(defaults)
         default = graph_ms(make(None))
         results.sort()
         best = results[0]
         print(f"| {T},{E},{H},{K} | {name} | {default / floor:.3f}x | {best[0]:.3f}x | "
               f"{'token' if best[2] else 'chunk'}-major, {best[3]} warps, block {best[4] or 'default'}, "
-              f"{best[5]} rows per store, {best[6]} stores | " + ", ".join(f"{r[0]:.3f}" for r in results[:5]) + " |",
-              flush=True)
+              f"{best[5]} rows per store, {best[6]} stores, {best[7]} slots per step | "
+              + ", ".join(f"{r[0]:.3f} ({r[3]}w/{r[4] or '-'}/{r[7]}s)" for r in results[:5]) + " |", flush=True)
 
 
 def sweep_map(T: int, E: int, K: int) -> None:
@@ -111,7 +117,8 @@ def sweep_routes(T: int, E: int, H: int, K: int, bw: float) -> None:
         "unpermute bwd, per-token route": (
             (T * H + 2 * N * H) * b + 2 * T * E * 4,
             lambda: KT.unpermute_rows_backward(g_out, y, rmap.slots, probs, False, K),
-            {"unpermute_bwd_per_token": [True]}, itertools.product([None, 2, 4, 8, 16]), ("warps",)),
+            {"unpermute_bwd_per_token": [True]}, itertools.product([None, 4, 8, 16], [1, 2, 4, 8]),
+            ("warps", "slots_per_step")),
     }
     for name, (nbytes, fn, route, grid, keys) in routes.items():
         floor = nbytes / bw * 1e3

@@ -41,11 +41,16 @@ from .torch_twin import NUMERICS, block_h, max_slots_bound
 # "map_chunks", "map_block_t", "map_warps": make_slots' token chunks (about that many programs),
 # tokens per tile (None: 4096 / E rounded to a power of two, at most 128) and warps (None:
 # Triton's default). scripts/tune_ops.py sweeps them.
+# "slots_per_step": slots the summing kernels (unpermute and its backward, permute's backward) take
+# per unrolled step of their loop over a token's slots: the rows' loads of a step are issued
+# together, and the sums still run slot by slot in slot order (a slot past n_t leaves the sum as
+# it is), so no value changes.
 # An alternative route (same bits; scripts/bench_ops.py times it beside the default):
 # "unpermute_bwd_per_token": the unpermute backward as one program per token (_unpermute_bwd_token_kernel)
 # instead of one per (token, H-chunk) plus the probs-gradient launch.
 LAUNCH: dict = {"token_major": False, "warps": None, "rows_per_store": 8, "permute_store_cache": ".cs",
-                "map_chunks": 128, "map_block_t": None, "map_warps": None, "unpermute_bwd_per_token": False}
+                "map_chunks": 128, "map_block_t": None, "map_warps": None, "slots_per_step": 1,
+                "unpermute_bwd_per_token": False}
 
 
 def _num_warps(block: int) -> int:
@@ -348,21 +353,25 @@ def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
 def _permute_bwd_kernel(
     grad_ptr, slots_ptr, grad_probs_ptr, grad_tokens_ptr, grad_token_probs_ptr, status_ptr,
     T, H, E, N, stride_gn, stride_gh,
-    HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
+    HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr, SLOTS_PER_STEP: tl.constexpr,
 ):
     t, pid_h, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
     poisoned = _poisoned(status_ptr)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(0, n):
-        row = tl.load(slot_row + 1 + j).to(tl.int64)
-        acc += tl.load(grad_ptr + row * stride_gn + offs_h * stride_gh, mask=offs_h < _row_in(row, N, H),
-                       other=0.0).to(tl.float32)
-        if HAS_PROBS:
-            if pid_h == 0:
-                e = tl.load(slot_row + 1 + E + j)
-                ok = (row >= 0) & (row < N) & (e >= 0) & (e < E)
-                g = tl.load(grad_probs_ptr + row, mask=ok, other=0.0)
-                tl.store(grad_token_probs_ptr + t * E + e, tl.where(poisoned, float("nan"), g), mask=ok)
+    for j0 in range(0, n, SLOTS_PER_STEP):
+        for step in tl.static_range(SLOTS_PER_STEP):
+            j = j0 + step
+            live = j < n
+            row = tl.load(slot_row + 1 + j, mask=live, other=-1).to(tl.int64)
+            y = tl.load(grad_ptr + row * stride_gn + offs_h * stride_gh, mask=offs_h < _row_in(row, N, H),
+                        other=0.0).to(tl.float32)
+            acc = tl.where(live, acc + y, acc)
+            if HAS_PROBS:
+                if pid_h == 0:
+                    e = tl.load(slot_row + 1 + E + j, mask=live, other=-1)
+                    ok = (row >= 0) & (row < N) & (e >= 0) & (e < E)
+                    g = tl.load(grad_probs_ptr + row, mask=ok, other=0.0)
+                    tl.store(grad_token_probs_ptr + t * E + e, tl.where(poisoned, float("nan"), g), mask=ok)
     acc = tl.where(poisoned, float("nan"), acc)
     tl.store(grad_tokens_ptr + t * H + offs_h, acc.to(grad_tokens_ptr.dtype.element_ty), mask=mask_h)
 
@@ -386,7 +395,7 @@ def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: t
         grad, slots, gp, grad_tokens, grad_token_probs, guard.status(grad.device), T, H, E, N,
         grad.stride(0), grad.stride(1),
         HAS_PROBS=grad_probs is not None, BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"],
-        num_warps=_num_warps(bh), **_launch_opts())
+        SLOTS_PER_STEP=LAUNCH["slots_per_step"], num_warps=_num_warps(bh), **_launch_opts())
     return grad_tokens, grad_token_probs
 
 
@@ -398,7 +407,7 @@ def _unpermute_kernel(
     rows_ptr, slots_ptr, probs_ptr, out_ptr, status_ptr,
     T, H, E, N, stride_rn, stride_rh, stride_pt, stride_pe,
     HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
-    BLOCK_E: tl.constexpr, PROBS_WORD: tl.constexpr, FMA: tl.constexpr,
+    BLOCK_E: tl.constexpr, PROBS_WORD: tl.constexpr, FMA: tl.constexpr, SLOTS_PER_STEP: tl.constexpr,
 ):
     """Program (t, c): out[t, chunk c] (FMA: torch_twin.NUMERICS["unpermute_fma"]). With probs, the
     programs of chunk 0 also check token t's whole probs row and set the status word PROBS_WORD on
@@ -413,19 +422,24 @@ def _unpermute_kernel(
             nonfinite = tl.max(tl.where(tl.abs(row_p) < float("inf"), 0, 1), axis=0)
             flag = tl.arange(0, 1)
             tl.store(status_ptr + PROBS_WORD + flag, flag + 1, mask=(flag + nonfinite) > 0)
-    for j in range(0, n):
-        row = tl.load(slot_row + 1 + j).to(tl.int64)
-        y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=offs_h < _row_in(row, N, H),
-                    other=0.0).to(acc_ty)
-        if HAS_PROBS:
-            e = tl.load(slot_row + 1 + E + j)
-            p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=(e >= 0) & (e < E), other=0.0).to(acc_ty)
-            if FMA:
-                acc = tl.fma(tl.broadcast_to(p, (BLOCK_H,)), y, acc)
+    for j0 in range(0, n, SLOTS_PER_STEP):
+        for step in tl.static_range(SLOTS_PER_STEP):
+            j = j0 + step
+            live = j < n
+            row = tl.load(slot_row + 1 + j, mask=live, other=-1).to(tl.int64)
+            y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=offs_h < _row_in(row, N, H),
+                        other=0.0).to(acc_ty)
+            if HAS_PROBS:
+                e = tl.load(slot_row + 1 + E + j, mask=live, other=-1)
+                p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=(e >= 0) & (e < E),
+                            other=0.0).to(acc_ty)
+                if FMA:
+                    summed = tl.fma(tl.broadcast_to(p, (BLOCK_H,)), y, acc)
+                else:
+                    summed = acc + p * y
             else:
-                acc += p * y
-        else:
-            acc += y
+                summed = acc + y
+            acc = tl.where(live, summed, acc)
     # fp64 results go through fp32 as torch's own fp64 -> half conversion does (same on CPU and GPU).
     out = tl.where(_poisoned(status_ptr), float("nan"), acc.to(tl.float32))
     tl.store(out_ptr + t * H + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask_h)
@@ -452,7 +466,7 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
         BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], BLOCK_E=triton.next_power_of_2(E),
         PROBS_WORD=guard.PROBS_UNPERMUTE,
         FMA=probs is not None and probs.dtype == torch.float32 and NUMERICS["unpermute_fma"],
-        num_warps=LAUNCH["warps"] or 4, **_launch_opts())
+        SLOTS_PER_STEP=LAUNCH["slots_per_step"], num_warps=LAUNCH["warps"] or 4, **_launch_opts())
     if probs is not None and rows.device.type == "cpu":
         words = status.tolist()
         guard.fail(guard.problems([], 0, words, None, None))
@@ -464,6 +478,7 @@ def _unpermute_bwd_kernel(
     grad_ptr, rows_ptr, slots_ptr, probs_ptr, grad_rows_ptr, partial_ptr, status_ptr,
     T, H, E, N, max_slots, num_chunks, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
     HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
+    SLOTS_PER_STEP: tl.constexpr,
 ):
     """Program (t, c): rows' gradient g * p over H-chunk c, and the chunk's partial dot
     <y_row, g> per slot into partial[t, j, c] (summed in chunk order by _probs_grad_kernel);
@@ -478,21 +493,25 @@ def _unpermute_bwd_kernel(
     acc_ty = tl.float64 if ACC_FP64 else tl.float32
     g = tl.load(grad_ptr + t * stride_gt + offs_h * stride_gh, mask=mask_h, other=0.0)
     g = tl.where(poisoned, float("nan"), g.to(tl.float32)).to(g.dtype)
-    for j in range(0, n):
-        row = tl.load(slot_row + 1 + j).to(tl.int64)
-        mask_row = offs_h < _row_in(row, N, H)
-        if HAS_PROBS:
-            e = tl.load(slot_row + 1 + E + j)
-            p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=(e >= 0) & (e < E), other=0.0).to(acc_ty)
-            g_acc = g.to(acc_ty)
-            y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_row, other=0.0).to(acc_ty)
-            tl.store(grad_rows_ptr + row * H + offs_h, (g_acc * p).to(tl.float32).to(grad_rows_ptr.dtype.element_ty),
-                     mask=mask_row)
-            at = tl.arange(0, 1)
-            tl.store(partial_ptr + (t * max_slots + j) * num_chunks + c + at,
-                     tl.sum(y * g_acc, axis=0) + tl.zeros([1], acc_ty), mask=(at + j) < max_slots)
-        else:
-            tl.store(grad_rows_ptr + row * H + offs_h, g.to(grad_rows_ptr.dtype.element_ty), mask=mask_row)
+    for j0 in range(0, n, SLOTS_PER_STEP):
+        for step in tl.static_range(SLOTS_PER_STEP):
+            j = j0 + step
+            live = j < n
+            row = tl.load(slot_row + 1 + j, mask=live, other=-1).to(tl.int64)
+            mask_row = offs_h < _row_in(row, N, H)  # none for a slot past n_t (row -1)
+            if HAS_PROBS:
+                e = tl.load(slot_row + 1 + E + j, mask=live, other=-1)
+                p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=(e >= 0) & (e < E),
+                            other=0.0).to(acc_ty)
+                g_acc = g.to(acc_ty)
+                y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_row, other=0.0).to(acc_ty)
+                tl.store(grad_rows_ptr + row * H + offs_h,
+                         (g_acc * p).to(tl.float32).to(grad_rows_ptr.dtype.element_ty), mask=mask_row)
+                at = tl.arange(0, 1)
+                tl.store(partial_ptr + (t * max_slots + j) * num_chunks + c + at,
+                         tl.sum(y * g_acc, axis=0) + tl.zeros([1], acc_ty), mask=live & ((at + j) < max_slots))
+            else:
+                tl.store(grad_rows_ptr + row * H + offs_h, g.to(grad_rows_ptr.dtype.element_ty), mask=mask_row)
 
 
 @triton.jit
@@ -528,7 +547,7 @@ def _unpermute_bwd_token_kernel(
     grad_ptr, rows_ptr, slots_ptr, probs_ptr, grad_rows_ptr, grad_probs_ptr, status_ptr,
     T, H, E, N, max_slots, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
     HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    BLOCK_E: tl.constexpr, SLOTS_PER_STEP: tl.constexpr,
 ):
     """LAUNCH["unpermute_bwd_per_token"]: one program per token walks its H-chunks in order, so the
     per-slot dots stay in registers and the probs gradient is written here (no partial buffer, no
@@ -547,20 +566,24 @@ def _unpermute_bwd_token_kernel(
         mask_h = offs_h < H
         g = tl.load(grad_ptr + t * stride_gt + offs_h * stride_gh, mask=mask_h, other=0.0)
         g = tl.where(poisoned, float("nan"), g.to(tl.float32)).to(g.dtype)
-        for j in range(0, n):
-            row = tl.load(slot_row + 1 + j).to(tl.int64)
-            mask_row = offs_h < _row_in(row, N, H)
-            if HAS_PROBS:
-                e = tl.load(slot_row + 1 + E + j)
-                p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=(e >= 0) & (e < E),
-                            other=0.0).to(acc_ty)
-                g_acc = g.to(acc_ty)
-                y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_row, other=0.0).to(acc_ty)
-                tl.store(grad_rows_ptr + row * H + offs_h,
-                         (g_acc * p).to(tl.float32).to(grad_rows_ptr.dtype.element_ty), mask=mask_row)
-                dots = tl.where(offs_j == j, dots + tl.sum(y * g_acc, axis=0), dots)
-            else:
-                tl.store(grad_rows_ptr + row * H + offs_h, g.to(grad_rows_ptr.dtype.element_ty), mask=mask_row)
+        for j0 in range(0, n, SLOTS_PER_STEP):
+            for step in tl.static_range(SLOTS_PER_STEP):
+                j = j0 + step
+                live = j < n
+                row = tl.load(slot_row + 1 + j, mask=live, other=-1).to(tl.int64)
+                mask_row = offs_h < _row_in(row, N, H)
+                if HAS_PROBS:
+                    e = tl.load(slot_row + 1 + E + j, mask=live, other=-1)
+                    p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=(e >= 0) & (e < E),
+                                other=0.0).to(acc_ty)
+                    g_acc = g.to(acc_ty)
+                    y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_row,
+                                other=0.0).to(acc_ty)
+                    tl.store(grad_rows_ptr + row * H + offs_h,
+                             (g_acc * p).to(tl.float32).to(grad_rows_ptr.dtype.element_ty), mask=mask_row)
+                    dots = tl.where((offs_j == j) & live, dots + tl.sum(y * g_acc, axis=0), dots)
+                else:
+                    tl.store(grad_rows_ptr + row * H + offs_h, g.to(grad_rows_ptr.dtype.element_ty), mask=mask_row)
     if HAS_PROBS:
         e = tl.load(slot_row + 1 + E + offs_j, mask=offs_j < n, other=-1)
         bad = poisoned | (n > max_slots)
@@ -603,7 +626,7 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
             grad.stride(0), grad.stride(1), rows.stride(0), rows.stride(1), *p_strides,
             HAS_PROBS=probs is not None, ACC_FP64=acc_dtype == torch.float64, BLOCK_H=bh,
             BLOCK_J=triton.next_power_of_2(max_slots), BLOCK_E=min(256, triton.next_power_of_2(E)),
-            num_warps=_num_warps(bh), **_launch_opts())
+            SLOTS_PER_STEP=LAUNCH["slots_per_step"], num_warps=_num_warps(bh), **_launch_opts())
         return grad_rows, grad_probs
     partial = torch.empty((T, max_slots, num_chunks) if probs is not None else (0,), dtype=acc_dtype,
                           device=rows.device)
@@ -611,7 +634,8 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
         grad, rows, slots, p, grad_rows, partial, status, T, H, E, N, max_slots, num_chunks,
         grad.stride(0), grad.stride(1), rows.stride(0), rows.stride(1), *p_strides,
         HAS_PROBS=probs is not None, ACC_FP64=acc_dtype == torch.float64,
-        BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], num_warps=_num_warps(bh), **_launch_opts())
+        BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], SLOTS_PER_STEP=LAUNCH["slots_per_step"],
+        num_warps=_num_warps(bh), **_launch_opts())
     if probs is not None:
         _probs_grad_kernel[(T,)](partial, slots, grad_probs, status, E, max_slots, num_chunks,
                                  BLOCK_J=triton.next_power_of_2(max_slots),

@@ -150,16 +150,17 @@ def _ulp_close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool((diff <= 2 * half_ulp(torch.maximum(a.double().abs(), b.double().abs()), dtype)).all())
 
 
-@pytest.mark.parametrize("token_major,warps,rows_per_store,store_cache,map_tiling,per_token",
-                         [(True, 2, 1, "", (2, 4, 2), False),
-                          (False, 1, 2, ".wb", (64, 1, 1), True),
-                          (False, 4, 8, ".cs", (3, None, None), True)])
+@pytest.mark.parametrize("token_major,warps,rows_per_store,store_cache,map_tiling,slots_per_step,per_token",
+                         [(True, 2, 1, "", (2, 4, 2), 2, False),
+                          (False, 1, 2, ".wb", (64, 1, 1), 4, True),
+                          (False, 4, 8, ".cs", (3, None, None), 2, True),
+                          (False, None, 8, ".cs", (128, None, None), 3, False)])
 def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_per_store, store_cache, map_tiling,
-                                        per_token):
-    """The launch knobs (program order, warps, store cache hint, the map's chunking, the block
-    size of the kernels whose sums run per element, and the alternative route: the unpermute
-    backward per token) are free to tune: the interpreted kernels give the same bits with any of
-    them."""
+                                        slots_per_step, per_token):
+    """The launch knobs (program order, warps, store cache hint, the map's chunking, the slots per
+    unrolled step of the summing kernels, the block size of the kernels whose sums run per element,
+    and the alternative route: the unpermute backward per token) are free to tune: the interpreted
+    kernels give the same bits with any of them."""
     from moe_dispatch.ops import triton_kernels as K
 
     routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(23, 8, 3, 40, torch.float32,
@@ -173,6 +174,7 @@ def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_pe
         monkeypatch.setitem(K.LAUNCH, "permute_store_cache", store_cache)
         for key, value in zip(("map_chunks", "map_block_t", "map_warps"), map_tiling):
             monkeypatch.setitem(K.LAUNCH, key, value)  # 23 tokens: 2 chunks of 12, or 23 chunks of 1
+        monkeypatch.setitem(K.LAUNCH, "slots_per_step", slots_per_step)  # K=3: partial and whole steps
         monkeypatch.setitem(K.LAUNCH, "unpermute_bwd_per_token", per_token)
         tuned = _run(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs)
         slots, N = reference["row_id_map"].slots, reference["permuted"].shape[0]
@@ -518,7 +520,7 @@ def test_triton_interpreter_many_experts_per_token_and_several_h_chunks():
 @pytest.mark.parametrize("T,E,K,H", [(2048, 64, 6, 1000), (1000, 256, 8, 2100), (4096, 16, 4, 2048)])
 def test_cuda_alternative_routes_are_bitwise_equal(monkeypatch, T, E, K, H):
     """LAUNCH's alternative route on CUDA (the unpermute backward per token) gives the default
-    route's bits, with and without counts, whatever the map's chunking."""
+    route's bits, with and without counts, whatever the map's chunking and the slots per step."""
     from moe_dispatch.ops import triton_kernels as KT
 
     routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(T, E, K, H, torch.bfloat16, seed=8,
@@ -526,9 +528,10 @@ def test_cuda_alternative_routes_are_bitwise_equal(monkeypatch, T, E, K, H):
     args = [a.cuda() for a in (tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs)]
     counts = routing_map.sum(0).tolist()
     base = _run(*args, pad_multiple=8)
-    for chunks in (128, 7):
+    for chunks, slots_per_step, per_token in ((128, 4, True), (7, 3, True), (128, 1, False), (128, 8, False)):
         monkeypatch.setitem(KT.LAUNCH, "map_chunks", chunks)
-        monkeypatch.setitem(KT.LAUNCH, "unpermute_bwd_per_token", True)
+        monkeypatch.setitem(KT.LAUNCH, "slots_per_step", slots_per_step)
+        monkeypatch.setitem(KT.LAUNCH, "unpermute_bwd_per_token", per_token)
         for kw in ({}, {"tokens_per_expert": counts, "max_experts_per_token": K}):
             alt = _run(*args, pad_multiple=8, **kw)
             for key in ["slots", "permuted", "permuted_probs", "out", "grad_tokens", "grad_rows", "grad_probs"]:
