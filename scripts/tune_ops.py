@@ -59,12 +59,12 @@ def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> N
         blocks = [1024, 2048, 4096] if block_free else [None]
         warp_counts = [4, 8, 16]
         stores, caches = [defaults["rows_per_store"]], [defaults["permute_store_cache"]]
-        slots = [defaults["slots_per_step"]]
+        per_steps = [defaults["slots_per_step"]]
         if name == "permute rows":  # two more knobs: keep the grid small
             blocks, warp_counts, stores, caches = [1024, 2048], [4, 8], [1, 4, 8], ["", ".cs"]
         else:  # the summing kernels: slots per step; chunk-major order (token-major lost every time)
-            orders, blocks, warp_counts, slots = [False], blocks[:2], warp_counts[:2 if block_free else 3], [1, 2, 4, 8]
-        knobs = itertools.product(orders, warp_counts, blocks, stores, caches, slots)
+            orders, blocks, warp_counts, per_steps = [False], blocks[:2], warp_counts[:2 if block_free else 3], [1, 2, 4, 8]
+        knobs = itertools.product(orders, warp_counts, blocks, stores, caches, per_steps)
         for token_major, warps, blk, per_store, cache, per_step in knobs:
             KT.LAUNCH.update(token_major=token_major, warps=warps, rows_per_store=per_store, permute_store_cache=cache,
                              slots_per_step=per_step)
