@@ -46,7 +46,7 @@ def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> N
                         True),
         "unpermute bwd, probs grad": ((T * H + 2 * N * H) * b + 2 * T * E * 4,
                                       lambda blk: (lambda: KT.unpermute_rows_backward(g_out, y, slots, probs,
-                                                                                      False, K)),
+                                                                                      False, K, blk)),
                                       False),
     }
     defaults = dict(KT.LAUNCH)
@@ -62,8 +62,10 @@ def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> N
         per_steps = [defaults["slots_per_step"]]
         if name == "permute rows":  # two more knobs: keep the grid small
             blocks, warp_counts, stores, caches = [1024, 2048], [4, 8], [1, 4, 8], ["", ".cs"]
-        else:  # the summing kernels: slots per step; chunk-major order (token-major lost every time)
-            orders, blocks, warp_counts, per_steps = [False], blocks[:2], warp_counts[:2 if block_free else 3], [1, 2, 4, 8]
+        elif block_free:  # the summing kernels: slots per step; chunk-major order (token-major lost every time)
+            orders, blocks, warp_counts, per_steps = [False], [512, 1024, 2048], [4, 8], [1, 2, 4]
+        else:  # the unpermute backward: its block sets the probs gradient's chunks (its rounding)
+            orders, blocks, warp_counts, per_steps = [False], [None, 2048], [4, 8], [2, 4]
         knobs = itertools.product(orders, warp_counts, blocks, stores, caches, per_steps)
         for token_major, warps, blk, per_store, cache, per_step in knobs:
             KT.LAUNCH.update(token_major=token_major, warps=warps, rows_per_store=per_store, permute_store_cache=cache,
@@ -116,19 +118,20 @@ def sweep_routes(T: int, E: int, H: int, K: int, bw: float) -> None:
     routes = {
         "unpermute bwd, per-token route": (
             (T * H + 2 * N * H) * b + 2 * T * E * 4,
-            lambda: KT.unpermute_rows_backward(g_out, y, rmap.slots, probs, False, K),
-            {"unpermute_bwd_per_token": [True]}, itertools.product([None, 4, 8, 16], [1, 2, 4, 8]),
-            ("warps", "slots_per_step")),
+            lambda blk: (lambda: KT.unpermute_rows_backward(g_out, y, rmap.slots, probs, False, K, blk)),
+            {"unpermute_bwd_per_token": [True]}, itertools.product([None, 8], [2, 4], [None, 2048]),
+            ("warps", "slots_per_step", "block")),
     }
-    for name, (nbytes, fn, route, grid, keys) in routes.items():
+    for name, (nbytes, make, route, grid, keys) in routes.items():
         floor = nbytes / bw * 1e3
-        default = graph_ms(fn)
+        default = graph_ms(make(None))
         results = []
         for values in grid:
+            *knobs, blk = values
             KT.LAUNCH.update({k: v[0] for k, v in route.items()})
-            KT.LAUNCH.update(dict(zip(keys, values)))
+            KT.LAUNCH.update(dict(zip(keys, knobs)))
             try:
-                results.append((graph_ms(fn) / floor, values))
+                results.append((graph_ms(make(blk)) / floor, values))
             except Exception as exc:  # e.g. too many registers for a block/warps pair
                 print(f"# {name} {values}: {type(exc).__name__}", file=sys.stderr)
             KT.LAUNCH.update(defaults)
@@ -136,7 +139,7 @@ def sweep_routes(T: int, E: int, H: int, K: int, bw: float) -> None:
         best = results[0]
         print(f"| {T},{E},{H},{K} | {name} | {default / floor:.3f}x (default route) | {best[0]:.3f}x | "
               + ", ".join(f"{k} {v}" for k, v in zip(keys, best[1])) + " | "
-              + ", ".join(f"{r[0]:.3f}" for r in results[:5]) + " |", flush=True)
+              + ", ".join(f"{r[0]:.3f} {r[1]}" for r in results[:5]) + " |", flush=True)
 
 
 def main() -> None:

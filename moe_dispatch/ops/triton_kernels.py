@@ -598,10 +598,12 @@ def _unpermute_bwd_token_kernel(
 
 
 def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                            probs: torch.Tensor | None, zero_fill: bool,
-                            max_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+                            probs: torch.Tensor | None, zero_fill: bool, max_slots: int,
+                            block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher. grad [T, H], rows [N, H], probs [T, E] -> (grad_rows [N, H], grad_probs [T, E] or [0]).
-    max_slots bounds n_t (the most experts of any token)."""
+    max_slots bounds n_t (the most experts of any token). block: the H-chunk of the probs
+    gradient's partial sums (default block_h(H), the twin's); another block changes how the
+    probs gradient rounds (not the rows' gradient), so only scripts/tune_ops.py passes one."""
     T = slots.shape[0]
     E = (slots.shape[1] - 1) // 2
     N, H = rows.shape
@@ -614,7 +616,7 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
         grad_probs = torch.empty((T, E), dtype=probs.dtype, device=rows.device)
     if T == 0 or H == 0:
         return grad_rows, grad_probs.zero_()
-    bh = block_h(H)
+    bh = block or block_h(H)
     num_chunks = triton.cdiv(H, bh)
     max_slots = max_slots_bound(max_slots, E)
     acc_dtype = torch.float64 if probs is not None and probs.dtype == torch.float64 else torch.float32
