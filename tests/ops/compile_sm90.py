@@ -35,17 +35,17 @@ def variants():
     for has_probs in (True, False):
         yield K._permute_kernel, dict(HAS_PROBS=has_probs, BLOCK_H=1024, TOKEN_MAJOR=False, BLOCK_K=8,
                                       STORE_CM=".cs"), {}
-        yield K._permute_bwd_kernel, dict(HAS_PROBS=has_probs, BLOCK_H=1024, TOKEN_MAJOR=True), {}
+        yield K._permute_bwd_kernel, dict(HAS_PROBS=has_probs, BLOCK_H=1024, TOKEN_MAJOR=True, SLOTS_PER_STEP=4), {}
     for has_probs, fp64, fma in ((True, False, False), (True, False, True), (True, True, False), (False, False, False)):
         probs = {"probs_ptr": "*fp64", "partial_ptr": "*fp64", "grad_probs_ptr": "*fp64"} if fp64 else {}
         yield K._unpermute_kernel, dict(HAS_PROBS=has_probs, ACC_FP64=fp64, BLOCK_H=2048, TOKEN_MAJOR=False,
-                                        BLOCK_E=64, PROBS_WORD=2, FMA=fma), probs
+                                        BLOCK_E=64, PROBS_WORD=2, FMA=fma, SLOTS_PER_STEP=4), probs
         if fma:
             continue
         yield K._unpermute_bwd_kernel, dict(HAS_PROBS=has_probs, ACC_FP64=fp64, BLOCK_H=1024,
-                                            TOKEN_MAJOR=False), probs
+                                            TOKEN_MAJOR=False, SLOTS_PER_STEP=2), probs
         yield K._unpermute_bwd_token_kernel, dict(HAS_PROBS=has_probs, ACC_FP64=fp64, BLOCK_H=1024, BLOCK_J=8,
-                                                  BLOCK_E=64), probs
+                                                  BLOCK_E=64, SLOTS_PER_STEP=2), probs
     yield K._probs_grad_kernel, dict(BLOCK_J=8, BLOCK_E=64), {}
     yield K._gather_rows_kernel, dict(BLOCK_H=1024, TOKEN_MAJOR=False), {}
 
