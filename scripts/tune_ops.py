@@ -67,9 +67,10 @@ def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> N
         else:  # the unpermute backward: its block sets the probs gradient's chunks (its rounding)
             orders, blocks, warp_counts, per_steps = [False], [None, 2048], [4, 8], [2, 4]
         knobs = itertools.product(orders, warp_counts, blocks, stores, caches, per_steps)
+        slots_key = "unpermute_bwd_slots_per_step" if name.startswith("unpermute bwd") else "slots_per_step"
         for token_major, warps, blk, per_store, cache, per_step in knobs:
-            KT.LAUNCH.update(token_major=token_major, warps=warps, rows_per_store=per_store, permute_store_cache=cache,
-                             slots_per_step=per_step)
+            KT.LAUNCH.update(token_major=token_major, warps=warps, rows_per_store=per_store, permute_store_cache=cache)
+            KT.LAUNCH[slots_key] = per_step
             try:
                 ms = graph_ms(make(blk))
             except Exception as exc:  # e.g. too many registers for a block/warps pair
@@ -120,7 +121,7 @@ def sweep_routes(T: int, E: int, H: int, K: int, bw: float) -> None:
             (T * H + 2 * N * H) * b + 2 * T * E * 4,
             lambda blk: (lambda: KT.unpermute_rows_backward(g_out, y, rmap.slots, probs, False, K, blk)),
             {"unpermute_bwd_per_token": [True]}, itertools.product([None, 8], [2, 4], [None, 2048]),
-            ("warps", "slots_per_step", "block")),
+            ("warps", "unpermute_bwd_slots_per_step", "block")),
     }
     for name, (nbytes, make, route, grid, keys) in routes.items():
         floor = nbytes / bw * 1e3

@@ -41,16 +41,16 @@ from .torch_twin import NUMERICS, block_h, max_slots_bound
 # "map_chunks", "map_block_t", "map_warps": make_slots' token chunks (about that many programs),
 # tokens per tile (None: 4096 / E rounded to a power of two, at most 128) and warps (None:
 # Triton's default). scripts/tune_ops.py sweeps them.
-# "slots_per_step": slots the summing kernels (unpermute and its backward, permute's backward) take
-# per unrolled step of their loop over a token's slots: the rows' loads of a step are issued
-# together, and the sums still run slot by slot in slot order (a slot past n_t leaves the sum as
-# it is), so no value changes.
+# "slots_per_step" (unpermute, permute's backward) and "unpermute_bwd_slots_per_step" (the
+# unpermute backward, both routes): slots per unrolled step of the kernel's loop over a token's
+# slots. A step's row loads are issued together; the sums still run slot by slot in slot order (a
+# slot past n_t leaves them as they are), so no value changes.
 # An alternative route (same bits; scripts/bench_ops.py times it beside the default):
 # "unpermute_bwd_per_token": the unpermute backward as one program per token (_unpermute_bwd_token_kernel)
 # instead of one per (token, H-chunk) plus the probs-gradient launch.
 LAUNCH: dict = {"token_major": False, "warps": None, "rows_per_store": 8, "permute_store_cache": ".cs",
-                "map_chunks": 128, "map_block_t": None, "map_warps": None, "slots_per_step": 1,
-                "unpermute_bwd_per_token": False}
+                "map_chunks": 128, "map_block_t": None, "map_warps": None, "slots_per_step": 4,
+                "unpermute_bwd_slots_per_step": 2, "unpermute_bwd_per_token": False}
 
 
 def _num_warps(block: int) -> int:
@@ -628,7 +628,7 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
             grad.stride(0), grad.stride(1), rows.stride(0), rows.stride(1), *p_strides,
             HAS_PROBS=probs is not None, ACC_FP64=acc_dtype == torch.float64, BLOCK_H=bh,
             BLOCK_J=triton.next_power_of_2(max_slots), BLOCK_E=min(256, triton.next_power_of_2(E)),
-            SLOTS_PER_STEP=LAUNCH["slots_per_step"], num_warps=_num_warps(bh), **_launch_opts())
+            SLOTS_PER_STEP=LAUNCH["unpermute_bwd_slots_per_step"], num_warps=_num_warps(bh), **_launch_opts())
         return grad_rows, grad_probs
     partial = torch.empty((T, max_slots, num_chunks) if probs is not None else (0,), dtype=acc_dtype,
                           device=rows.device)
@@ -636,7 +636,7 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
         grad, rows, slots, p, grad_rows, partial, status, T, H, E, N, max_slots, num_chunks,
         grad.stride(0), grad.stride(1), rows.stride(0), rows.stride(1), *p_strides,
         HAS_PROBS=probs is not None, ACC_FP64=acc_dtype == torch.float64,
-        BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], SLOTS_PER_STEP=LAUNCH["slots_per_step"],
+        BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], SLOTS_PER_STEP=LAUNCH["unpermute_bwd_slots_per_step"],
         num_warps=_num_warps(bh), **_launch_opts())
     if probs is not None:
         _probs_grad_kernel[(T,)](partial, slots, grad_probs, status, E, max_slots, num_chunks,

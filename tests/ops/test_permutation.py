@@ -175,6 +175,7 @@ def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_pe
         for key, value in zip(("map_chunks", "map_block_t", "map_warps"), map_tiling):
             monkeypatch.setitem(K.LAUNCH, key, value)  # 23 tokens: 2 chunks of 12, or 23 chunks of 1
         monkeypatch.setitem(K.LAUNCH, "slots_per_step", slots_per_step)  # K=3: partial and whole steps
+        monkeypatch.setitem(K.LAUNCH, "unpermute_bwd_slots_per_step", 5 - slots_per_step)
         monkeypatch.setitem(K.LAUNCH, "unpermute_bwd_per_token", per_token)
         tuned = _run(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs)
         slots, N = reference["row_id_map"].slots, reference["permuted"].shape[0]
@@ -531,6 +532,7 @@ def test_cuda_alternative_routes_are_bitwise_equal(monkeypatch, T, E, K, H):
     for chunks, slots_per_step, per_token in ((128, 4, True), (7, 3, True), (128, 1, False), (128, 8, False)):
         monkeypatch.setitem(KT.LAUNCH, "map_chunks", chunks)
         monkeypatch.setitem(KT.LAUNCH, "slots_per_step", slots_per_step)
+        monkeypatch.setitem(KT.LAUNCH, "unpermute_bwd_slots_per_step", slots_per_step)
         monkeypatch.setitem(KT.LAUNCH, "unpermute_bwd_per_token", per_token)
         for kw in ({}, {"tokens_per_expert": counts, "max_experts_per_token": K}):
             alt = _run(*args, pad_multiple=8, **kw)
