@@ -5,9 +5,11 @@
 Knobs (none changes a value: tests/ops/test_permutation.py::test_launch_tuning_changes_no_value):
 program order (token-major or chunk-major), warps, rows per 2-D store and the cache hint of the
 row stores (write-back or streaming) in the permute kernel, the slots per unrolled step of the
-summing kernels, the H-block of the kernels whose sums run per element (the unpermute backward's block is fixed: it sets the probs-gradient chunking),
-and with --passes map, make_slots' chunks, tokens per tile and warps; with --passes routes, the
-alternative route of LAUNCH (the unpermute backward per token). Prints
+summing kernels, the H-block of the kernels whose sums run per element, and with --passes map,
+make_slots' chunks, tokens per tile and warps; with --passes routes, the alternative route of
+LAUNCH (the unpermute backward per token). One knob that does change a value is swept beside
+them: the unpermute backward's block, which sets the probs gradient's chunks (default
+block_h(H)). Prints
 CUDA-graph replay medians (do_bench_cudagraph, GPU time only) over each pass's byte floor, and the
 best setting per pass and shape. The defaults in moe_dispatch/ops/triton_kernels.py come from here.
 """
