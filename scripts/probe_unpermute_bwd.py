@@ -8,7 +8,8 @@ Every row is a CUDA-graph replay median (GPU time only) over the pass's floor: (
 read + N*H written) * 2 bytes + the probs and their gradient (T*E*4 each), at the copy bandwidth
 of torch's device-to-device copy measured in the same run.
 - "rows kernel alone": `_unpermute_bwd_kernel` (rows' gradient and the per-chunk dots);
-- "probs-gradient kernel alone": `_probs_grad_kernel` (sums the dots, writes dense [T, E] rows);
+- "probs-gradient kernel alone": `_probs_grad_kernel` (sums the dots, writes dense [T, E] rows), at
+  1, 2 and 4 warps (LAUNCH["probs_grad_warps"]);
 - "same traffic, no dots": a kernel that loads g and each routed row and stores g*p + y into the
   rows' gradient (the rows kernel's loads and stores, without the reductions and their stores);
 - "copy of the same bytes": torch's copy moving the pass's bytes (half read, half written).
@@ -59,7 +60,8 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}, triton {triton.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s, "
-          f"slots per step {KT.LAUNCH['unpermute_bwd_slots_per_step']}")
+          f"slots per step {KT.LAUNCH['unpermute_bwd_slots_per_step']}, "
+          f"probs-gradient warps {KT.LAUNCH['probs_grad_warps']}")
     print("| T,E,H,K | what | ms | / floor |")
     print("|---|---|---|---|")
     for T, E, H, K in shapes:
@@ -87,10 +89,10 @@ def main() -> None:
                 BLOCK_H=bh, TOKEN_MAJOR=False, SLOTS_PER_STEP=per_step, num_warps=KT._num_warps(bh),
                 enable_fp_fusion=False)
 
-        def probs_kernel():
+        def probs_kernel(warps):
             KT._probs_grad_kernel[(T,)](partial, slots, grad_probs, status, E, K, chunks,
-                                        BLOCK_J=triton.next_power_of_2(K),
-                                        BLOCK_E=min(256, triton.next_power_of_2(E)), enable_fp_fusion=False)
+                                        BLOCK_J=triton.next_power_of_2(K), BLOCK_E=min(256, triton.next_power_of_2(E)),
+                                        num_warps=warps, enable_fp_fusion=False)
 
         def same_traffic():
             _same_traffic_kernel[(T * chunks,)](g, y, slots, probs, grad_rows, H, E, BLOCK_H=bh,
@@ -99,8 +101,9 @@ def main() -> None:
         half = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
         half_dst = torch.empty_like(half)
         cases = [("shipped (both launches)", lambda: KT.unpermute_rows_backward(g, y, slots, probs, False, K)),
-                 ("rows kernel alone", rows_kernel), ("probs-gradient kernel alone", probs_kernel),
-                 ("same traffic, no dots", same_traffic), ("copy of the same bytes", lambda: half_dst.copy_(half))]
+                 ("rows kernel alone", rows_kernel)]
+        cases += [(f"probs-gradient kernel alone, {w} warps", lambda w=w: probs_kernel(w)) for w in (1, 2, 4)]
+        cases += [("same traffic, no dots", same_traffic), ("copy of the same bytes", lambda: half_dst.copy_(half))]
         for i, (name, fn) in enumerate(cases):
             ms = graph_ms(fn)
             print(f"| {f'{T},{E},{H},{K}' if i == 0 else ''} | {name} | {ms:.4f} | {ms / floor:.3f}x |", flush=True)

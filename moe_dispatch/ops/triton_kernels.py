@@ -45,12 +45,14 @@ from .torch_twin import NUMERICS, block_h, max_slots_bound
 # unpermute backward, both routes): slots per unrolled step of the kernel's loop over a token's
 # slots. A step's row loads are issued together; the sums still run slot by slot in slot order (a
 # slot past n_t leaves them as they are), so no value changes.
+# "probs_grad_warps": warps of the probs gradient's last kernel (_probs_grad_kernel; tiny per-token
+# work, so fewer warps let more tokens' programs run at once).
 # An alternative route (same bits; scripts/bench_ops.py times it beside the default):
 # "unpermute_bwd_per_token": the unpermute backward as one program per token (_unpermute_bwd_token_kernel)
 # instead of one per (token, H-chunk) plus the probs-gradient launch.
 LAUNCH: dict = {"token_major": False, "warps": None, "rows_per_store": 8, "permute_store_cache": ".cs",
                 "map_chunks": 128, "map_block_t": None, "map_warps": None, "slots_per_step": 4,
-                "unpermute_bwd_slots_per_step": 2, "unpermute_bwd_per_token": False}
+                "unpermute_bwd_slots_per_step": 2, "probs_grad_warps": 1, "unpermute_bwd_per_token": False}
 
 
 def _num_warps(block: int) -> int:
@@ -641,7 +643,8 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
     if probs is not None:
         _probs_grad_kernel[(T,)](partial, slots, grad_probs, status, E, max_slots, num_chunks,
                                  BLOCK_J=triton.next_power_of_2(max_slots),
-                                 BLOCK_E=min(256, triton.next_power_of_2(E)), **_launch_opts())
+                                 BLOCK_E=min(256, triton.next_power_of_2(E)), num_warps=LAUNCH["probs_grad_warps"],
+                                 **_launch_opts())
     return grad_rows, grad_probs
 
 

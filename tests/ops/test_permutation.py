@@ -521,7 +521,8 @@ def test_triton_interpreter_many_experts_per_token_and_several_h_chunks():
 @pytest.mark.parametrize("T,E,K,H", [(2048, 64, 6, 1000), (1000, 256, 8, 2100), (4096, 16, 4, 2048)])
 def test_cuda_alternative_routes_are_bitwise_equal(monkeypatch, T, E, K, H):
     """LAUNCH's alternative route on CUDA (the unpermute backward per token) gives the default
-    route's bits, with and without counts, whatever the map's chunking and the slots per step."""
+    route's bits, with and without counts, whatever the map's chunking, the slots per step and the
+    probs-gradient kernel's warps."""
     from moe_dispatch.ops import triton_kernels as KT
 
     routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(T, E, K, H, torch.bfloat16, seed=8,
@@ -529,7 +530,9 @@ def test_cuda_alternative_routes_are_bitwise_equal(monkeypatch, T, E, K, H):
     args = [a.cuda() for a in (tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs)]
     counts = routing_map.sum(0).tolist()
     base = _run(*args, pad_multiple=8)
-    for chunks, slots_per_step, per_token in ((128, 4, True), (7, 3, True), (128, 1, False), (128, 8, False)):
+    for chunks, slots_per_step, per_token, warps in ((128, 4, True, 1), (7, 3, True, 1), (128, 1, False, 4),
+                                                     (128, 8, False, 2)):
+        monkeypatch.setitem(KT.LAUNCH, "probs_grad_warps", warps)
         monkeypatch.setitem(KT.LAUNCH, "map_chunks", chunks)
         monkeypatch.setitem(KT.LAUNCH, "slots_per_step", slots_per_step)
         monkeypatch.setitem(KT.LAUNCH, "unpermute_bwd_slots_per_step", slots_per_step)
