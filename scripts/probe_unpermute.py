@@ -1,8 +1,9 @@
-"""Where the unpermute backward's time goes over its byte floor, by differences: the shipped pass
-(two launches), each of its launches alone, and the same traffic without the probability
-gradient's dot products.
+"""Where the unpermute passes' time goes over their byte floors, by differences. Backward: the
+shipped pass (two launches), each of its launches alone, and the same traffic without the
+probability gradient's dot products. Forward: the shipped pass with and without probs, and the
+permute backward (the same rows summed, no probs).
 
-Run on a CUDA machine:  python scripts/probe_unpermute_bwd.py [--shapes T,E,H,K ...]
+Run on a CUDA machine:  python scripts/probe_unpermute.py [--shapes T,E,H,K ...]
 
 Every row is a CUDA-graph replay median (GPU time only) over the pass's floor: (T*H read + N*H
 read + N*H written) * 2 bytes + the probs and their gradient (T*E*4 each), at the copy bandwidth
@@ -13,6 +14,7 @@ of torch's device-to-device copy measured in the same run.
 - "same traffic, no dots": a kernel that loads g and each routed row and stores g*p + y into the
   rows' gradient (the rows kernel's loads and stores, without the reductions and their stores);
 - "copy of the same bytes": torch's copy moving the pass's bytes (half read, half written).
+The forward's floor is (N*H read + T*H written) * 2 bytes + the probs (T*E*4).
 """
 from __future__ import annotations
 
@@ -107,6 +109,18 @@ def main() -> None:
         for i, (name, fn) in enumerate(cases):
             ms = graph_ms(fn)
             print(f"| {f'{T},{E},{H},{K}' if i == 0 else ''} | {name} | {ms:.4f} | {ms / floor:.3f}x |", flush=True)
+        fwd_bytes = (N * H + T * H) * 2 + T * E * 4
+        fwd_floor = fwd_bytes / bw * 1e3
+        half = torch.empty(fwd_bytes // 2, dtype=torch.uint8, device="cuda")
+        half_dst = torch.empty_like(half)
+        forward = [("forward, shipped (probs)", lambda: KT.unpermute_rows(y, slots, probs)),
+                   ("forward without probs", lambda: KT.unpermute_rows(y, slots, None)),
+                   ("permute backward (the same rows summed)",
+                    lambda: KT.permute_rows_backward(y, slots, None, torch.float32)),
+                   ("copy of the forward's bytes", lambda: half_dst.copy_(half))]
+        for name, fn in forward:
+            ms = graph_ms(fn)
+            print(f"| | {name} | {ms:.4f} | {ms / fwd_floor:.3f}x |", flush=True)
         half = half_dst = None  # free the buffers (the lambdas above already ran)
         torch.cuda.empty_cache()
 
