@@ -96,6 +96,14 @@ def _token_slots(slots_ptr, T, H, E, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.cons
 
 
 @triton.jit
+def _slot(slot_row, j, n):
+    """(live, row) of a token's slot j in the summing kernels' unrolled steps: live is j < n_t, and
+    the row (int64) is -1 past n_t, so every access through it is masked (_row_in)."""
+    live = j < n
+    return live, tl.load(slot_row + 1 + j, mask=live, other=-1).to(tl.int64)
+
+
+@triton.jit
 def _row_in(row, N, H):
     """The columns of a row to touch: H for a row in [0, N), else 0 (masks every load and store of
     a row outside the allocation, e.g. after host-supplied sizes that were too small)."""
@@ -363,8 +371,7 @@ def _permute_bwd_kernel(
     for j0 in range(0, n, SLOTS_PER_STEP):
         for step in tl.static_range(SLOTS_PER_STEP):
             j = j0 + step
-            live = j < n
-            row = tl.load(slot_row + 1 + j, mask=live, other=-1).to(tl.int64)
+            live, row = _slot(slot_row, j, n)
             y = tl.load(grad_ptr + row * stride_gn + offs_h * stride_gh, mask=offs_h < _row_in(row, N, H),
                         other=0.0).to(tl.float32)
             acc = tl.where(live, acc + y, acc)
@@ -427,8 +434,7 @@ def _unpermute_kernel(
     for j0 in range(0, n, SLOTS_PER_STEP):
         for step in tl.static_range(SLOTS_PER_STEP):
             j = j0 + step
-            live = j < n
-            row = tl.load(slot_row + 1 + j, mask=live, other=-1).to(tl.int64)
+            live, row = _slot(slot_row, j, n)
             y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=offs_h < _row_in(row, N, H),
                         other=0.0).to(acc_ty)
             if HAS_PROBS:
@@ -498,9 +504,8 @@ def _unpermute_bwd_kernel(
     for j0 in range(0, n, SLOTS_PER_STEP):
         for step in tl.static_range(SLOTS_PER_STEP):
             j = j0 + step
-            live = j < n
-            row = tl.load(slot_row + 1 + j, mask=live, other=-1).to(tl.int64)
-            mask_row = offs_h < _row_in(row, N, H)  # none for a slot past n_t (row -1)
+            live, row = _slot(slot_row, j, n)
+            mask_row = offs_h < _row_in(row, N, H)
             if HAS_PROBS:
                 e = tl.load(slot_row + 1 + E + j, mask=live, other=-1)
                 p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=(e >= 0) & (e < E),
@@ -571,8 +576,7 @@ def _unpermute_bwd_token_kernel(
         for j0 in range(0, n, SLOTS_PER_STEP):
             for step in tl.static_range(SLOTS_PER_STEP):
                 j = j0 + step
-                live = j < n
-                row = tl.load(slot_row + 1 + j, mask=live, other=-1).to(tl.int64)
+                live, row = _slot(slot_row, j, n)
                 mask_row = offs_h < _row_in(row, N, H)
                 if HAS_PROBS:
                     e = tl.load(slot_row + 1 + E + j, mask=live, other=-1)
