@@ -1,0 +1,206 @@
+"""The sync-free step's check words: the status rows of its exchanges, the call identity they
+carry, the messages of a bad step, and the latch that raises them (static.py runs the exchanges).
+
+Checks that need device data cannot raise without a host read. They become int32 words (``W_*``):
+probs finite, at most K experts per token, and the three capacities' needed sizes. The words
+travel in the exchanges' status rows: the dispatch carries the senders' words to every rank, the
+combine carries every expert rank's words (with what it received) to every owner, so after the
+combine every rank holds the same maximum of every rank's words. A bad step:
+- its outputs are NaN on every rank (CUDA: the ops' sticky status word, see ops/guard.py, so every
+  later kernel of ours writes NaN too; CPU: the combine's output is multiplied by NaN);
+- the ValueError (the same on every rank: same words) is raised by ``check_device_errors()`` and,
+  on CPU, by the next sync-free dispatch on the group (reading a CPU tensor costs no sync). On
+  CUDA the next dispatch does not read the words: that would be the per-step host sync this mode
+  removes, and a read that does not wait could find them ready on one rank and not on another
+  (raising at different calls, a hang). At EP 1 on CPU the dispatch raises at once.
+Call identity (``identity.CallId``, the dropless path's size exchange carries it): every exchange's
+status rows carry the sender's call (the dispatch's, or for the combine and both backward
+exchanges the handle's) as min/max-encoded words (``W_CALL``). A receiver sees every rank's (the
+chunks come from every rank), so calls that differ (layers called in another order, a skipped
+forward, micro-batches combined out of order) set the ``W_ORDER`` words: NaN and the same error
+everywhere, like any bad word. ``strict_call_order`` adds the host-side ``agreement.check_call``
+before each return exchange (a synchronisation per exchange; it raises before rows move). Unlike
+the size exchange, the mismatched step has run (deferred error), so the ranks' forward counts
+stay apart afterwards: rebuild the layers. Under CUDA-graph replay the calls are those of the
+capture (no Python runs): only the captured order is checked.
+Inputs whose shapes or dtypes differ from the first step's (EP > 1: the first step runs the
+dropless size exchange once, which validates every rank and fixes T) take part with zeros and
+set ``W_INPUT``, so no rank waits alone.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ..agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, RETURN_CHECKS
+from ..comm import ProcessGroup, group_key
+from ..identity import CallId, layer_name
+from ..ops import guard
+
+if TYPE_CHECKING:
+    from .static import StaticSizes
+
+# Check words (int32, combined across ranks by max). W_CALL: 4 words, the sender's call of one
+# exchange (_call_words); W_ORDER: which exchange found different calls (an _ORDER_WHAT key), then
+# the 4 call words of that exchange (max/min over the ranks).
+W_NONFINITE, W_MAX_K, W_SEND, W_RECV, W_RETURN, W_INPUT, W_CALL, W_ORDER = 0, 1, 2, 3, 4, 5, 6, 10
+NUM_WORDS = 16
+_CALL_RANGE = 1 << 30  # call words: v (max over ranks: the largest) and _CALL_RANGE - v (the smallest)
+# W_ORDER codes, larger for earlier exchanges of a step: the max names the first that found it.
+DISPATCH_CODE = 4
+_ORDER_WHAT = {DISPATCH_CODE: "dispatch", 3: RETURN_CHECKS[COMBINE_CALL], 2: RETURN_CHECKS[COMBINE_BACKWARD_CALL],
+               1: RETURN_CHECKS[DISPATCH_BACKWARD_CALL]}
+ORDER_CODE = {COMBINE_CALL: 3, COMBINE_BACKWARD_CALL: 2, DISPATCH_BACKWARD_CALL: 1}
+_STATUS_BYTES = NUM_WORDS * 4
+
+
+def status_rows(row_bytes: int) -> int:
+    """Rows that hold the status bytes in a buffer of ``row_bytes``-byte rows."""
+    return -(-_STATUS_BYTES // row_bytes)
+
+
+def _row_bytes(buf: torch.Tensor) -> int:
+    return buf.shape[1] * buf.element_size()
+
+
+def write_status(buf: torch.Tensor, chunks: int, chunk_rows: int, valid_rows: int, words: torch.Tensor) -> None:
+    """Write words (int32 [NUM_WORDS]) into the status rows (after ``valid_rows``) of each chunk."""
+    raw = buf.view(torch.uint8).view(chunks, chunk_rows, -1)[:, valid_rows:].reshape(chunks, -1)
+    raw[:, :_STATUS_BYTES].copy_(words.to(torch.int32).view(torch.uint8).expand(chunks, -1))
+
+
+def read_status(buf: torch.Tensor, chunks: int, chunk_rows: int, valid_rows: int) -> torch.Tensor:
+    """The max over the chunks of their status words: int32 [NUM_WORDS]."""
+    raw = buf.view(torch.uint8).view(chunks, chunk_rows, -1)[:, valid_rows:].reshape(chunks, -1)
+    return raw[:, :_STATUS_BYTES].contiguous().view(torch.int32).amax(0)
+
+
+# ---- call identity ------------------------------------------------------------------------------
+def set_call_words(words: torch.Tensor, call: CallId) -> None:
+    """Write ``call`` into words' W_CALL slots with scalar fills (kernels that take the value as an
+    argument: no host-to-device copy, capture-safe). ``words[i] = v`` would not be: a 0-dim
+    destination makes torch copy a CPU scalar tensor, a synchronising copy that capture refuses."""
+    for i, v in enumerate((call.layer + 1, call.step % _CALL_RANGE)):
+        words[W_CALL + 2 * i].fill_(v)
+        words[W_CALL + 2 * i + 1].fill_(_CALL_RANGE - v)
+
+
+def fold_call(words: torch.Tensor, what: int) -> torch.Tensor:
+    """Words received in an exchange (max over the senders) -> a copy whose W_ORDER words record
+    that the senders' calls differ (``what``: an _ORDER_WHAT key), and whose W_CALL slots are 0."""
+    c = words[W_CALL:W_CALL + 4].to(torch.int64)
+    differs = ((c[0] + c[1] > _CALL_RANGE) | (c[2] + c[3] > _CALL_RANGE)).to(torch.int32)
+    out = words.clone()
+    out[W_ORDER] = torch.maximum(out[W_ORDER], differs * what)
+    out[W_ORDER + 1:W_ORDER + 5] = torch.maximum(out[W_ORDER + 1:W_ORDER + 5], words[W_CALL:W_CALL + 4] * differs)
+    out[W_CALL:W_CALL + 4] = 0
+    return out
+
+
+def _order_message(words: list[int]) -> str:
+    what = _ORDER_WHAT[words[W_ORDER]]
+    lo_layer, hi_layer = _CALL_RANGE - words[W_ORDER + 2] - 1, words[W_ORDER + 1] - 1
+    lo_step, hi_step = _CALL_RANGE - words[W_ORDER + 4], words[W_ORDER + 3]
+    if lo_layer != hi_layer:
+        return (f"MoE layers called in a different order across the EP group: a sync-free {what} paired "
+                f"{layer_name(lo_layer)} with {layer_name(hi_layer)} (every rank must build its MoE layers on an EP "
+                f"group in the same order, which numbers them, and call them in the same order)")
+    return (f"{layer_name(hi_layer)} is at different forwards across the EP group: a sync-free {what} paired its "
+            f"forwards {lo_step} and {hi_step} (a rank skipped or repeated a forward, or combined or backpropagated "
+            f"micro-batches in another order)")
+
+
+# ---- errors -----------------------------------------------------------------------------------
+def bad_words(words: torch.Tensor, sizes: StaticSizes) -> torch.Tensor:
+    """A 0-dim bool on the device: the words record a problem (scalar compares: no copies). The
+    W_CALL slots are an exchange's raw calls: only their folded W_ORDER words count."""
+    w = words.to(torch.int64)
+    return ((w[W_NONFINITE] > 0) | (w[W_MAX_K] > sizes.topk) | (w[W_SEND] > sizes.send_capacity)
+            | (w[W_RECV] > sizes.recv_rows) | (w[W_RETURN] > sizes.return_capacity) | (w[W_INPUT] > 0)
+            | (w[W_ORDER] > 0))
+
+
+def messages(words: list[int], sizes: StaticSizes, deferred: bool = True) -> list[str]:
+    """The ValueError's parts for host words (the same on every rank: the same words)."""
+    T, K, P, f = sizes.T, sizes.topk, sizes.ep_size, sizes.factor
+    load = T * K
+    out = []
+    if words[W_ORDER]:  # the ranks were in different calls: name that first, it explains the rest
+        out.append(_order_message(words))
+    if words[W_INPUT]:
+        out.append(f"EP rank {words[W_INPUT] - 1} passed inputs whose shapes, dtypes or devices differ from the first "
+                   f"sync-free step's (T = {T} on every rank), or a wrong expert_output / routing_map to reuse")
+    if words[W_NONFINITE]:
+        out.append("probs contain NaN or inf (are the router's logits finite?)")
+    if words[W_MAX_K] > K:
+        out.append(f"a token is routed to {words[W_MAX_K]} experts, more than topk={K} (the sync-free dispatch sizes "
+                   f"its buffers for at most topk experts per token)")
+
+    def over(what: str, need: int, cap: int, formula: str, per: float) -> None:
+        out.append(f"static-capacity overflow (ep_capacity_factor={f}): {what} needed {need}, more than its capacity "
+                   f"{cap} = {formula}; an ep_capacity_factor of at least {need / per:.4g} fits this step")
+
+    if words[W_SEND] > sizes.send_capacity:
+        over("the tokens one EP rank sends to one EP rank", words[W_SEND], sizes.send_capacity,
+             "min(T, ceil(f * T * topk / P))", load / P)
+    if words[W_RECV] > sizes.recv_rows:
+        over("the (token, expert) rows one EP rank's experts receive", words[W_RECV], sizes.recv_rows,
+             "ceil(f * T * topk)", load)
+    if words[W_RETURN] > sizes.return_capacity:
+        over("the rows one EP rank's experts return to one EP rank", words[W_RETURN], sizes.return_capacity,
+             "ceil(f * T * topk / P)", load / P)
+    if out and deferred:
+        out[-1] += " (that step's outputs were NaN)"
+    return out
+
+
+def raise_words(words: list[int], sizes: StaticSizes, deferred: bool = True) -> None:
+    found = messages(words, sizes, deferred)
+    if found:
+        guard.fail(["invalid MoE dispatch input (sync-free): " + "; ".join(found)])
+
+
+# group -> [words buffer (device, int32 [NUM_WORDS], max of the steps' words), sizes]
+_LATCHED: dict = {}
+
+
+def latch_words(group: ProcessGroup, words: torch.Tensor, sizes: StaticSizes) -> None:
+    """Keep the step's words (max with earlier ones, in place: capture-safe) and poison on CUDA."""
+    entry = _LATCHED.get(group_key(group))
+    if entry is None or entry[0].device != words.device:
+        entry = _LATCHED[group_key(group)] = [torch.zeros(NUM_WORDS, dtype=torch.int32, device=words.device), sizes]
+    entry[0].copy_(torch.maximum(entry[0], words))
+    entry[1] = sizes
+    if words.is_cuda:  # every later kernel of ours writes NaN (ops/guard.py)
+        word = guard.status(words.device)[guard.STEP:guard.STEP + 1]
+        word.copy_(torch.maximum(word, bad_words(words, sizes).to(torch.int32).view(1)))
+
+
+def raise_latched(group: ProcessGroup) -> None:
+    """At a sync-free dispatch: raise an earlier step's problem on CPU (no sync there)."""
+    entry = _LATCHED.get(group_key(group))
+    if entry is not None and entry[0].device.type == "cpu":
+        raise_words(entry[0].tolist(), entry[1])
+
+
+def _pending_messages() -> list[str]:
+    found = []
+    for buf, sizes in list(_LATCHED.values()):
+        found += messages(buf.tolist(), sizes)
+    return ["invalid MoE dispatch input (sync-free): " + "; ".join(found)] if found else []
+
+
+def _clear() -> None:
+    for buf, _ in _LATCHED.values():
+        buf.zero_()
+
+
+guard.register_check(_pending_messages, _clear)
+
+
+def poison(out: torch.Tensor, words: Optional[torch.Tensor], sizes: "StaticSizes") -> torch.Tensor:
+    """CPU at EP > 1: NaN outputs (and gradients) for a bad step; CUDA poisons through the status."""
+    if words is None or out.is_cuda:
+        return out
+    return out * torch.where(bad_words(words, sizes), float("nan"), 1.0).to(out.dtype)
