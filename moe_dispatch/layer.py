@@ -20,7 +20,7 @@ from .config import MoEConfig
 from .dispatcher import build_dispatcher
 from .dispatcher.functional import host_tokens_per_expert
 from .experts import GroupedMLP, SequentialMLP, layer_seed
-from .parallel import check_ddp
+from .parallel import check_ddp, check_fsdp
 from .router import TopKRouter
 
 # Offsets the shared expert's seed from the routed experts' seeds.
@@ -94,9 +94,11 @@ class MoELayer(nn.Module):
         output, or none does: when any rank's hidden states or experts need gradients the output
         requires grad on every rank, so that a rank that needs none still runs the backward's
         exchanges the others wait in. Inside a DistributedDataParallel that owns the routed experts
-        across ranks holding different experts: a ValueError (`moe_dispatch.parallel.check_ddp`)."""
+        across ranks holding different experts, or with the routed experts sharded by FSDP2: a ValueError
+        (`moe_dispatch.parallel.check_ddp`, `check_fsdp`)."""
         device = self.experts.weight1.device
         check_ddp(self.experts)
+        check_fsdp(self.experts)
         # Once per layer, before anything else runs: a configuration that differs across ranks
         # would abort gloo in the size exchange (num_experts), or silently make a token's result
         # depend on its rank (the router's and experts' settings).

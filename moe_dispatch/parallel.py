@@ -13,18 +13,32 @@ parallel group, Megatron's ``expert_data_parallel_group``) reduce their gradient
 
 A `MoELayer` whose routed experts a DistributedDataParallel owns over ranks that hold different
 experts raises a ValueError at its first forward inside that wrapper (`check_ddp`).
+
+FSDP2 the same way: ``fully_shard(model, mesh=dp_mesh, ignored_params=set(p for _, p in
+expert_parameters(model)))``, then `allreduce_expert_grads` after backward. A `MoELayer` whose
+routed experts FSDP2 shards (with the rest of the model, or on their own over the expert-data-
+parallel ranks, whose sharded state dict could not name each shard's experts) raises a ValueError
+at its first forward, on every rank (`check_fsdp`), and its ``state_dict()`` another.
 """
 from __future__ import annotations
 
 import weakref
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .experts import LocalExperts
+
+# Gradients allreduce_expert_grads wrote, with their version then: the same tensor at the same
+# version at the next call means no backward touched it since (it would accumulate in place, or a
+# zero_grad would replace or zero it). Weak keys: nothing here keeps a gradient alive.
+_REDUCED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def expert_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
@@ -109,6 +123,57 @@ def check_ddp(experts: LocalExperts) -> None:
                 "expert_dp_group, dp_size=...) after each backward"
             )
     experts.__dict__["_ddp_checked"] = weakref.ref(ddp)
+
+
+def check_fsdp(experts: LocalExperts) -> None:
+    """ValueError if FSDP2 (``fully_shard``) manages ``experts``' weights at EP > 1. Local, no
+    collective: every rank of an FSDP mesh was wrapped alike, so every rank raises alike. Checked
+    at each forward until it passes, then again only when the weights are replaced (a new wrap)."""
+    if experts.ep_group is None or torch.compiler.is_compiling():  # a compiled graph: the eager calls check
+        return
+    checked = experts.__dict__.get("_fsdp_checked")
+    if checked is not None and checked() is experts.weight1:
+        return
+    mesh = _fsdp_mesh(experts)
+    if mesh is not None:
+        ranks = set(mesh.mesh.flatten().tolist())
+        mixed = len(ranks & set(dist.get_process_group_ranks(experts.ep_group))) > 1
+        why = (f"its all-gather over a mesh of {len(ranks)} ranks would mix different experts (ranks of one EP group "
+               "hold different experts)" if mixed else
+               f"sharding them over a mesh of {len(ranks)} ranks is not supported (the sharded state dict could not "
+               "name each shard's global experts)")
+        raise ValueError(
+            f"FSDP2 (fully_shard) shards the routed expert weights of an MoE layer at EP "
+            f"{dist.get_world_size(experts.ep_group)}: {why}. Leave them out: fully_shard(model, mesh=..., "
+            "ignored_params=set(p for _, p in moe_dispatch.parallel.expert_parameters(model))) (rebuild or reload "
+            "the model first: its experts were sharded away), then moe_dispatch.parallel.allreduce_expert_grads("
+            "model, expert_dp_group, dp_size=...) after each backward"
+        )
+    experts.__dict__["_fsdp_checked"] = weakref.ref(experts.weight1)
+
+
+def _fsdp_mesh(experts: LocalExperts) -> Optional[DeviceMesh]:
+    """The DeviceMesh over which FSDP2 shards ``experts.weight1``, or None."""
+    weight = experts.weight1
+    if isinstance(weight, DTensor):  # at rest between FSDP2 forwards: the sharded parameter
+        return weight.device_mesh
+    # Inside a forward FSDP2 has swapped in the all-gathered plain tensor; its state still names
+    # the module. torch exposes no public lookup; these internals exist in torch 2.11 to 2.13.
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    for state_ref in list(_module_state_mapping.values()):
+        state = state_ref()
+        if not isinstance(state, FSDPState):
+            continue
+        # torch >= 2.13: a list of groups (per-parameter meshes); 2.11: one group or None
+        groups = state.__dict__["_fsdp_param_groups"] if "_fsdp_param_groups" in state.__dict__ else \
+            [state._fsdp_param_group]
+        for group in groups:
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                if fsdp_param._module_info.module is experts:
+                    return fsdp_param.mesh_info.mesh
+    return None
 
 
 def _expert_layout(model: nn.Module, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""FSDP2 (``fully_shard``) around EP > 1 layers, EP 2 x DP 2 on 4 gloo ranks (one spawn).
+
+EP groups {0, 1}, {2, 3}; expert-data-parallel groups {0, 2}, {1, 3}. The supported route leaves
+the routed experts out (``ignored_params``; tests/test_parallel.py checks its gradients). FSDP2
+sharding the experts, over all 4 ranks (whose all-gather would mix different experts) or over the
+expert-data-parallel ranks, is the same ValueError on every rank at the first forward, before any
+dispatch collective; and ``state_dict()`` of such a model is a ValueError, never a DTensor inside a
+DTensor.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from moe_dispatch import MoEConfig, MoELayer
+from moe_dispatch.parallel import expert_parameters
+from tests.dispatcher.harness import run_ranks
+
+CONFIG = MoEConfig(hidden_size=8, num_experts=4, topk=2, ffn_hidden_size=16)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return "ran"
+
+
+def fsdp_worker(rank: int, world_size: int) -> dict:
+    ep = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))  # edp groups {0, 2}, {1, 3}
+    x = torch.randn(6, CONFIG.hidden_size, generator=torch.Generator().manual_seed(rank))
+    out: dict = {}
+
+    layer = MoELayer(CONFIG, ep, layer_index=0)  # the experts sharded over all 4 ranks
+    fully_shard(layer, mesh=init_device_mesh("cpu", (4,)))
+    out["state_dict"] = _error(layer.state_dict)
+    out["whole"] = _error(lambda: layer(x))
+    out["again"] = _error(lambda: layer(x))  # still refused: never a silent second step
+
+    layer = MoELayer(CONFIG, ep, layer_index=1)  # the experts sharded over the expert-DP ranks
+    fully_shard(layer.experts, mesh=mesh["edp"])
+    fully_shard(layer, mesh=init_device_mesh("cpu", (4,)))
+    out["edp"] = _error(lambda: layer(x))
+
+    # the supported route: the experts left out; its state dict holds the EP shards
+    layer = MoELayer(CONFIG, ep, layer_index=2)
+    reference = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    fully_shard(layer, mesh=init_device_mesh("cpu", (4,)), ignored_params={p for _, p in expert_parameters(layer)})
+    y = layer(x)
+    y.sum().backward()
+    state = layer.state_dict()
+    out["ignored"] = {
+        "y": y.detach(),
+        "w1": state["experts.weight1"].full_tensor(),
+        "w1_local": state["experts.weight1"].to_local(),
+        "own_w1": reference["experts.weight1"],
+        "router": state["router.weight"].full_tensor(),
+        "own_router": reference["router.weight"],
+        "ids": state["experts.expert_ids"].full_tensor(),
+        "is_dtensor": isinstance(state["router.weight"], DTensor),
+    }
+    return out
+
+
+def test_fsdp2_sharding_experts_refused_and_ignored_route():
+    results = run_ranks(fsdp_worker, 4, timeout=240)
+    full = MoELayer(CONFIG, layer_index=2)  # EP 1: every expert, the same seed
+    for rank, out in enumerate(results):
+        for key in ("whole", "again", "edp"):
+            assert out[key] == results[0][key], (rank, key)  # the same message on every rank
+            assert "fully_shard" in out[key] and "ignored_params" in out[key], (rank, key, out[key])
+            assert "expert_parameters" in out[key] and "allreduce_expert_grads" in out[key], (rank, key)
+        assert "different experts" in out["whole"], out["whole"]
+        assert "state_dict" in out["state_dict"] and "ignored_params" in out["state_dict"], out["state_dict"]
+        ours = out["ignored"]
+        assert ours["is_dtensor"]
+        assert torch.equal(ours["w1"], full.experts.weight1.detach())
+        assert torch.equal(ours["w1_local"], ours["own_w1"])
+        assert torch.equal(ours["router"], ours["own_router"])
+        assert ours["ids"].tolist() == [0, 1, 2, 3]
