@@ -102,3 +102,139 @@ def test_dcp_reshards_and_plain_state_dicts_check_identity(tmp_path):
         else:
             assert "expert_ids" in out["rank0 file"] and "[0, 1]" in out["rank0 file"] and \
                 "[2, 3]" in out["rank0 file"], (rank, out["rank0 file"])
+
+
+# ---- optimizer state: plain state dicts and torch.distributed.checkpoint.state_dict ------------------
+
+def _step_tokens(step: int) -> torch.Tensor:
+    # the same tokens on every rank: the EP groups are then replicas of one model, so every rank's
+    # checkpointed values (router replicated, experts sharded) are the state of one run
+    return torch.randn(6, CONFIG.hidden_size, generator=torch.Generator().manual_seed(500 + step))
+
+
+def _new_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> list:
+    losses = []
+    for step in steps:
+        optimizer.zero_grad()
+        loss = model(_step_tokens(step)).square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def _init_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A fresh optimizer has no state to load into (the plain route's rule): one step with zero
+    gradients and lr 0 creates it (what get_state_dict does)."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.param_groups[0]["lr"] = 0.0
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = lr
+    optimizer.zero_grad()
+
+
+def _expert_state(model: nn.Module, optimizer: torch.optim.Optimizer, group) -> dict:
+    """name -> {exp_avg, exp_avg_sq: [E, ...] of every expert (gathered over ``group``), step}."""
+    out = {}
+    for name, p in model.named_parameters():
+        if "experts.weight" not in name or "shared" in name:
+            continue
+        state = optimizer.state[p]
+        entry = {"step": state["step"].clone()}
+        for key in ("exp_avg", "exp_avg_sq"):
+            local = state[key]
+            size = dist.get_world_size(group) if group is not None else 1
+            full = local.new_empty((local.shape[0] * size, *local.shape[1:]))
+            dist.all_gather_into_tensor(full, local.contiguous(), group=group) if size > 1 else full.copy_(local)
+            entry[key] = full
+        out[name] = entry
+    return out
+
+
+def _state_matches(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> bool:
+    """Each local expert's AdamW state equals the saved state of the same global expert, bitwise."""
+    params = dict(model.named_parameters())
+    for name, entry in saved.items():
+        experts = model.get_submodule(name.rsplit(".", 1)[0])
+        ids = list(experts.global_expert_ids)
+        state = optimizer.state[params[name]]
+        if not torch.equal(state["step"], entry["step"]):
+            return False
+        for key in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(state[key], entry[key][ids]):
+                return False
+    return True
+
+
+def optimizer_worker(rank: int, world_size: int, root: str) -> dict:
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ep1 = [dist.new_group([r]) for r in range(4)][rank]
+    ep2 = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    groups = {1: ep1, 2: ep2, 4: dist.group.WORLD}
+    out: dict = {}
+
+    model = TwoLayers(CONFIG, groups[2])
+    optimizer = _new_optimizer(model)
+    _train(model, optimizer, range(2))
+    saved = _expert_state(model, optimizer, groups[2])
+    out["ranks differ"] = not torch.equal(optimizer.state[model.layers[0].experts.weight1]["exp_avg"],
+                                          saved["layers.0.experts.weight1"]["exp_avg"][[2, 3] if rank % 2 == 0
+                                                                                       else [0, 1]])
+    dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
+             checkpoint_id=os.path.join(root, "plain"))
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, "dsd"))
+        out["dsd save"] = "saved"
+    except (Exception, CheckpointException) as exc:  # reported per rank to the test
+        out["dsd save"] = f"{type(exc).__name__}: {exc}"
+    losses = _train(model, optimizer, range(2, 4))  # the uninterrupted run
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    for route in ("plain", "dsd") if out["dsd save"] == "saved" else ("plain",):
+        for ep in (2, 1, 4):
+            fresh = TwoLayers(CONFIG.replace(init_seed=20 + ep), groups[ep])
+            fresh_optimizer = _new_optimizer(fresh)
+            try:
+                if route == "plain":
+                    _init_state(fresh, fresh_optimizer)
+                    state = {"model": fresh.state_dict(), "optim": fresh_optimizer.state_dict()}
+                    dcp.load(state, checkpoint_id=os.path.join(root, route))
+                    fresh.load_state_dict(state["model"])
+                    fresh_optimizer.load_state_dict(state["optim"])
+                else:
+                    model_sd, optim_sd = get_state_dict(fresh, fresh_optimizer)
+                    state = {"model": model_sd, "optim": optim_sd}
+                    dcp.load(state, checkpoint_id=os.path.join(root, route))
+                    set_state_dict(fresh, fresh_optimizer, model_state_dict=state["model"],
+                                   optim_state_dict=state["optim"])
+            except (Exception, CheckpointException) as exc:  # reported per rank to the test
+                out[f"{route} ep{ep}"] = f"{type(exc).__name__}: {exc}"
+                continue
+            out[f"{route} ep{ep}"] = "state by id" if _state_matches(fresh, fresh_optimizer, saved) else "other state"
+            if ep == 2:  # the resumed run is the uninterrupted one
+                resumed = _train(fresh, fresh_optimizer, range(2, 4))
+                out[f"{route} resumed"] = all(torch.equal(a, b) for a, b in zip(resumed, losses)) and all(
+                    torch.equal(p, params[name]) for name, p in fresh.named_parameters())
+    return out
+
+
+def test_optimizer_state_follows_experts_through_dcp(tmp_path):
+    """Plain state dicts and get_state_dict/set_state_dict: saved at EP 2, each expert's AdamW
+    state loads by global id at EP 2, 1 and 4, and the resumed EP-2 run is bitwise the uninterrupted one."""
+    results = run_ranks(optimizer_worker, 4, str(tmp_path), timeout=300)
+    for rank, out in enumerate(results):
+        assert out["ranks differ"], rank
+        for route in ("plain", "dsd"):
+            assert route == "plain" or out["dsd save"] == "saved", (rank, out["dsd save"])
+            for ep in (2, 1, 4):
+                assert out[f"{route} ep{ep}"] == "state by id", (rank, route, ep, out[f"{route} ep{ep}"])
+            assert out[f"{route} resumed"] is True, (rank, route)

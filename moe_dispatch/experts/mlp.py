@@ -15,7 +15,12 @@ global ids), and ``load_state_dict`` takes each local expert's rows by id (a sta
 lacks one of them is a ValueError naming the ids, never a silent load of other experts). Given
 ``ep_group`` (EP size > 1), ``weight1``, ``weight2`` and ``expert_ids`` are DTensor shards
 (``Shard(0)`` over the EP group) of the global [E, ...] tensors, so torch.distributed.checkpoint
-saves each rank's experts as its own shard and loads them back at any EP size.
+saves each rank's experts as its own shard and loads them back at any EP size. An optimizer's
+state for the sharded weights is exposed the same way (`moe_dispatch.checkpoint`). ``expert_ids``
+is also an attribute (the FQN torch.distributed.checkpoint.state_dict resolves for that key).
+
+``copy.deepcopy`` (e.g. EMA weights): the copy holds the same experts of the same EP group; it
+shares the group (a ProcessGroup cannot be copied) and copies the weights.
 
 Row stability (default ``row_stable=True``): a row's output and its input gradient do not depend
 on how many rows its expert received, on where the row sits, or on the other experts' rows. It
@@ -31,11 +36,14 @@ the two are different kernels and may differ in the last bits; they agree within
 
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .activations import activate, scale_rows
 from .gemm import GemmStrategy, expert_gemm, select_gemm
@@ -91,10 +99,43 @@ class LocalExperts(nn.Module):
         self.weight1 = nn.Parameter(torch.empty(num_local_experts, self.hidden_size, fc1_out, **kw))
         self.weight2 = nn.Parameter(torch.empty(num_local_experts, self.ffn_hidden_size, self.hidden_size, **kw))
         self.reset_parameters()
+        _register_sharded(self)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "LocalExperts":
+        # The copy holds the same experts on the same group: share the group and its mesh.
+        for shared in (self.ep_group, self._ep_mesh):
+            if shared is not None:
+                memo[id(shared)] = shared
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        state = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_ddp_checked"}, memo)
+        new.__setstate__(state)
+        _register_sharded(new)
+        return new
 
     @property
     def global_expert_ids(self) -> range:
         return range(self.local_expert_offset, self.local_expert_offset + self.num_local_experts)
+
+    @property
+    def expert_ids(self) -> torch.Tensor:
+        """int64 [E_local]: the global ids of the local experts (the state dict's ``expert_ids``)."""
+        return torch.tensor(list(self.global_expert_ids), dtype=torch.int64, device=self.weight1.device)
+
+    def global_shard(self, local: torch.Tensor) -> Any:
+        """``local`` [E_local, ...] (a weight, or a tensor shaped like one: its optimizer state) ->
+        a DTensor ``Shard(0)`` over the EP group of the global [E, ...], row i the global expert i;
+        no copy (torch.distributed.checkpoint loads into ``local``). Only with ``ep_group``."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self.ep_group is None:
+            raise ValueError("global_shard: these experts are not sharded (no ep_group of more than one rank)")
+        if self._ep_mesh is None:
+            self._ep_mesh = DeviceMesh.from_group(self.ep_group, self.weight1.device.type)
+        shape = torch.Size((self.num_local_experts * self._ep_mesh.size(), *local.shape[1:]))
+        return DTensor.from_local(local, self._ep_mesh, [Shard(0)], run_check=False, shape=shape,
+                                  stride=_contiguous_stride(shape))
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -161,22 +202,13 @@ class LocalExperts(nn.Module):
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "expert_ids"] = torch.tensor(list(self.global_expert_ids), dtype=torch.int64,
-                                                          device=self.weight1.device)
+        destination[prefix + "expert_ids"] = self.expert_ids
         if self.ep_group is None:
             return
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import DTensor, Shard
-
-        if self._ep_mesh is None:
-            self._ep_mesh = DeviceMesh.from_group(self.ep_group, self.weight1.device.type)
-
+        _refuse_fsdp_sharded(self, prefix)
         for name in _SHARDED_KEYS:
-            local = destination[prefix + name]
-            shape = torch.Size((self.num_local_experts * self._ep_mesh.size(), *local.shape[1:]))
             # No copy: DCP loads straight into the parameters, as it does for torchtitan's DTensors.
-            destination[prefix + name] = DTensor.from_local(local, self._ep_mesh, [Shard(0)], run_check=False,
-                                                            shape=shape, stride=_contiguous_stride(shape))
+            destination[prefix + name] = self.global_shard(destination[prefix + name])
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any],
                               strict: bool, missing_keys: List[str], unexpected_keys: List[str],
@@ -211,6 +243,27 @@ class LocalExperts(nn.Module):
 _SHARDED_KEYS = ("weight1", "weight2", "expert_ids")
 
 
+# sharded expert weight -> weakref to its LocalExperts (`sharded_experts`); weak both ways
+_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _register_sharded(experts: LocalExperts) -> None:
+    if experts.ep_group is None:
+        return
+    for param in (experts.weight1, experts.weight2):
+        _SHARDED[param] = weakref.ref(experts)
+    from ..checkpoint import watch_optimizers
+
+    watch_optimizers()
+
+
+def sharded_experts(param: torch.Tensor) -> Optional[LocalExperts]:
+    """The expert module whose weight (sharded over an EP group of more than one rank) ``param`` is; else None."""
+    ref = _SHARDED.get(param)
+    experts = ref() if ref is not None else None
+    return experts if experts is not None and any(param is w for w in (experts.weight1, experts.weight2)) else None
+
+
 def _sharding_group(ep_group: Optional[dist.ProcessGroup], num_experts: int, num_local: int,
                     offset: int) -> Optional[dist.ProcessGroup]:
     """``ep_group`` if it shards the experts (more than one rank), checked against the layout."""
@@ -224,6 +277,20 @@ def _sharding_group(ep_group: Optional[dist.ProcessGroup], num_experts: int, num
             f"{num_local * size}"
         )
     return ep_group
+
+
+def _refuse_fsdp_sharded(experts: LocalExperts, prefix: str) -> None:
+    """ValueError if FSDP2 shards these EP-sharded weights (they are DTensors at rest): their shards
+    of shards have no global expert ids here (the forward refuses them too, `parallel.check_fsdp`)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(experts.weight1, DTensor):
+        raise ValueError(
+            f"state_dict(): {prefix}weight1 (routed experts at EP > 1) is sharded by FSDP2 (fully_shard), which "
+            "is not supported. Leave the routed experts out: fully_shard(model, mesh=..., ignored_params=set(p for "
+            "_, p in moe_dispatch.parallel.expert_parameters(model))); the state dict then holds them as DTensor "
+            "shards over the EP group"
+        )
 
 
 def _contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:

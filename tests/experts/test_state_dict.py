@@ -41,3 +41,17 @@ def test_missing_ids_strict_and_not():
         dst.load_state_dict(src)
     result = dst.load_state_dict(src, strict=False)
     assert result.missing_keys == ["expert_ids"] and torch.equal(dst.weight1, src["weight1"])
+
+
+def test_distributed_state_dict_api_round_trip():
+    """torch.distributed.checkpoint.state_dict resolves every state-dict key (expert_ids too) to
+    an attribute; its get/set round trip loads the experts by id."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    cfg = make_config("gelu", num_experts=8)
+    src = GroupedMLP(cfg, 4, local_expert_offset=4)
+    state = get_model_state_dict(src)
+    assert state["expert_ids"].tolist() == [4, 5, 6, 7] and torch.equal(src.expert_ids, state["expert_ids"])
+    dst = GroupedMLP(make_config("gelu", seed=5, num_experts=8), 4, local_expert_offset=4)
+    set_model_state_dict(dst, state)
+    assert torch.equal(dst.weight1, src.weight1) and torch.equal(dst.weight2, src.weight2)
