@@ -7,6 +7,11 @@ multiplies with one elementwise op and sums over K with `tree_sum`, a fixed pair
 elementwise adds. Every elementwise mul, add and cast is one correctly rounded IEEE operation on
 each element, whatever vectorisation or thread split torch picks, so ``out[i, j]`` is a function
 of row i of ``a``, column j of ``b`` and K only.
+
+Under torch.compile both entry points run eagerly (``torch.compiler.disable``): dynamo cannot
+trace an ``out=`` into a strided view (it broke the graph in every tree level and then compiled
+`_tree_level` once per level size, up to its recompile limit), and a compiler that fused the
+elementwise ops could contract a product and a sum into one FMA, changing the bits.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ def _tree_sum_inplace(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.squeeze(dim)
 
 
+@torch.compiler.disable
 def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Sum over ``dim`` by a fixed pairwise tree of elementwise adds (``dim`` removed).
 
@@ -51,6 +57,7 @@ def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return _tree_sum_inplace(_tree_level(x, dim, y), dim)
 
 
+@torch.compiler.disable
 def ordered_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a`` [M, K] @ ``b`` [K, N] -> [M, N] in their dtype, without a BLAS call.
 

@@ -69,7 +69,13 @@ def _phi64(x: torch.Tensor) -> torch.Tensor:
 
 def _round(y64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # float64 -> float32 -> dtype: two round-to-nearest-even casts, identical in SIMD and scalar code.
-    return y64.to(torch.float32).to(dtype)
+    return _cast(y64.to(torch.float32), dtype)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype, never t itself through a no-op ``.to``: torch 2.11's dynamo traces an
+    autograd.Function whose forward returns a tensor an op returned as itself with a zero gradient."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _silu64(x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +150,7 @@ class _ScaleRows(torch.autograd.Function):
     def forward(ctx, act: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(act, probs)
         ct = torch.promote_types(torch.promote_types(act.dtype, probs.dtype), torch.float32)
-        return (act.to(ct) * probs.to(ct).unsqueeze(-1)).to(act.dtype)
+        return _cast(act.to(ct) * probs.to(ct).unsqueeze(-1), act.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
