@@ -42,6 +42,16 @@ class _Dispatcher:
         self.layer_id = new_layer_id(ep_group)
         self.steps = StepCounter(self.layer_id)  # this layer's forwards (identity.CallId)
 
+    def __deepcopy__(self, memo: dict) -> "_Dispatcher":
+        """A copy (of a layer, e.g. for EMA weights) is a new layer on the same group, sharing the
+        group and its error latch (a ProcessGroup cannot be copied): it takes the next layer id, as
+        a dispatcher built now would (so every rank must copy in the same order), and agrees its
+        configuration at its first forward. The copy and the original are then different layers,
+        whose calls are never paired up for each other's."""
+        new = type(self)(self.config, self.ep_group)
+        memo[id(self)] = new
+        return new
+
     @property
     def agreed(self) -> bool:
         """True once the configuration is agreed with the group (always, for one process)."""

@@ -107,6 +107,9 @@ class DispatchHandle:
         expert_offsets: int32 [El] on the device, cumulative rows per local expert (the offsets
             torch._grouped_mm takes: no host-to-device copy of tokens_per_expert).
         static: the sync-free dispatch's part (its return route), None for the dropless path.
+
+    ``copy.copy`` and ``copy.deepcopy`` return the handle itself: it is immutable, its group
+    cannot be copied, and its probs carry the step's autograd graph, which a copy would cut.
     """
 
     plan: Plan | StaticPlan
@@ -117,6 +120,12 @@ class DispatchHandle:
     hidden_shape: torch.Size
     expert_offsets: torch.Tensor
     static: Optional[StaticStep] = None
+
+    def __copy__(self) -> "DispatchHandle":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "DispatchHandle":
+        return self
 
     @property
     def expert_counts(self) -> torch.Tensor:
