@@ -55,7 +55,7 @@ class MoELayer(nn.Module):
         # The dispatcher's one size exchange already rejects NaN/inf probabilities, on every rank
         # and with no extra synchronisation; the router's own check would add a host sync and
         # raise on one rank only, leaving the others waiting in the exchange.
-        self.router = TopKRouter(seeded, check_finite=False)
+        self.router = TopKRouter(seeded, check_finite=False, ep_group=group_key(ep_group))
         dispatch_config = config.dispatch_config()
         if group_size_rank(ep_group)[0] == 1 and not config.pad_to_capacity and config.pad_multiple == 1:
             # Our router routes a token to at most topk experts, so N = T * topk is known on the host:

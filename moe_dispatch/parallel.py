@@ -72,15 +72,25 @@ def allreduce_expert_grads(model: nn.Module, expert_dp_group: dist.ProcessGroup,
     gradient counts as zeros (every rank then holds one). Call it after backward, on every rank
     of ``expert_dp_group``.
 
-    Raises ValueError (on every rank of the group) if its ranks hold different experts."""
+    Raises ValueError (on every rank of the group, before reducing anything) if its ranks hold
+    different experts, or if a rank's expert gradients are all the ones an earlier call wrote, with
+    no backward since (a second call in one step would reduce and divide them twice)."""
     if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
         raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
     params = [p for _, p in expert_parameters(model)]
     if not params:
         return
     layout = _expert_layout(model, params[0].device)
+    reduced = all(p.grad is not None and _REDUCED.get(p.grad) == p.grad._version for p in params)
+    flags = torch.cat([layout, torch.tensor([int(reduced)], dtype=torch.int64, device=layout.device)])
     if dist.get_world_size(expert_dp_group) > 1:
-        _agree_layout(layout, expert_dp_group)
+        flags = _agree_layout(flags, expert_dp_group)
+    if bool(flags[2]):
+        raise ValueError(
+            "allreduce_expert_grads was called twice with no backward between: the expert gradients are already "
+            "summed over expert_dp_group and divided by dp_size (on at least one rank); call it once per step, "
+            "after the last backward"
+        )
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     if dist.get_world_size(expert_dp_group) > 1:
@@ -91,6 +101,7 @@ def allreduce_expert_grads(model: nn.Module, expert_dp_group: dist.ProcessGroup,
     for p, g in zip(params, grads):
         n = g.numel()
         p.grad = flat[offset:offset + n].view_as(p).clone()
+        _REDUCED[p.grad] = p.grad._version
         offset += n
 
 
@@ -186,11 +197,14 @@ def _expert_layout(model: nn.Module, device: torch.device) -> torch.Tensor:
     return torch.tensor([count, digest], dtype=torch.int64, device=device)
 
 
-def _agree_layout(layout: torch.Tensor, group: dist.ProcessGroup) -> None:
-    gathered = [torch.empty_like(layout) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, layout, group=group)
-    if any(not torch.equal(g, gathered[0]) for g in gathered):
+def _agree_layout(flags: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``flags`` int64 [3] (the layout, then whether this rank's gradients are reduced already)
+    -> the layout with the flag OR-ed over ``group``; ValueError if the layouts differ."""
+    gathered = torch.empty((dist.get_world_size(group), flags.numel()), dtype=flags.dtype, device=flags.device)
+    dist.all_gather_into_tensor(gathered.view(-1), flags, group=group)
+    if any(not torch.equal(g[:2], gathered[0, :2]) for g in gathered):
         raise ValueError(
             "expert_dp_group: its ranks hold different experts (or different models); it must hold the "
             "ranks with the same EP rank in each EP group (Megatron's expert_data_parallel_group)"
         )
+    return torch.cat([gathered[0, :2], gathered[:, 2].amax().reshape(1)])

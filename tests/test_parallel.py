@@ -47,6 +47,27 @@ def _grads(layer: MoELayer, ranks: list[int]) -> dict:
     return {"y": y.detach(), "dx": x.grad, **{n: p.grad.clone() for n, p in layer.named_parameters()}}
 
 
+def _error(fn) -> str:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return "ran"
+
+
+def _expert_bias_checks(rank: int, ep: dist.ProcessGroup, expert_dp: dist.ProcessGroup, out: dict) -> None:
+    """update_expert_bias at EP 2: the EP ranks count different tokens, so a group spanning the EP
+    group is required; with one, the bias is the same on every rank."""
+    layer = MoELayer(CONFIG.replace(score_function="sigmoid", enable_expert_bias=True), ep, layer_index=1)
+    layer(_batch(rank)[0])  # training forward: each rank counts its own tokens
+    router = layer.router
+    out["bias no group"] = _error(router.update_expert_bias)
+    out["bias counts no group"] = _error(lambda: router.update_expert_bias(torch.ones(CONFIG.num_experts)))
+    out["bias expert-dp group"] = _error(lambda: router.update_expert_bias(group=expert_dp))
+    out["bias world"] = _error(lambda: router.update_expert_bias(group=dist.group.WORLD))
+    out["bias"] = router.expert_bias.clone()
+
+
 def ddp_worker(rank: int, world_size: int) -> dict:
     single = [dist.new_group([r]) for r in range(4)][rank]
     ep = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
@@ -71,6 +92,12 @@ def ddp_worker(rank: int, world_size: int) -> dict:
     allreduce_expert_grads(layer, expert_dp, dp_size=4)
     out["ours"] = {"y": y.detach(), "dx": x.grad, **{n: p.grad.clone() for n, p in layer.named_parameters()}}
     out["experts"] = list(layer.experts.global_expert_ids)
+    out["twice"] = _error(lambda: allreduce_expert_grads(layer, expert_dp, dp_size=4))  # no backward since
+    out["after twice"] = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    y = ddp(_batch(rank)[0])
+    (y * u).sum().backward()  # a new backward accumulates into the reduced grads: reducing is right again
+    out["next step"] = _error(lambda: allreduce_expert_grads(layer, expert_dp, dp_size=4))
+    _expert_bias_checks(rank, ep, expert_dp, out)
     try:  # the EP group is not an expert-data-parallel group: its ranks hold different experts
         allreduce_expert_grads(layer, ep, dp_size=4)
         out["wrong group"] = "ran"
@@ -105,6 +132,17 @@ def test_ddp_and_fsdp2_with_expert_data_parallel_grads():
             (rank, out["unguarded"])
         assert out["ignored"] == ["experts.weight1", "experts.weight2"]
         assert "expert_dp_group" in out["wrong group"], (rank, out["wrong group"])
+        # a second call with no backward between: refused on every rank, the gradients left as they were
+        assert out["twice"] == results[0]["twice"] and "twice" in out["twice"], (rank, out["twice"])
+        assert "backward" in out["twice"], out["twice"]
+        for name, grad in out["ours"].items():
+            if name not in ("y", "dx"):
+                assert torch.equal(out["after twice"][name], grad), (rank, name)
+        assert out["next step"] == "ran", (rank, out["next step"])
+        for key in ("bias no group", "bias counts no group", "bias expert-dp group"):
+            assert out[key] == results[0][key] and "group" in out[key] and "EP" in out[key], (rank, key, out[key])
+        assert out["bias world"] == "ran", (rank, out["bias world"])
+        assert torch.equal(out["bias"], ref["bias"]) and out["bias"].abs().sum() > 0, rank
         rows, held = slice(T * rank, T * (rank + 1)), out["experts"]
         for wrapper in ("ours", "fsdp"):
             ours = out[wrapper]

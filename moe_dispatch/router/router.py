@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..agreement import agree_settings
+from ..comm import group_size_rank
 from ..config import MoEConfig
 from .capacity import apply_capacity
 from .gating import gating_linear
@@ -53,6 +54,8 @@ class TopKRouter(nn.Module):
             then route arbitrarily).
         device: where to put the weight; it is always generated on the CPU from
             ``config.init_seed + ROUTER_SEED_OFFSET``, so every rank builds the same one.
+        ep_group: the expert-parallel group whose ranks route their own tokens (MoELayer passes
+            its group). At more than one rank `update_expert_bias` needs a group spanning it.
 
     Attributes:
         weight: [E, H] gating weight in ``config.params_dtype``.
@@ -72,9 +75,13 @@ class TopKRouter(nn.Module):
         global_loss_group: Optional["torch.distributed.ProcessGroup"] = None,
         check_finite: bool = True,
         device: Optional[torch.device] = None,
+        ep_group: Optional["torch.distributed.ProcessGroup"] = None,
     ) -> None:
         super().__init__()
         self.config = config
+        # global ranks of the EP group (ints, not the group: a deepcopy must not pickle it); () at EP 1
+        ep_size = group_size_rank(ep_group)[0]
+        self.ep_ranks = tuple(torch.distributed.get_process_group_ranks(ep_group)) if ep_size > 1 else ()
         self.loss_group = loss_group
         self.global_loss_group = global_loss_group
         # the ranks of each loss group agree on the config before the first loss collective
@@ -262,10 +269,22 @@ class TopKRouter(nn.Module):
                 ``local_tokens_per_expert`` accumulated by training forwards.
             group: if given, counts are summed over it first, so every rank applies the same
                 update (pass the data-parallel group). Without it, the caller must pass counts
-                that are identical on every rank, or the ranks' biases diverge.
+                that are identical on every rank, or the ranks' biases diverge. At EP > 1
+                (``ep_ranks``) it is required and must contain the EP group: its ranks count
+                different tokens, and a token's routing must not depend on its rank (summing
+                counts that are already equal changes no sign, so the update is the same).
         """
         if self.expert_bias is None:
             raise ValueError("update_expert_bias needs config.enable_expert_bias=True")
+        if self.ep_ranks:  # local checks, alike on every EP rank: before the all-reduce
+            held = set(torch.distributed.get_process_group_ranks(group)) if group is not None else set()
+            if not held.issuperset(self.ep_ranks):
+                given = "no group" if group is None else f"a group of {len(held)} ranks without all of them"
+                raise ValueError(
+                    f"update_expert_bias at EP {len(self.ep_ranks)}: got {given}; expected a group containing every "
+                    "rank of the layer's EP group, whose ranks route different tokens (their biases would diverge). "
+                    "Pass group= the data-parallel group spanning the EP group (e.g. torch.distributed.group.WORLD)"
+                )
         use_local = tokens_per_expert is None
         counts = self.local_tokens_per_expert if use_local else tokens_per_expert
         if counts.shape != self.expert_bias.shape:
