@@ -67,6 +67,12 @@ CHECK_BAD = [
     (["--ep-sizes", "x"], "--ep-sizes", "comma-separated ints"),
     (["--ep-sizes", ""], "--ep-sizes", "comma-separated ints"),
     (["--ep-sizes", "2,2"], "--ep-sizes", "twice"),
+    # sizes this machine cannot hold: refused before any rank allocates (not an allocator error per rank)
+    (["--tokens", str(10**12)], "--tokens", "GiB per rank (the expert activations"),
+    (["--tokens", str(2**70)], "--tokens", "lower --tokens"),  # beyond int64: no overflow error either
+    (["--hidden", str(10**7)], "--hidden", "GiB per rank (the experts' weights"),
+    (["--experts", str(2**40)], "--experts", "GiB per rank (the experts' weights"),
+    (["--ranks", str(10**6)], "--ranks", "too little to start one"),
     # argparse's own type and choice errors
     (["--tokens", "many"], "--tokens", "invalid int value"),
     (["--dtype", "fp8"], "--dtype", "invalid choice"),
