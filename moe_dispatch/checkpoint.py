@@ -34,16 +34,33 @@ gradients and lr 0, as get_state_dict does), or use get_state_dict / set_state_d
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
-from .experts.mlp import sharded_experts
-
+# sharded expert weight -> weakref to its expert module (weak both ways: the module holds the weight)
+_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _HOOKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 _WATCHING = False
+
+
+def register_sharded(experts: Any, weights: Iterable[torch.Tensor]) -> None:
+    """Called by an expert module sharded over an EP group (`moe_dispatch.experts.LocalExperts`)
+    for its weights: their optimizer state is exposed through ``experts.global_shard``."""
+    for weight in weights:
+        _SHARDED[weight] = weakref.ref(experts)
+    watch_optimizers()
+
+
+def sharded_experts(param: torch.Tensor) -> Optional[Any]:
+    """The expert module whose sharded weight ``param`` is, else None."""
+    ref = _SHARDED.get(param)
+    experts = ref() if ref is not None else None
+    # the module may have been given new weights since
+    return experts if experts is not None and any(param is w for w in experts.parameters(recurse=False)) else None
 
 
 def shard_expert_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

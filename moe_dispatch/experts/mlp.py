@@ -37,14 +37,13 @@ the two are different kernels and may differ in the last bits; they agree within
 from __future__ import annotations
 
 import copy
-import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
+from ..checkpoint import register_sharded
 from .activations import activate, scale_rows
 from .gemm import GemmStrategy, expert_gemm, select_gemm
 from .init import WEIGHT1, WEIGHT2, init_expert_weights
@@ -99,7 +98,8 @@ class LocalExperts(nn.Module):
         self.weight1 = nn.Parameter(torch.empty(num_local_experts, self.hidden_size, fc1_out, **kw))
         self.weight2 = nn.Parameter(torch.empty(num_local_experts, self.ffn_hidden_size, self.hidden_size, **kw))
         self.reset_parameters()
-        _register_sharded(self)
+        if self.ep_group is not None:
+            register_sharded(self, (self.weight1, self.weight2))
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "LocalExperts":
         # The copy holds the same experts on the same group: share the group and its mesh.
@@ -110,7 +110,8 @@ class LocalExperts(nn.Module):
         memo[id(self)] = new
         state = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_ddp_checked"}, memo)
         new.__setstate__(state)
-        _register_sharded(new)
+        if new.ep_group is not None:
+            register_sharded(new, (new.weight1, new.weight2))
         return new
 
     @property
@@ -241,27 +242,6 @@ class LocalExperts(nn.Module):
 
 
 _SHARDED_KEYS = ("weight1", "weight2", "expert_ids")
-
-
-# sharded expert weight -> weakref to its LocalExperts (`sharded_experts`); weak both ways
-_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _register_sharded(experts: LocalExperts) -> None:
-    if experts.ep_group is None:
-        return
-    for param in (experts.weight1, experts.weight2):
-        _SHARDED[param] = weakref.ref(experts)
-    from ..checkpoint import watch_optimizers
-
-    watch_optimizers()
-
-
-def sharded_experts(param: torch.Tensor) -> Optional[LocalExperts]:
-    """The expert module whose weight (sharded over an EP group of more than one rank) ``param`` is; else None."""
-    ref = _SHARDED.get(param)
-    experts = ref() if ref is not None else None
-    return experts if experts is not None and any(param is w for w in (experts.weight1, experts.weight2)) else None
 
 
 def _sharding_group(ep_group: Optional[dist.ProcessGroup], num_experts: int, num_local: int,
