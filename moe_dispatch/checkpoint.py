@@ -34,33 +34,29 @@ gradients and lr 0, as get_state_dict does), or use get_state_dict / set_state_d
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
-# sharded expert weight -> weakref to its expert module (weak both ways: the module holds the weight)
-_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# expert modules sharded over an EP group; their weights are looked up when needed, so that weights
+# replaced since (``to_empty``, a conversion that makes new parameters) are found too
+_SHARDED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _HOOKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 _WATCHING = False
 
 
-def register_sharded(experts: Any, weights: Iterable[torch.Tensor]) -> None:
-    """Called by an expert module sharded over an EP group (`moe_dispatch.experts.LocalExperts`)
-    for its weights: their optimizer state is exposed through ``experts.global_shard``."""
-    for weight in weights:
-        _SHARDED[weight] = weakref.ref(experts)
+def register_sharded(experts: torch.nn.Module) -> None:
+    """Called by an expert module sharded over an EP group (`moe_dispatch.experts.LocalExperts`):
+    its weights' optimizer state is exposed through ``experts.global_shard``."""
+    _SHARDED.add(experts)
     watch_optimizers()
 
 
-def sharded_experts(param: torch.Tensor) -> Optional[Any]:
-    """The expert module whose sharded weight ``param`` is, else None."""
-    ref = _SHARDED.get(param)
-    experts = ref() if ref is not None else None
-    # the module may have been given new weights since
-    return experts if experts is not None and any(param is w for w in experts.parameters(recurse=False)) else None
+def _owners() -> Dict[int, Any]:
+    """id(weight) -> its sharded expert module, for every live one."""
+    return {id(p): experts for experts in list(_SHARDED) for p in experts.parameters(recurse=False)}
 
 
 def shard_expert_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -87,7 +83,8 @@ def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if optimizer in _HOOKED or _CHECKED.get(optimizer) == groups:
         return  # checked again only when param groups were added
     _CHECKED[optimizer] = groups
-    if any(sharded_experts(p) is not None for group in optimizer.param_groups for p in group["params"]):
+    owners = _owners()
+    if any(id(p) in owners for group in optimizer.param_groups for p in group["params"]):
         shard_expert_state(optimizer)
 
 
@@ -100,8 +97,9 @@ def _state_params(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) 
 
 def _expose_shards(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> Dict[str, Any]:
     state = state_dict["state"]  # a fresh dict; its values are the optimizer's own: replaced, never changed
+    owners = _owners()
     for key, param in _state_params(optimizer, state_dict):
-        experts = sharded_experts(param)
+        experts = owners.get(id(param))
         if experts is None or key not in state:
             continue
         state[key] = {name: experts.global_shard(value) if _shaped_like(value, param) else value
@@ -113,8 +111,9 @@ def _take_local_rows(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any
     from torch.distributed.tensor import DTensor
 
     state = dict(state_dict["state"])
+    owners = _owners()
     for key, param in _state_params(optimizer, state_dict):
-        if sharded_experts(param) is None or key not in state:
+        if id(param) not in owners or key not in state:
             continue
         state[key] = {name: value.to_local() if isinstance(value, DTensor) else value
                       for name, value in state[key].items()}

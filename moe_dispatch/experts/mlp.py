@@ -99,7 +99,7 @@ class LocalExperts(nn.Module):
         self.weight2 = nn.Parameter(torch.empty(num_local_experts, self.ffn_hidden_size, self.hidden_size, **kw))
         self.reset_parameters()
         if self.ep_group is not None:
-            register_sharded(self, (self.weight1, self.weight2))
+            register_sharded(self)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "LocalExperts":
         # The copy holds the same experts on the same group: share the group and its mesh.
@@ -111,7 +111,7 @@ class LocalExperts(nn.Module):
         state = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_ddp_checked"}, memo)
         new.__setstate__(state)
         if new.ep_group is not None:
-            register_sharded(new, (new.weight1, new.weight2))
+            register_sharded(new)
         return new
 
     @property
