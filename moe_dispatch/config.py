@@ -144,7 +144,19 @@ class DispatchConfig:
 
     def field_values(self) -> list[tuple[str, Any]]:
         """(name, value) of every field, in declaration order (the fingerprint compares them)."""
-        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        return _field_values(self)
+
+
+def _field_values(config: Any) -> list[tuple[str, Any]]:
+    """(name, value) of a config's fields; an int in a float field as that float: 1 and 1.0 are
+    one setting, so ranks that wrote either agree (and messages show the same value)."""
+    out = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.type in ("float", "Optional[float]") and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        out.append((f.name, value))
+    return out
 
 
 def as_dispatch_config(config: "MoEConfig | DispatchConfig", kind: Optional[str] = None) -> DispatchConfig:
@@ -303,7 +315,7 @@ class MoEConfig:
 
     def field_values(self) -> list[tuple[str, Any]]:
         """(name, value) of every field, in declaration order (the EP ranks agree on them)."""
-        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        return _field_values(self)
 
     def dispatch_config(self, kind: Optional[str] = None) -> "DispatchConfig":
         """The dispatcher's part of this config; ``kind`` overrides ``dispatcher``."""

@@ -28,6 +28,7 @@ tokens ascending (then capacity padding). At EP size 1 both are the same buffer 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -107,6 +108,8 @@ class DispatchHandle:
         expert_offsets: int32 [El] on the device, cumulative rows per local expert (the offsets
             torch._grouped_mm takes: no host-to-device copy of tokens_per_expert).
         static: the sync-free dispatch's part (its return route), None for the dropless path.
+        expert_rows: sync-free, from ``dispatch`` (host counts): the experts were given only the
+            rows of their blocks, sum(tokens_per_expert); the combine takes those (None: all N).
 
     ``copy.copy`` and ``copy.deepcopy`` return the handle itself: it is immutable, its group
     cannot be copied, and its probs carry the step's autograd graph, which a copy would cut.
@@ -120,6 +123,7 @@ class DispatchHandle:
     hidden_shape: torch.Size
     expert_offsets: torch.Tensor
     static: Optional[StaticStep] = None
+    expert_rows: Optional[int] = None
 
     def __copy__(self) -> "DispatchHandle":
         return self
@@ -141,6 +145,17 @@ class DispatchHandle:
     def input_replaced(self) -> bool:
         """Sync-free at EP > 1: this rank's inputs were bad and it took part with zeros (NaN results)."""
         return isinstance(self.plan, StaticPlan) and self.plan.replaced
+
+
+def with_host_counts(rows: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+    """dispatch's return from dispatch_rows': (rows, tokens_per_expert, handle). Sync-free, the
+    rows after the experts' blocks belong to no expert: the experts get rows [sum(tokens_per_expert),
+    H], whose counts sum to their rows as every expert implementation checks (``expert_rows``)."""
+    counts = host_tokens_per_expert(handle)
+    if handle.static is None:
+        return rows, counts, handle
+    n = int(counts.sum())
+    return rows[:n], counts, dataclasses.replace(handle, expert_rows=n)
 
 
 def host_tokens_per_expert(handle: DispatchHandle) -> torch.Tensor:
@@ -361,15 +376,15 @@ def _reuse_static(previous: DispatchHandle, hidden: Any, routing_map: Any, probs
     size exchange to skip), whose routing is compared with the handle's on the device; a
     difference sets the step's input word (NaN outputs, then the error; see static.py)."""
     plan = previous.plan
-    x, wire, new_plan = static.prepare(hidden, routing_map, probs, plan.config, plan.group, plan.latch, steps=None,
-                                       call=plan.call)
-    same_shape = new_plan.routing_map.shape == plan.routing_map.shape
-    differs = (new_plan.routing_map != plan.routing_map).any() if same_shape else torch.ones((), dtype=torch.bool)
+    x, wire, new_plan, recv = static.dispatch(hidden, routing_map, probs, plan.config, plan.group, plan.latch,
+                                              steps=None, call=plan.call)
+    old, new = plan.routing_map[:plan.num_real], new_plan.routing_map[:new_plan.num_real]  # without the padding
+    differs = (new != old).any() if new.shape == old.shape else torch.ones((), dtype=torch.bool)
     rank = new_plan.layout.rank
     new_plan.words[static.W_INPUT] = torch.maximum(new_plan.words[static.W_INPUT],
                                                    differs.to(new_plan.words.device, torch.int32) * (rank + 1))
     shape = x.shape if new_plan.replaced else hidden.shape
-    return finish(x, wire, send_tokens(x, wire, new_plan), new_plan, shape)
+    return finish(x, wire, recv, new_plan, shape)
 
 
 def device_of(hidden: Any) -> torch.device:
@@ -412,7 +427,7 @@ def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tenso
     """
     rows, new = dispatch_rows(hidden, routing_map, probs, config, ep_group, kind, handle, latch=latch, agreed=agreed,
                               steps=steps, experts_grad=experts_grad)
-    return rows, host_tokens_per_expert(new), new
+    return with_host_counts(rows, new)
 
 
 def dispatch_rows(hidden: Any, routing_map: torch.Tensor, probs: torch.Tensor, config: MoEConfig | DispatchConfig,
@@ -433,9 +448,12 @@ def dispatch_rows(hidden: Any, routing_map: torch.Tensor, probs: torch.Tensor, c
         agree_config(cfg, ep_group, device_of(hidden))
     latch = GROUP_LATCHES.of(ep_group) if latch is None else latch
     steps = functional_counter(ep_group) if steps is None else steps
+    if cfg.sync_free:  # its forward exchange can re-plan (static.dispatch)
+        x, wire, plan, recv = static.dispatch(hidden, routing_map, probs, cfg, ep_group, latch, steps=steps,
+                                              experts_grad=experts_grad)
+        return finish(x, wire, recv, plan, x.shape if plan.replaced else hidden.shape)  # replaced: zeros [T, H]
     x, wire, plan = prepare(hidden, routing_map, probs, cfg, ep_group, latch, steps=steps, experts_grad=experts_grad)
-    replaced = isinstance(plan, StaticPlan) and plan.replaced  # then zeros of the agreed [T, H]
-    return finish(x, wire, send_tokens(x, wire, plan), plan, x.shape if replaced else hidden.shape)
+    return finish(x, wire, send_tokens(x, wire, plan), plan, hidden.shape)
 
 
 def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Tensor:
@@ -445,14 +463,18 @@ def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Ten
     on every rank (no hang) and its outputs are NaN on the owners of the rows (no silent result)."""
     N, H = handle.expert_map.num_out_tokens, handle.plan.config.hidden_size
     dtype, device = handle.plan.hidden_dtype, handle.plan.routing_map.device
-    ok = (isinstance(expert_output, torch.Tensor) and expert_output.shape == (N, H)
+    given = N if handle.expert_rows is None else handle.expert_rows
+    ok = (isinstance(expert_output, torch.Tensor) and expert_output.shape == (given, H)
           and expert_output.dtype == dtype and expert_output.device == device)
+    if ok and given < N:  # the rows after the experts' blocks: never read (static.py)
+        return torch.cat([expert_output, expert_output.new_zeros(N - given, H)])
     if ok:
         return expert_output
     got = list(expert_output.shape) if isinstance(expert_output, torch.Tensor) else type(expert_output).__name__
     if handle.plan.layout.ep_size == 1:
-        raise ValueError(f"expert_output must be [N, H] = [{N}, {H}] {dtype} on {device} (N = sum(tokens_per_expert)), "
-                         f"got {got}" + (f" {expert_output.dtype}" if isinstance(expert_output, torch.Tensor) else ""))
+        raise ValueError(f"expert_output must be [N, H] = [{given}, {H}] {dtype} on {device} "
+                         f"(N = sum(tokens_per_expert)), got {got}"
+                         + (f" {expert_output.dtype}" if isinstance(expert_output, torch.Tensor) else ""))
     if handle.static is not None:  # travels in the return exchange's status rows
         route = handle.static.route
         route.words[static.W_INPUT] = torch.clamp(route.words[static.W_INPUT], min=handle.plan.layout.rank + 1)
@@ -488,8 +510,10 @@ def owner_sum(rows: torch.Tensor, handle: DispatchHandle, words: Optional[torch.
     """The owner's fixed-order weighted sum of its rows [M, H] -> hidden_states' shape (NaN for a
     bad sync-free step: ``words`` from return_with_words)."""
     weights = None if handle.plan.config.probs_in_experts else handle.probs  # None: the experts applied them
-    out = unpermute(rows, handle.owner_map, weights, restore_shape=handle.hidden_shape)
-    return static.poison(out, words, handle.plan.layout) if handle.static is not None else out
+    if handle.static is None:
+        return unpermute(rows, handle.owner_map, weights, restore_shape=handle.hidden_shape)
+    out = static.poison(unpermute(rows, handle.owner_map, weights), words, handle.plan.layout)
+    return out[:handle.plan.num_real].reshape(handle.hidden_shape)  # without the plan's padding rows
 
 
 def combine(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

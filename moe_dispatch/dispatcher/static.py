@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -45,13 +45,17 @@ from .static_words import (
     NUM_WORDS,
     ORDER_CODE,
     W_CALL,
+    W_GRAD_OFF,
+    W_GRAD_ON,
     W_INPUT,
     W_MAX_K,
     W_NONFINITE,
     W_RECV,
     W_RETURN,
     W_SEND,
+    W_TOKENS,
     fold_call,
+    grad_modes_differ,
     latch_words,
     poison,
     raise_latched,
@@ -110,8 +114,8 @@ class StaticSizes:
             recv = max(1, min(P * T * min(K, El), math.ceil(f * T * K)))
             ret = max(1, min(T * min(K, El), pair))
         return cls(ep_size=P, rank=rank, num_experts=cfg.num_experts, num_local_experts=El, topk=K,
-                   num_tokens=(T,) * P, factor=f, send_capacity=send, recv_rows=recv, return_capacity=ret,
-                   probs_grad=cfg.probs_in_experts)
+                   num_tokens=(T,) * P, factor=None if f is None else float(f),  # the same text on every rank
+                   send_capacity=send, recv_rows=recv, return_capacity=ret, probs_grad=cfg.probs_in_experts)
 
     @property
     def T(self) -> int:
@@ -147,6 +151,7 @@ class StaticPlan:
     counts: torch.Tensor
     words: torch.Tensor
     replaced: bool = False  # this rank's inputs were bad: it took part with zeros (see prepare)
+    num_real: int = 0  # this rank's own T (at EP > 1 fewer than the layout's T: padded, see prepare)
     route = None  # the static return route is made with the expert map (``StaticRoute``)
     tokens_per_expert = None  # read lazily (DispatchHandle.tokens_per_expert)
 
@@ -154,16 +159,20 @@ class StaticPlan:
 BAD_INPUT = object()  # hidden_states of a rank whose input was bad (it takes part with zeros)
 
 
+class _Agreed(NamedTuple):
+    """What the first sync-free step of a (group, config) fixed: the plan's T (the largest T of any
+    rank then) and this rank's dtypes and device."""
+
+    T: int
+    hidden_dtype: torch.dtype
+    probs_dtype: torch.dtype
+    device: torch.device
+
+
 def agreed_hidden(group: ProcessGroup, cfg: DispatchConfig) -> Optional[tuple[torch.Size, torch.dtype]]:
-    """(shape, dtype) of the first sync-free step's hidden_states at EP > 1, None before it."""
+    """(shape [T, H], dtype) of the plan's hidden_states at EP > 1, None before its first step."""
     agreed = _AGREED.get((group_key(group), fingerprint_hash(cfg)))
-    return None if agreed is None else (torch.Size(agreed[0][0]), agreed[0][1])
-
-
-def _describe(hidden: Any, routing_map: Any, probs: Any) -> tuple:
-    def d(x: Any) -> Any:
-        return (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else type(x)
-    return d(hidden), d(routing_map), d(probs)
+    return None if agreed is None else (torch.Size((agreed.T, cfg.hidden_size)), agreed.hidden_dtype)
 
 
 def _host_problems(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig) -> list[str]:
@@ -174,51 +183,89 @@ def _host_problems(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfi
     return _input_problems(fields, cfg)
 
 
+def _agree(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch,
+           call: CallId, experts_grad: Optional[bool]) -> _Agreed:
+    """The plan of (group, cfg). Its first step runs the dropless size exchange, which validates
+    every rank (raising alike on all) and tells every rank every T: the plan takes the largest
+    (an all-empty step plans nothing: the next step agrees again)."""
+    from .layout import exchange_sizes
+    key = (group_key(group), fingerprint_hash(cfg))
+    if key not in _AGREED:
+        layout = exchange_sizes(hidden, routing_map, probs, cfg, group, latch, call=call, experts_grad=experts_grad)
+        T = max(layout.num_tokens)
+        agreed = _Agreed(max(T, 1), hidden.dtype, probs.dtype, hidden.device)
+        if not T:
+            return agreed
+        _AGREED[key] = agreed
+    return _AGREED[key]
+
+
 def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
             latch: ErrorLatch, *, steps: Optional[StepCounter], experts_grad: Optional[bool] = None,
             call: Optional[CallId] = None) -> tuple[torch.Tensor, torch.Tensor, StaticPlan]:
     """Checks, then the step's plan; returns (hidden [T, H], probs in the wire dtype, plan).
-    No host read (except, at EP > 1, the first step's one size exchange per group). ``steps``:
-    the layer's forward counter (advanced here); ``call``: instead, a reused handle's call."""
+    No host read (except, at EP > 1, the plan's first step: one size exchange). ``steps``: the
+    layer's forward counter (advanced here); ``call``: instead, a reused handle's call. At EP > 1
+    fewer tokens than the plan's T are padded with rows that route nowhere (bitwise the same
+    results); more, or other dtypes, take part with zeros (``W_TOKENS``, ``W_INPUT``)."""
     P, rank = group_size_rank(group)
     raise_latched(group)
     if call is None:
         call = steps.call()
-    input_code = 0
+    input_code = grown = 0
     if P == 1:
         problems = _host_problems(hidden, routing_map, probs, cfg)
         if problems:
             raise ValueError("invalid MoE dispatch input: " + "; ".join(problems))
     else:
-        from .layout import exchange_sizes
-        key = (group_key(group), fingerprint_hash(cfg))
-        if key not in _AGREED:
-            # The first step: the dropless size exchange validates every rank (raising alike on all)
-            # and tells every rank every T.
-            layout = exchange_sizes(hidden, routing_map, probs, cfg, group, latch, call=call,
-                                    experts_grad=experts_grad)
-            if len(set(layout.num_tokens)) > 1:
-                raise ValueError(f"the static-capacity exchange (ep_capacity_factor) needs the same T on every EP "
-                                 f"rank, got T = {list(layout.num_tokens)} by rank")
-            _AGREED[key] = _describe(hidden, routing_map, probs)
-        agreed = _AGREED[key]
-        if _describe(hidden, routing_map, probs) != agreed:
-            # Take part with zeros of the agreed shapes: the collectives still match on every rank.
-            (h_shape, h_dtype, device), (m_shape, _, _), (p_shape, p_dtype, _) = agreed
-            hidden = torch.zeros(h_shape, dtype=h_dtype, device=device)
-            routing_map = torch.zeros(m_shape, dtype=torch.bool, device=device)
-            probs = torch.zeros(p_shape, dtype=p_dtype, device=device)
+        agreed = _agree(hidden, routing_map, probs, cfg, group, latch, call, experts_grad)
+        if _host_problems(hidden, routing_map, probs, cfg) or (hidden.dtype, probs.dtype, hidden.device) != (
+                agreed.hidden_dtype, agreed.probs_dtype, agreed.device):
             input_code = rank + 1
+        elif routing_map.shape[0] > agreed.T:
+            grown = routing_map.shape[0]
+        if input_code or grown:  # zeros of the plan's shapes: the collectives still match on every rank
+            E, device = cfg.num_experts, agreed.device
+            hidden = torch.zeros((agreed.T, cfg.hidden_size), dtype=agreed.hidden_dtype, device=device)
+            routing_map = torch.zeros((agreed.T, E), dtype=torch.bool, device=device)
+            probs = torch.zeros((agreed.T, E), dtype=agreed.probs_dtype, device=device)
     x = hidden.reshape(-1, hidden.shape[-1])
     wire = probs.to(cfg.wire_probs_dtype(probs.dtype))
-    plan = make_plan(cfg, group, latch, call, x, wire, routing_map, input_code)
+    real = x.shape[0]
+    if P > 1 and real < agreed.T:
+        pad = agreed.T - real
+        x, wire = torch.cat([x, x.new_zeros(pad, x.shape[1])]), torch.cat([wire, wire.new_zeros(pad, wire.shape[1])])
+        routing_map = torch.cat([routing_map, routing_map.new_zeros(pad, routing_map.shape[1])])
+    plan = make_plan(cfg, group, latch, call, x, wire, routing_map, input_code, grown)
     if steps is not None:
         steps.advance()
-    return x, wire, dataclasses.replace(plan, replaced=True) if input_code else plan
+    return x, wire, dataclasses.replace(plan, replaced=bool(input_code or grown), num_real=real)
+
+
+def dispatch(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
+             latch: ErrorLatch, *, steps: Optional[StepCounter], experts_grad: Optional[bool] = None,
+             call: Optional[CallId] = None) -> tuple[torch.Tensor, torch.Tensor, StaticPlan, Received]:
+    """prepare and the forward exchange: (x [T, H], wire probs, plan, received rows). On CPU the
+    received words are read (no sync): every rank reads the same, so every rank raises at once
+    when the grad modes differ (before a backward could wait for a rank that runs none), and
+    every rank re-plans (one size exchange) and sends again when a rank had more tokens."""
+    x, wire, plan = prepare(hidden, routing_map, probs, cfg, group, latch, steps=steps, experts_grad=experts_grad,
+                            call=call)
+    recv = send_tokens(x, wire, plan)
+    if plan.layout.ep_size > 1 and recv.words.device.type == "cpu":
+        words = recv.words.tolist()
+        if grad_modes_differ(words):
+            raise_words(words, plan.layout, deferred=False)
+        if words[W_TOKENS] > plan.layout.T:
+            del _AGREED[(group_key(group), fingerprint_hash(cfg))]
+            x, wire, plan = prepare(hidden, routing_map, probs, cfg, group, latch, steps=None,
+                                    experts_grad=experts_grad, call=plan.call)
+            recv = send_tokens(x, wire, plan)
+    return x, wire, plan, recv
 
 
 def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, call: CallId, x: torch.Tensor,
-              wire: torch.Tensor, routing_map: torch.Tensor, input_code: int = 0) -> StaticPlan:
+              wire: torch.Tensor, routing_map: torch.Tensor, input_code: int = 0, grown: int = 0) -> StaticPlan:
     P, rank = group_size_rank(group)
     T, E = routing_map.shape
     sizes = StaticSizes.build(cfg, P, rank, T)
@@ -232,6 +279,8 @@ def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, call:
     owner_map = None
     if P > 1:
         set_call_words(words, call)
+        words[W_TOKENS].fill_(grown)
+        words[W_GRAD_ON if torch.is_grad_enabled() else W_GRAD_OFF].fill_(rank + 1)
         El = sizes.num_local_experts
         if cfg.kind == "alltoall":
             words[W_SEND] = routing_map.reshape(T, P, El).any(-1).sum(0).max().to(torch.int32)

@@ -23,9 +23,11 @@ before each return exchange (a synchronisation per exchange; it raises before ro
 the size exchange, the mismatched step has run (deferred error), so the ranks' forward counts
 stay apart afterwards: rebuild the layers. Under CUDA-graph replay the calls are those of the
 capture (no Python runs): only the captured order is checked.
-Inputs whose shapes or dtypes differ from the first step's (EP > 1: the first step runs the
-dropless size exchange once, which validates every rank and fixes T) take part with zeros and
-set ``W_INPUT``, so no rank waits alone.
+Inputs whose dtypes or devices differ from the first step's (EP > 1: the first step runs the
+dropless size exchange once, which validates every rank and fixes the plan's T) take part with
+zeros and set ``W_INPUT``, so no rank waits alone. A rank with more tokens than the plan's T sets
+``W_TOKENS`` (static.dispatch re-plans on CPU); one whose grad mode differs from another's sets
+``W_GRAD_ON`` / ``W_GRAD_OFF`` (on CPU every rank raises at once, before a backward could wait).
 """
 from __future__ import annotations
 
@@ -43,9 +45,11 @@ if TYPE_CHECKING:
 
 # Check words (int32, combined across ranks by max). W_CALL: 4 words, the sender's call of one
 # exchange (_call_words); W_ORDER: which exchange found different calls (an _ORDER_WHAT key), then
-# the 4 call words of that exchange (max/min over the ranks).
+# the 4 call words of that exchange (max/min over the ranks). W_TOKENS: T of a rank over the plan's;
+# W_GRAD_ON / W_GRAD_OFF: 1 + the rank of a sender with grad mode on / off (both set: they differ).
 W_NONFINITE, W_MAX_K, W_SEND, W_RECV, W_RETURN, W_INPUT, W_CALL, W_ORDER = 0, 1, 2, 3, 4, 5, 6, 10
-NUM_WORDS = 16
+W_TOKENS, W_GRAD_ON, W_GRAD_OFF = 15, 16, 17
+NUM_WORDS = 18
 _CALL_RANGE = 1 << 30  # call words: v (max over ranks: the largest) and _CALL_RANGE - v (the smallest)
 # W_ORDER codes, larger for earlier exchanges of a step: the max names the first that found it.
 DISPATCH_CODE = 4
@@ -118,7 +122,11 @@ def bad_words(words: torch.Tensor, sizes: StaticSizes) -> torch.Tensor:
     w = words.to(torch.int64)
     return ((w[W_NONFINITE] > 0) | (w[W_MAX_K] > sizes.topk) | (w[W_SEND] > sizes.send_capacity)
             | (w[W_RECV] > sizes.recv_rows) | (w[W_RETURN] > sizes.return_capacity) | (w[W_INPUT] > 0)
-            | (w[W_ORDER] > 0))
+            | (w[W_ORDER] > 0) | (w[W_TOKENS] > sizes.T) | ((w[W_GRAD_ON] > 0) & (w[W_GRAD_OFF] > 0)))
+
+
+def grad_modes_differ(words: list[int]) -> bool:
+    return words[W_GRAD_ON] > 0 and words[W_GRAD_OFF] > 0
 
 
 def messages(words: list[int], sizes: StaticSizes, deferred: bool = True) -> list[str]:
@@ -128,9 +136,19 @@ def messages(words: list[int], sizes: StaticSizes, deferred: bool = True) -> lis
     out = []
     if words[W_ORDER]:  # the ranks were in different calls: name that first, it explains the rest
         out.append(_order_message(words))
+    if grad_modes_differ(words):
+        out.append(f"torch.is_grad_enabled() differs across the EP group: EP rank {words[W_GRAD_OFF] - 1} ran the step "
+                   f"under torch.no_grad() (or inference_mode), EP rank {words[W_GRAD_ON] - 1} with grad (every rank "
+                   f"must run the layer in the same grad mode: a rank under no_grad would skip the backward "
+                   f"exchanges the others wait in)")
     if words[W_INPUT]:
-        out.append(f"EP rank {words[W_INPUT] - 1} passed inputs whose shapes, dtypes or devices differ from the first "
-                   f"sync-free step's (T = {T} on every rank), or a wrong expert_output / routing_map to reuse")
+        out.append(f"EP rank {words[W_INPUT] - 1} passed inputs whose dtypes, devices or shapes differ from the first "
+                   f"sync-free step's (planned for up to T = {T} tokens per rank), or a wrong expert_output / "
+                   f"routing_map to reuse")
+    if words[W_TOKENS] > T:
+        out.append(f"an EP rank passed T = {words[W_TOKENS]} tokens, more than the T = {T} the sync-free exchange was "
+                   f"planned for (the largest T of its first step on this EP group and configuration); on CUDA the "
+                   f"plan is not re-made without a host read: run the largest batch first")
     if words[W_NONFINITE]:
         out.append("probs contain NaN or inf (are the router's logits finite?)")
     if words[W_MAX_K] > K:

@@ -92,12 +92,13 @@ def overflow_cuda_worker(rank: int, world_size: int) -> dict:
 
 
 def bad_input_worker(rank: int, world_size: int) -> dict:
-    """After the first step, rank 1 passes a wrong T: no hang; NaN everywhere; the next dispatch
-    raises the same ValueError on every rank naming rank 1."""
+    """After the first step, rank 1 passes a wrong hidden size: no hang; NaN everywhere; the next
+    dispatch raises the same ValueError on every rank naming rank 1. (Another T is no bad input:
+    test_static_steps.py.)"""
     layer = MoELayer(_config("alltoall", ep_capacity_factor=2.0), layer_index=0)
     x = torch.randn(6, 16)
     _step(layer, x, torch.ones(6, 16))
-    bad = torch.randn(5, 16) if rank == 1 else x
+    bad = torch.randn(6, 12) if rank == 1 else x
     out = layer(bad)
     out.sum().backward()
     try:
