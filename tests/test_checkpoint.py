@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from moe_dispatch import MoEConfig, MoELayer
+from moe_dispatch.checkpoint import shard_expert_state
 from tests.dispatcher.harness import run_ranks
 
 CONFIG = MoEConfig(hidden_size=8, num_experts=4, topk=2, ffn_hidden_size=16, activation="swiglu")
@@ -188,6 +189,14 @@ def optimizer_worker(rank: int, world_size: int, root: str) -> dict:
     out["ranks differ"] = not torch.equal(optimizer.state[model.layers[0].experts.weight1]["exp_avg"],
                                           saved["layers.0.experts.weight1"]["exp_avg"][[2, 3] if rank % 2 == 0
                                                                                        else [0, 1]])
+    exposed = optimizer.state_dict()
+    out["exposed"] = [(type(v).__name__, tuple(v.shape)) for v in exposed["state"][1].values() if v.dim() > 0]
+    # an optimizer that has not stepped takes the shards back when given shard_expert_state
+    twin = TwoLayers(CONFIG, groups[2])
+    copied = shard_expert_state(_new_optimizer(twin))
+    copied.load_state_dict(exposed)
+    mine, theirs = copied.state[twin.layers[0].experts.weight1], optimizer.state[model.layers[0].experts.weight1]
+    out["copied state"] = all(type(mine[k]) is torch.Tensor and torch.equal(mine[k], theirs[k]) for k in theirs)
     dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
              checkpoint_id=os.path.join(root, "plain"))
     try:
@@ -233,6 +242,9 @@ def test_optimizer_state_follows_experts_through_dcp(tmp_path):
     results = run_ranks(optimizer_worker, 4, str(tmp_path), timeout=300)
     for rank, out in enumerate(results):
         assert out["ranks differ"], rank
+        # parameter 1 is layers.0.experts.weight1 [2, 8, 32] here: its exp_avg(_sq) are shards of [4, 8, 32]
+        assert out["exposed"] == [("DTensor", (4, 8, 32))] * 2, (rank, out["exposed"])
+        assert out["copied state"] is True, rank
         for route in ("plain", "dsd"):
             assert route == "plain" or out["dsd save"] == "saved", (rank, out["dsd save"])
             for ep in (2, 1, 4):
