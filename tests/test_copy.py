@@ -34,8 +34,10 @@ def copy_worker(rank: int, world_size: int) -> dict:
     out: dict = {}
     layer = MoELayer(CONFIG, dist.group.WORLD, layer_index=0)
     reference = layer(x)
+    layer.state_dict()  # builds the experts' DeviceMesh (checkpoints), which a copy shares too
     ema = copy.deepcopy(layer)
     out["shares group"] = ema.experts.ep_group is layer.experts.ep_group and \
+        ema.experts._ep_mesh is layer.experts._ep_mesh and layer.experts._ep_mesh is not None and \
         ema.dispatcher.ep_group is layer.dispatcher.ep_group and ema.dispatcher.latch is layer.dispatcher.latch
     out["own weights"] = ema.experts.weight1 is not layer.experts.weight1 and \
         ema.experts.weight1.data_ptr() != layer.experts.weight1.data_ptr() and \
