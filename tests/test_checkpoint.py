@@ -150,9 +150,8 @@ def _expert_state(model: nn.Module, optimizer: torch.optim.Optimizer, group) -> 
         entry = {"step": state["step"].clone()}
         for key in ("exp_avg", "exp_avg_sq"):
             local = state[key]
-            size = dist.get_world_size(group) if group is not None else 1
-            full = local.new_empty((local.shape[0] * size, *local.shape[1:]))
-            dist.all_gather_into_tensor(full, local.contiguous(), group=group) if size > 1 else full.copy_(local)
+            full = local.new_empty((local.shape[0] * dist.get_world_size(group), *local.shape[1:]))
+            dist.all_gather_into_tensor(full, local.contiguous(), group=group)
             entry[key] = full
         out[name] = entry
     return out
