@@ -16,10 +16,13 @@ the library and the CPU or GPU model (BENCHMARKS.md "Row stability of GEMMs"). S
   pairwise tree, no BLAS call: a row's logits are a function of that row and the weight only,
   whatever kernels the CPU's library would pick.
 
-Backward (deterministic run to run; batch invariance is a forward promise): on CPU both
-gradients go through `ordered_mm` too (``grad_hidden`` row-stable; ``grad_weight`` a fixed tree
-over the T tokens). On CUDA each is one cuBLAS GEMM (an fp32 FMA kernel in Triton was slower than
-cuBLAS there, and the gradients need not be row-stable).
+Backward. The input gradient ``grad_logits [T, E] @ weight [E, H]`` is row-stable by the same
+construction as the forward: `row_stable_mm` with ``weight.t()`` as the right operand (strides, no
+copy): on CUDA the Triton kernel (tiles fixed by the dtypes and H, never by T), on CPU
+`ordered_mm`; a token's input gradient depends on its own logits' gradient row and the weight
+only. The weight gradient ``grad_logits.T @ hidden`` is a sum over the batch's tokens, so it
+depends on the batch by nature: deterministic for a given batch (on CPU a fixed tree over the T
+tokens by `ordered_mm`, on CUDA one cuBLAS GEMM).
 """
 
 from __future__ import annotations
@@ -87,11 +90,14 @@ class _GatingLinear(torch.autograd.Function):
         hidden, weight = ctx.saved_tensors
         grad = grad.to(ctx.dtype)
         grad_hidden = grad_weight = None
-        mm = torch.mm if grad.is_cuda else ordered_mm
         if ctx.needs_input_grad[0]:
-            grad_hidden = mm(grad, weight.to(ctx.dtype)).to(hidden.dtype)
+            # [T, E] @ [E, H]: weight.t() is the [N, K] = [H, E] right operand row_stable_mm takes.
+            # Cast first (as the kernel would, [E, H] only): the kernel's strided loads of a bf16
+            # weight converted to fp32 in registers ran 6x slower on H200.
+            grad_hidden = row_stable_mm(grad, weight.to(ctx.dtype).t(), ctx.dtype).to(hidden.dtype)
         if ctx.needs_input_grad[1]:
             # A reduction over tokens: deterministic for a fixed T, batch-dependent by nature.
+            mm = torch.mm if grad.is_cuda else ordered_mm
             grad_weight = mm(grad.t(), hidden.to(ctx.dtype)).to(weight.dtype)
         return grad_hidden, grad_weight, None
 

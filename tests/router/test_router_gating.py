@@ -158,3 +158,71 @@ def test_gpu_rows_bitwise_independent_of_batch(in_dtype, dtype, w_dtype, e):
     wg.grad = None
     gating_linear(xg, wg, dtype).backward(gout)
     assert torch.equal(xg.grad, gx) and torch.equal(wg.grad, gw)
+
+
+_BACKWARD_INTERPRETER_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from moe_dispatch.router._triton_gemm import triton_row_stable_mm
+    g = torch.Generator().manual_seed(0)
+    # The CUDA input gradient: grad_logits [T, E] @ weight [E, H], weight.t() as the right
+    # operand; T, E, H not multiples of any tile. (grad dtype, weight dtype, router dtype, tol)
+    # Prefixes only: the interpreter's dot is numpy's matmul, whose rows may depend on their
+    # place in the tile; and no half operands, which the interpreter's dot gets wrong (the GPU
+    # test checks both).
+    for gd, wd, dtype, tol in [(torch.float32, torch.float32, torch.float32, 1e-5),
+                               (torch.float32, torch.bfloat16, torch.float32, 1e-5),
+                               (torch.float64, torch.float32, torch.float64, 1e-12)]:
+        grad = torch.randn(70, 6, generator=g).to(gd)
+        w = torch.randn(6, 40, generator=g).to(wd)
+        full = triton_row_stable_mm(grad, w.t(), dtype)
+        ref = grad.double() @ w.to(dtype).double()
+        torch.testing.assert_close(full.double(), ref, rtol=tol, atol=tol)
+        for t in (1, 2, 3, 33, 64, 65, 69):
+            assert torch.equal(triton_row_stable_mm(grad[:t], w.t(), dtype), full[:t]), (dtype, t)
+    print("OK")
+    """
+)
+
+
+def test_triton_input_grad_kernel_row_stable_under_interpreter():
+    """The CUDA router input gradient's kernel (the forward's, with weight.t() as the right
+    operand), run by Triton's CPU interpreter: correct, and each row independent of the others."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", _BACKWARD_INTERPRETER_SCRIPT], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("e", [128, 256])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w-fp32", "w-bf16"])
+@pytest.mark.parametrize("in_dtype,dtype", CASES, ids=IDS)
+def test_gpu_input_grad_rows_bitwise_independent_of_batch(in_dtype, dtype, w_dtype, e):
+    """The router's input gradient on CUDA is row-stable by construction: under FakeBlas (which
+    makes any BLAS product's rows depend on the row count) a token's input gradient is bitwise
+    the same at every batch size 1..4096 and position, and no BLAS product is taken."""
+    x, w = data(in_dtype, t=4096, device="cuda", h=1024, e=e)
+    w = w.to(w_dtype)  # not a leaf that requires grad: only the input gradient is computed
+    gout = torch.randn(4096, e, generator=torch.Generator().manual_seed(3)).to(device="cuda", dtype=dtype)
+
+    def input_grad(start: int, rows: int) -> torch.Tensor:
+        xi = x[start : start + rows].clone().requires_grad_(True)
+        gating_linear(xi, w, dtype).backward(gout[start : start + rows])
+        return xi.grad
+
+    with FakeBlas() as blas:
+        full = input_grad(0, 4096)
+        for t in (1, 2, 3, 5, 8, 16, 31, 64, 65, 127, 128, 129, 256, 1000, 2048, 4095):
+            assert torch.equal(input_grad(0, t), full[:t]), t
+            assert torch.equal(input_grad(4096 - t, t), full[4096 - t :]), t
+        for i in (0, 1, 777, 4095):  # single tokens anywhere
+            assert torch.equal(input_grad(i, 1), full[i : i + 1]), i
+    assert blas.calls == 0
+    assert full.dtype == in_dtype
+    ref = gout.double() @ w.to(dtype).double()
+    tol = {torch.float32: 1e-4, torch.float64: 1e-12, torch.bfloat16: 5e-2}[in_dtype]  # rounded to x's dtype
+    torch.testing.assert_close(full.double(), ref, rtol=tol, atol=tol * 10)
