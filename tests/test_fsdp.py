@@ -5,12 +5,14 @@ the routed experts out (``ignored_params``; tests/test_parallel.py checks its gr
 sharding the experts, over all 4 ranks (whose all-gather would mix different experts) or over the
 expert-data-parallel ranks, is the same ValueError on every rank at the first forward, before any
 dispatch collective; and ``state_dict()`` of such a model is a ValueError, never a DTensor inside a
-DTensor.
+DTensor. On the supported route the state dict holds the experts as EP shards and round-trips
+through torch.distributed.checkpoint (the resumed forward is bitwise the saved model's).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -30,7 +32,13 @@ def _error(fn) -> str:
     return "ran"
 
 
-def fsdp_worker(rank: int, world_size: int) -> dict:
+def _ignored_route(ep: dist.ProcessGroup, layer_index: int) -> MoELayer:
+    layer = MoELayer(CONFIG, ep, layer_index=layer_index)
+    fully_shard(layer, mesh=init_device_mesh("cpu", (4,)), ignored_params={p for _, p in expert_parameters(layer)})
+    return layer
+
+
+def fsdp_worker(rank: int, world_size: int, checkpoint_dir: str) -> dict:
     ep = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))  # edp groups {0, 2}, {1, 3}
     x = torch.randn(6, CONFIG.hidden_size, generator=torch.Generator().manual_seed(rank))
@@ -48,9 +56,8 @@ def fsdp_worker(rank: int, world_size: int) -> dict:
     out["edp"] = _error(lambda: layer(x))
 
     # the supported route: the experts left out; its state dict holds the EP shards
-    layer = MoELayer(CONFIG, ep, layer_index=2)
-    reference = {n: p.detach().clone() for n, p in layer.named_parameters()}
-    fully_shard(layer, mesh=init_device_mesh("cpu", (4,)), ignored_params={p for _, p in expert_parameters(layer)})
+    layer = _ignored_route(ep, layer_index=2)
+    reference = {n: p.detach().clone() for n, p in MoELayer(CONFIG, ep, layer_index=2).named_parameters()}
     y = layer(x)
     y.sum().backward()
     state = layer.state_dict()
@@ -64,11 +71,21 @@ def fsdp_worker(rank: int, world_size: int) -> dict:
         "ids": state["experts.expert_ids"].full_tensor(),
         "is_dtensor": isinstance(state["router.weight"], DTensor),
     }
+    # a round trip through torch.distributed.checkpoint into a zeroed model of the same route
+    dcp.save(state, checkpoint_id=checkpoint_dir)
+    fresh = _ignored_route(ep, layer_index=2)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    loaded = fresh.state_dict()
+    dcp.load(loaded, checkpoint_id=checkpoint_dir)
+    fresh.load_state_dict(loaded)
+    out["resumed"] = fresh(x).detach()
     return out
 
 
-def test_fsdp2_sharding_experts_refused_and_ignored_route():
-    results = run_ranks(fsdp_worker, 4, timeout=240)
+def test_fsdp2_sharding_experts_refused_and_ignored_route(tmp_path):
+    results = run_ranks(fsdp_worker, 4, str(tmp_path), timeout=240)
     full = MoELayer(CONFIG, layer_index=2)  # EP 1: every expert, the same seed
     for rank, out in enumerate(results):
         for key in ("whole", "again", "edp"):
@@ -83,3 +100,4 @@ def test_fsdp2_sharding_experts_refused_and_ignored_route():
         assert torch.equal(ours["w1_local"], ours["own_w1"])
         assert torch.equal(ours["router"], ours["own_router"])
         assert ours["ids"].tolist() == [0, 1, 2, 3]
+        assert torch.equal(out["resumed"], ours["y"]), rank
