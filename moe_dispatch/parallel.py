@@ -81,7 +81,8 @@ def allreduce_expert_grads(model: nn.Module, expert_dp_group: dist.ProcessGroup,
     if not params:
         return
     layout = _expert_layout(model, params[0].device)
-    reduced = all(p.grad is not None and _REDUCED.get(p.grad) == p.grad._version for p in params)
+    trained = [p for p in params if p.requires_grad]  # frozen experts' grads are never rewritten by backward
+    reduced = bool(trained) and all(p.grad is not None and _REDUCED.get(p.grad) == p.grad._version for p in trained)
     flags = torch.cat([layout, torch.tensor([int(reduced)], dtype=torch.int64, device=layout.device)])
     if dist.get_world_size(expert_dp_group) > 1:
         flags = _agree_layout(flags, expert_dp_group)
