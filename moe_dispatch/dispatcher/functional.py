@@ -1,6 +1,6 @@
 """dispatch / combine: one frozen handle from the first to the second (DeepEP style).
 
-    dispatch: size exchange + layout (layout.py; skipped with handle=previous), row maps (here),
+    dispatch: size exchange + layout (layout.py; skipped with handle=previous), row maps (plan.py),
               the forward exchange (exchange.py), expand to one row per (token, local expert)
     combine:  rows back to their owners unreduced (exchange.py), the owner's fixed-order fp32 sum
 An error found after the size exchange (a wrong expert_output, a reused handle whose routing
@@ -46,50 +46,17 @@ from ..agreement import (
     agree_config,
     dtype_code,
 )
-from ..comm import ProcessGroup, to_device
+from ..comm import ProcessGroup
 from ..config import DispatchConfig, MoEConfig, as_dispatch_config
 from ..identity import StepCounter, functional_counter
 from ..ops import RowIdMap, unpermute
-from ..ops.permutation import make_slots, runs_index
 from . import static
-from .exchange import KINDS, Received, ReturnRoute, return_rows, return_runs, send_back
+from .exchange import KINDS, Received, return_rows, send_back
 from .expand import Expand, ReturnPath
-from .layout import Layout, exchange_sizes
+from .layout import exchange_sizes
+from .plan import Plan, expert_row_map, make_plan
 from .static import StaticPlan, StaticStep
-
-Runs = tuple[torch.Tensor, torch.Tensor, int]  # (shifts, lengths) on the device, total positions
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one step's routing decides, before any data moves; reused by dispatch(handle=...).
-
-    Attributes:
-        config, group, layout: the dispatcher's settings, the EP group, the step's sizes.
-        latch: the group's ErrorLatch, for errors found after the size exchange.
-        routing_map: [T, E] bool, this rank's tokens.
-        hidden_dtype, probs_dtype: dtypes of the rows and of the wire probs.
-        owner_map: RowIdMap of this rank's (token, expert) pairs in the owner buffer (None at EP 1:
-            the expert map serves).
-        route: the return exchange (None at EP 1).
-        expert_runs: how the receiver layout's row map shifts make_slots' dense rows (None: it
-            does not).
-        expert_padded: [El] int64 rows per local expert block on the device (None: the counts).
-        tokens_per_expert: CPU int64 [El], rows per local expert (padding included).
-    """
-
-    config: DispatchConfig
-    group: ProcessGroup
-    latch: ErrorLatch
-    layout: Layout
-    routing_map: torch.Tensor
-    hidden_dtype: torch.dtype
-    probs_dtype: torch.dtype
-    owner_map: Optional[RowIdMap]
-    route: Optional[ReturnRoute]
-    expert_runs: Optional[Runs]
-    expert_padded: Optional[torch.Tensor]
-    tokens_per_expert: torch.Tensor
+from .static_words import W_INPUT, poison
 
 
 @dataclass(frozen=True)
@@ -164,107 +131,6 @@ def host_tokens_per_expert(handle: DispatchHandle) -> torch.Tensor:
     if handle.plan.tokens_per_expert is None:
         return handle.expert_counts.cpu()
     return handle.plan.tokens_per_expert
-
-
-# ---- row maps -----------------------------------------------------------------------------------
-def _expert_runs(layout: Layout, order: tuple[int, ...]) -> tuple[list[int], list[int]]:
-    """make_slots numbers the received routed rows densely (local expert-major, then buffer row
-    order, i.e. segment ``order``); run (e, s) moves to its block in the receiver layout."""
-    base = layout.rank * layout.num_local_experts
-    shifts, lengths, dense = [], [], 0
-    for e in range(layout.num_local_experts):
-        for s in order:
-            n = layout.counts[s][base + e]
-            shifts.append(layout.block_starts[e][s] - dense)
-            lengths.append(n)
-            dense += n
-    return shifts, lengths
-
-
-def _owner_runs(layout: Layout) -> tuple[list[int], list[int]]:
-    """Run e (this rank's pairs with global expert e) -> its block in the owner buffer."""
-    El, me = layout.num_local_experts, layout.rank
-    start, at = {}, 0
-    for d in (me, *[d for d in range(layout.ep_size) if d != me]):
-        for e in range(d * El, (d + 1) * El):
-            start[e] = at
-            at += layout.owner_blocks[e]
-    shifts, lengths, dense = [], [], 0
-    for e in range(layout.num_experts):
-        shifts.append(start[e] - dense)
-        lengths.append(layout.counts[me][e])
-        dense += layout.counts[me][e]
-    return shifts, lengths
-
-
-def _row_map(routing_map: torch.Tensor, runs: Optional[Runs], padded: Optional[torch.Tensor], num_out: int,
-             routed: int, max_per_row: int) -> RowIdMap:
-    """RowIdMap of routing_map [R, X] whose dense rows (make_slots) move by ``runs``."""
-    slots, stats = make_slots(routing_map.contiguous(), 1)  # stats: [X] counts, then max n_t
-    X = routing_map.shape[1]
-    if runs is not None and routed > 0:
-        lut = runs_index(*runs)
-        rows = slots[:, 1:1 + X]
-        moved = torch.where(rows >= 0, lut[rows.clamp(min=0).long()].to(torch.int32), rows)
-        slots = torch.cat([slots[:, :1], moved, slots[:, 1 + X:]], dim=1)
-    counts = stats[:X]
-    return RowIdMap(slots, counts, counts if padded is None else padded, num_out, num_out > routed,
-                    max(1, max_per_row))
-
-
-def _nonzero_shifts(runs: tuple[list[int], list[int]]) -> bool:
-    return any(s != 0 for s, n in zip(*runs) if n)
-
-
-def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, layout: Layout,
-              routing_map: torch.Tensor, hidden_dtype: torch.dtype, probs_dtype: torch.dtype) -> Plan:
-    """Row maps and routes of one step. Their host tables cross to the device in one copy."""
-    P, El, me = layout.ep_size, layout.num_local_experts, layout.rank
-    device = routing_map.device
-    order = KINDS[cfg.kind].order(P, me)
-    table: list[int] = []
-
-    def add(values: list[int]) -> slice:
-        table.extend(values)
-        return slice(len(table) - len(values), len(table))
-
-    expert = _expert_runs(layout, order)
-    padded_needed = P > 1 or layout.tokens_per_local_expert != tuple(layout.counts[me][:El])
-    at_expert = (add(expert[0]), add(expert[1])) if _nonzero_shifts(expert) else None
-    at_padded = add(list(layout.tokens_per_local_expert)) if padded_needed else None
-    at_owner = at_route = None
-    if P > 1:
-        owner = _owner_runs(layout)
-        at_owner = (add(owner[0]), add(owner[1]), add(list(layout.owner_blocks)))
-        ret = return_runs(layout)
-        at_route = (add(ret[0]), add(ret[1]))
-    dev = to_device(table, device) if table else None
-    expert_runs = (dev[at_expert[0]], dev[at_expert[1]], sum(expert[1])) if at_expert else None
-    owner_map = route = None
-    if P > 1:
-        owner_runs = (dev[at_owner[0]], dev[at_owner[1]], sum(owner[1]))
-        M = sum(layout.owner_blocks)
-        owner_map = _row_map(routing_map, owner_runs, dev[at_owner[2]], M, sum(layout.counts[me]),
-                             layout.max_experts_per_token[me])
-        send = tuple(0 if d == me else layout.return_send_splits[d] for d in range(P))
-        recv = tuple(0 if d == me else layout.return_recv_splits[d] for d in range(P))
-        route = ReturnRoute(runs_index(dev[at_route[0]], dev[at_route[1]], sum(ret[1])),
-                            layout.return_send_splits[me], send, recv, sum(layout.tokens_per_local_expert), group,
-                            latch, layout.call, cfg.strict_call_order)
-    return Plan(config=cfg, group=group, latch=latch, layout=layout, routing_map=routing_map, hidden_dtype=hidden_dtype,
-                probs_dtype=probs_dtype, owner_map=owner_map, route=route, expert_runs=expert_runs,
-                expert_padded=dev[at_padded] if at_padded else None,
-                tokens_per_expert=torch.tensor(layout.tokens_per_local_expert, dtype=torch.int64))
-
-
-def expert_row_map(plan: Plan, recv_routing: torch.Tensor) -> RowIdMap:
-    """RowIdMap of the received rows [R] -> the receiver layout, from their routing [R, El]."""
-    layout = plan.layout
-    base, El = layout.rank * layout.num_local_experts, layout.num_local_experts
-    routed = sum(row[e] for row in layout.counts for e in range(base, base + El))
-    most = min(El, max(layout.max_experts_per_token))
-    return _row_map(recv_routing, plan.expert_runs, plan.expert_padded, sum(layout.tokens_per_local_expert),
-                    routed, most)
 
 
 # ---- the steps ----------------------------------------------------------------------------------
@@ -381,7 +247,7 @@ def _reuse_static(previous: DispatchHandle, hidden: Any, routing_map: Any, probs
     old, new = plan.routing_map[:plan.num_real], new_plan.routing_map[:new_plan.num_real]  # without the padding
     differs = (new != old).any() if new.shape == old.shape else torch.ones((), dtype=torch.bool)
     rank = new_plan.layout.rank
-    new_plan.words[static.W_INPUT] = torch.maximum(new_plan.words[static.W_INPUT],
+    new_plan.words[W_INPUT] = torch.maximum(new_plan.words[W_INPUT],
                                                    differs.to(new_plan.words.device, torch.int32) * (rank + 1))
     shape = x.shape if new_plan.replaced else hidden.shape
     return finish(x, wire, recv, new_plan, shape)
@@ -477,7 +343,7 @@ def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Ten
                          + (f" {expert_output.dtype}" if isinstance(expert_output, torch.Tensor) else ""))
     if handle.static is not None:  # travels in the return exchange's status rows
         route = handle.static.route
-        route.words[static.W_INPUT] = torch.clamp(route.words[static.W_INPUT], min=handle.plan.layout.rank + 1)
+        route.words[W_INPUT] = torch.clamp(route.words[W_INPUT], min=handle.plan.layout.rank + 1)
     elif isinstance(expert_output, torch.Tensor) and expert_output.shape == (N, H) and expert_output.dtype != dtype:
         handle.plan.latch.set(EXPERT_DTYPE, dtype_code(dtype), dtype_code(expert_output.dtype), device=device)
     else:  # rows: -1 when not a 2-D tensor of width H (or on another device)
@@ -512,7 +378,7 @@ def owner_sum(rows: torch.Tensor, handle: DispatchHandle, words: Optional[torch.
     weights = None if handle.plan.config.probs_in_experts else handle.probs  # None: the experts applied them
     if handle.static is None:
         return unpermute(rows, handle.owner_map, weights, restore_shape=handle.hidden_shape)
-    out = static.poison(unpermute(rows, handle.owner_map, weights), words, handle.plan.layout)
+    out = poison(unpermute(rows, handle.owner_map, weights), words, handle.plan.layout)
     return out[:handle.plan.num_real].reshape(handle.hidden_shape)  # without the plan's padding rows
 
 

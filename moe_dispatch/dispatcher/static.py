@@ -7,13 +7,15 @@ block (tokens with fewer than K experts) belong to no expert. The experts take d
 (``handle.expert_offsets``); host counts are read only by whoever asks (``tokens_per_expert``).
 
 EP > 1, the static-capacity exchange (``DispatchConfig.ep_capacity_factor`` f): the sizes of
-``StaticSizes`` fix every buffer. Every chunk of an exchange has a fixed number of rows (so the
-splits are equal and known), the valid rows first (the dropless path's rows in its order), then
-padding rows that route nowhere, then a status row (``_STATUS_BYTES``) carrying the sender's
-check words. The received rows are in source rank order, so make_slots' dense numbering over
-them is again the dropless receiver layout (expert-major, source ascending, token ascending):
-while everything fits, every row, order and sum is the dropless path's, bitwise. The checks that
-need device data travel as words in the exchanges' status rows (static_words.py).
+``StaticSizes`` fix every buffer, from the plan's T: the largest T of any rank at the first step
+of a (group, config), which runs the dropless size exchange once. A rank with fewer tokens pads
+with rows that route nowhere; one with more makes every rank re-plan (CPU; see ``dispatch``).
+Every chunk of an exchange has a fixed number of rows (so the splits are equal and known), the
+valid rows first (the dropless path's rows in its order), then padding rows that route nowhere,
+then a status row carrying the sender's check words (static_words.py). The received rows are in
+source rank order, so make_slots' dense numbering over them is again the dropless receiver layout
+(expert-major, source ascending, token ascending): while everything fits, every row, order and
+sum is the dropless path's, bitwise. The return route: static_route.py.
 """
 from __future__ import annotations
 
@@ -24,40 +26,28 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ..agreement import (
-    COMBINE_BACKWARD_CALL,
-    COMBINE_CALL,
-    DISPATCH_BACKWARD_CALL,
-    ErrorLatch,
-    check_call,
-    fingerprint_hash,
-)
-from ..autograd import refuse_double_backward
+from ..agreement import ErrorLatch, fingerprint_hash
 from ..comm import ProcessGroup, all_gather_rows, all_to_all_rows, group_key, group_size_rank
 from ..config import DispatchConfig
 from ..identity import CallId, StepCounter
 from ..ops import RowIdMap
 from ..ops.permutation import make_slots
 from .exchange import Received, RowFormat
-from .expand import Expand, ReturnPath, SendBack
+from .expand import Expand, ReturnPath
+from .static_route import ReturnRows, StaticStep, expert_map_and_route, return_exchange
 from .static_words import (
     DISPATCH_CODE,
     NUM_WORDS,
-    ORDER_CODE,
-    W_CALL,
     W_GRAD_OFF,
     W_GRAD_ON,
     W_INPUT,
     W_MAX_K,
     W_NONFINITE,
-    W_RECV,
-    W_RETURN,
     W_SEND,
     W_TOKENS,
     fold_call,
     grad_modes_differ,
     latch_words,
-    poison,
     raise_latched,
     raise_words,
     read_status,
@@ -66,8 +56,9 @@ from .static_words import (
     write_status,
 )
 
-# (group, fingerprint) -> the first step's input description, EP > 1
+# (group, fingerprint) -> _Agreed: the plan fixed by its first step, EP > 1
 _AGREED: dict = {}
+
 
 @dataclass(frozen=True)
 class StaticSizes:
@@ -75,7 +66,7 @@ class StaticSizes:
     rank). Field names shared with ``layout.Layout`` mean the same.
 
     Attributes:
-        num_tokens: [P], T of every rank (all equal).
+        num_tokens: [P], the plan's T on every rank (a rank with fewer tokens pads: see prepare).
         send_capacity: tokens one rank sends to one rank (alltoall): min(T, ceil(f * T * K / P));
             the allgather sends every token (T).
         recv_rows: N, (token, local expert) rows a rank's experts receive: T * K at EP 1, else
@@ -351,158 +342,11 @@ def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: StaticPlan) -> Recei
     return Received(hidden, rprobs, routing, tuple(range(P)), words)
 
 
-# ---- the receiver layout and the return route --------------------------------------------------
-@dataclass(frozen=True)
-class StaticRoute:
-    """Receiver-layout rows -> their owners, in fixed chunks (EP > 1).
-
-    Attributes:
-        index: int64 [P * chunk]: the receiver-layout row at each position of the return buffer
-            (N, a dummy row, at padding and status positions).
-        gather: index clamped into [0, N) (padding positions copy some row; never read).
-        chunk, valid: rows of each chunk, and of them the rows before the status rows.
-        num_rows: N.
-        words: int32 [NUM_WORDS], this rank's words with everything it received (sent back), and
-            the handle's call in the W_CALL slots (every return exchange compares it).
-        latch, call, strict: for ``strict_call_order``'s host-side ``agreement.check_call``.
-    """
-
-    index: torch.Tensor
-    gather: torch.Tensor
-    chunk: int
-    valid: int
-    num_rows: int
-    words: torch.Tensor
-    group: ProcessGroup
-    latch: ErrorLatch
-    call: CallId
-    strict: bool
-
-    def check_call_strict(self, code: int, device: torch.device) -> None:
-        """strict_call_order: raise on every rank before a return exchange of another call's rows
-        (one host synchronisation); otherwise the status rows compare the calls (fold_call)."""
-        if self.strict:
-            check_call(self.group, self.latch, self.call, code, True, device)
-
-
-@dataclass(frozen=True)
-class StaticStep:
-    """The handle's sync-free part: the return route (None at EP 1) and the plan."""
-
-    plan: StaticPlan
-    route: Optional[StaticRoute]
-
-
-def _fitting(counts: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """counts [El] cut so that the blocks end by row num_rows (an overflowing step's GEMMs stay
-    inside the buffer; the step is poisoned anyway)."""
-    ends = torch.cumsum(counts, 0).clamp(max=num_rows)
-    return ends - torch.cat([ends.new_zeros(1), ends[:-1]])
-
-
-def expert_map_and_route(plan: StaticPlan, recv: Received, hidden_size: int,
-                         hidden_itemsize: int) -> tuple[RowIdMap, Optional[StaticRoute]]:
-    """The receiver layout's RowIdMap (padded_tokens_per_expert: the blocks' rows, cut to N) and,
-    at EP > 1, the return route."""
-    sizes = plan.layout
-    P, El, N, K = sizes.ep_size, sizes.num_local_experts, sizes.recv_rows, sizes.topk
-    if P == 1:
-        return RowIdMap(plan.slots, plan.counts, _fitting(plan.counts, N), N, True, min(El, K)), None
-    routing = recv.routing
-    R = routing.shape[0]
-    slots, stats = make_slots(routing, 1)
-    counts = stats[:El]
-    expert_map = RowIdMap(slots, counts, _fitting(counts, N), N, True, min(El, K))
-    per_source = R // P
-    cnt = routing.view(P, per_source, El).sum(1, dtype=torch.int64)  # [P, El]: rows of (source, expert)
-    flat = cnt.t().flatten()  # expert-major, source-minor: the receiver layout's blocks
-    block_start = (torch.cumsum(flat, 0) - flat).view(El, P)
-    ret_start = torch.cumsum(cnt, 1) - cnt  # [P, El]: expert e's first row in the chunk back to s
-    chunk = sizes.return_capacity + status_rows(hidden_size * hidden_itemsize)
-    valid = sizes.return_capacity
-    rows, experts = slots[:, 1:1 + El].long(), slots[:, 1 + El:].long().clamp(min=0)
-    source = (torch.arange(R, device=routing.device) // per_source)[:, None]
-    pos = ret_start[source, experts] + rows - block_start[experts, source]
-    ok = (rows >= 0) & (rows < N) & (pos < valid)
-    dummy = P * chunk
-    target = torch.where(ok, source * chunk + pos, dummy)
-    index = torch.full((dummy + 1,), N, dtype=torch.int64, device=routing.device)
-    index.scatter_(0, target.flatten(), torch.where(ok, rows, N).flatten())
-    index = index[:dummy]
-    words = recv.words.clone()
-    words[W_RECV] = torch.maximum(words[W_RECV], counts.sum().to(torch.int32))
-    words[W_RETURN] = torch.maximum(words[W_RETURN], cnt.sum(1).max().to(torch.int32))
-    words[W_CALL:W_CALL + 4] = plan.words[W_CALL:W_CALL + 4]
-    route = StaticRoute(index=index, gather=index.clamp(max=N - 1), chunk=chunk, valid=valid, num_rows=N,
-                        words=words, group=plan.group, latch=plan.latch, call=plan.call,
-                        strict=plan.config.strict_call_order)
-    return expert_map, route
-
-
-def send_back(rows: torch.Tensor, row_probs: Optional[torch.Tensor], route: StaticRoute,
-              code: int = COMBINE_CALL) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """rows [N, H] (receiver layout), row_probs [N] or None -> the owner buffer [P * chunk, H]
-    (and [P * chunk]), chunks by expert rank; and the max of every expert rank's words, the calls
-    compared (``code``: which return exchange, agreement.RETURN_CHECKS)."""
-    P = route.index.shape[0] // route.chunk
-    route.check_call_strict(code, rows.device)
-    fmt = RowFormat(rows.shape[1], rows.dtype, 1, row_probs.dtype if row_probs is not None else None, False)
-    send = fmt.empty(route.index.shape[0], rows.device)
-    fmt.pack(send, rows, row_probs[:, None] if row_probs is not None else None, None, route.gather)
-    write_status(send, P, route.chunk, route.valid, route.words)
-    out = all_to_all_rows(send, [route.chunk] * P, [route.chunk] * P, route.group)
-    hidden, probs, _ = fmt.views(out)
-    words = fold_call(read_status(out, P, route.chunk, route.valid), ORDER_CODE[code])
-    return hidden, (probs[:, 0] if probs is not None else None), words
-
-
-def send_forth(grad: torch.Tensor, route: StaticRoute, sizes: StaticSizes) -> torch.Tensor:
-    """Mirror of send_back: the owner's rows [P * chunk, H] -> receiver layout [N, H]. The status
-    rows carry the handle's call (a copy of grad: autograd's gradient is not ours to write);
-    another call's rows make the result NaN (and the error is latched)."""
-    P = route.index.shape[0] // route.chunk
-    route.check_call_strict(COMBINE_BACKWARD_CALL, grad.device)
-    send = grad.clone(memory_format=torch.contiguous_format)
-    write_status(send, P, route.chunk, route.valid, route.words)
-    recv = all_to_all_rows(send, [route.chunk] * P, [route.chunk] * P, route.group)
-    words = fold_call(read_status(recv, P, route.chunk, route.valid), ORDER_CODE[COMBINE_BACKWARD_CALL])
-    latch_words(route.group, words, sizes)
-    out = grad.new_zeros((route.num_rows + 1, grad.shape[1]))  # row N: the padding and status rows' dummy
-    out.index_copy_(0, route.index, recv)
-    return poison(out[:route.num_rows], words, sizes)
-
-
-class _ReturnRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows, route, sizes, anchor):
-        ctx.route, ctx.sizes = route, sizes
-        hidden, _, words = send_back(rows, None, route)
-        ctx.mark_non_differentiable(words)
-        return hidden, words
-
-    @staticmethod
-    def backward(ctx, grad, _grad_words):
-        refuse_double_backward("static._ReturnRows")
-        return send_forth(grad, ctx.route, ctx.sizes), None, None, None
-
-
-def _return_exchange(step: StaticStep) -> SendBack:
-    """Expand's return path over the static route: the rows' gradients and the words; a bad step's
-    are latched (CUDA: before unpermute, whose kernel sees them) and poisoned."""
-    sizes = step.plan.layout
-
-    def send(rows: torch.Tensor, probs: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        rows, probs, words = send_back(rows, probs, step.route, DISPATCH_BACKWARD_CALL)
-        latch_words(step.plan.group, words, sizes)
-        return poison(rows, words, sizes), poison(probs, words, sizes) if probs is not None else None
-    return send
-
-
 def _anchor(step: StaticStep, *tensors: torch.Tensor) -> Optional[torch.Tensor]:
     """A leaf that requires grad when none of ``tensors`` does, under grad mode at EP > 1: without a
     size exchange no rank knows whether another rank's backward runs the exchanges, so every rank's
     output requires grad and every rank's backward runs them (functional._grad_anchor). Grad mode
-    itself is compared only at the first step's size exchange: every rank must keep it equal."""
+    itself travels in the words (``W_GRAD_ON`` / ``W_GRAD_OFF``): ranks that differ raise (see dispatch)."""
     if step.route is None or not torch.is_grad_enabled() or any(t.requires_grad for t in tensors):
         return None
     return torch.zeros((), device=tensors[0].device, requires_grad=True)
@@ -524,7 +368,7 @@ def expand(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: StaticPla
         latch_words(plan.group, route.words, plan.layout)
     step = StaticStep(plan, route)
     probs_in = probs if plan.config.probs_in_experts else probs.detach()
-    send = _return_exchange(step) if route is not None else None
+    send = return_exchange(step) if route is not None else None
     path = ReturnPath(send=send, owner_map=plan.owner_map if send is not None else None,
                       send_probs_grad=plan.config.probs_in_experts, zero_fill=True)
     rows, row_probs = Expand.apply(x, probs_in, recv.hidden, recv.probs, path, expert_map,
@@ -537,7 +381,7 @@ def return_to_owners(expert_output: torch.Tensor, step: StaticStep) -> tuple[tor
     EP 1); the words are latched."""
     if step.route is None:
         return expert_output, None
-    hidden, words = _ReturnRows.apply(expert_output, step.route, step.plan.layout, _anchor(step, expert_output))
+    hidden, words = ReturnRows.apply(expert_output, step.route, step.plan.layout, _anchor(step, expert_output))
     latch_words(step.plan.group, words, step.plan.layout)
     return hidden, words
 

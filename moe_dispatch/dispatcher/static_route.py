@@ -1,0 +1,179 @@
+"""The sync-free step's return route (EP > 1): the receiver layout's rows back to their owners in
+fixed chunks, each with its status rows (static_words.py), and the mirror exchange of the
+backward. static.py plans the step and runs the forward exchange."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ..agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, ErrorLatch, check_call
+from ..autograd import refuse_double_backward
+from ..comm import ProcessGroup, all_to_all_rows
+from ..identity import CallId
+from ..ops import RowIdMap
+from ..ops.permutation import make_slots
+from .exchange import Received, RowFormat
+from .expand import SendBack
+from .static_words import (
+    ORDER_CODE,
+    W_CALL,
+    W_RECV,
+    W_RETURN,
+    fold_call,
+    latch_words,
+    poison,
+    read_status,
+    status_rows,
+    write_status,
+)
+
+if TYPE_CHECKING:
+    from .static import StaticPlan, StaticSizes
+
+
+@dataclass(frozen=True)
+class StaticRoute:
+    """Receiver-layout rows -> their owners, in fixed chunks (EP > 1).
+
+    Attributes:
+        index: int64 [P * chunk]: the receiver-layout row at each position of the return buffer
+            (N, a dummy row, at padding and status positions).
+        gather: index clamped into [0, N) (padding positions copy some row; never read).
+        chunk, valid: rows of each chunk, and of them the rows before the status rows.
+        num_rows: N.
+        words: int32 [NUM_WORDS], this rank's words with everything it received (sent back), and
+            the handle's call in the W_CALL slots (every return exchange compares it).
+        latch, call, strict: for ``strict_call_order``'s host-side ``agreement.check_call``.
+    """
+
+    index: torch.Tensor
+    gather: torch.Tensor
+    chunk: int
+    valid: int
+    num_rows: int
+    words: torch.Tensor
+    group: ProcessGroup
+    latch: ErrorLatch
+    call: CallId
+    strict: bool
+
+    def check_call_strict(self, code: int, device: torch.device) -> None:
+        """strict_call_order: raise on every rank before a return exchange of another call's rows
+        (one host synchronisation); otherwise the status rows compare the calls (fold_call)."""
+        if self.strict:
+            check_call(self.group, self.latch, self.call, code, True, device)
+
+
+@dataclass(frozen=True)
+class StaticStep:
+    """The handle's sync-free part: the return route (None at EP 1) and the plan."""
+
+    plan: StaticPlan
+    route: Optional[StaticRoute]
+
+
+def _fitting(counts: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """counts [El] cut so that the blocks end by row num_rows (an overflowing step's GEMMs stay
+    inside the buffer; the step is poisoned anyway)."""
+    ends = torch.cumsum(counts, 0).clamp(max=num_rows)
+    return ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+
+
+def expert_map_and_route(plan: StaticPlan, recv: Received, hidden_size: int,
+                         hidden_itemsize: int) -> tuple[RowIdMap, Optional[StaticRoute]]:
+    """The receiver layout's RowIdMap (padded_tokens_per_expert: the blocks' rows, cut to N) and,
+    at EP > 1, the return route."""
+    sizes = plan.layout
+    P, El, N, K = sizes.ep_size, sizes.num_local_experts, sizes.recv_rows, sizes.topk
+    if P == 1:
+        return RowIdMap(plan.slots, plan.counts, _fitting(plan.counts, N), N, True, min(El, K)), None
+    routing = recv.routing
+    R = routing.shape[0]
+    slots, stats = make_slots(routing, 1)
+    counts = stats[:El]
+    expert_map = RowIdMap(slots, counts, _fitting(counts, N), N, True, min(El, K))
+    per_source = R // P
+    cnt = routing.view(P, per_source, El).sum(1, dtype=torch.int64)  # [P, El]: rows of (source, expert)
+    flat = cnt.t().flatten()  # expert-major, source-minor: the receiver layout's blocks
+    block_start = (torch.cumsum(flat, 0) - flat).view(El, P)
+    ret_start = torch.cumsum(cnt, 1) - cnt  # [P, El]: expert e's first row in the chunk back to s
+    chunk = sizes.return_capacity + status_rows(hidden_size * hidden_itemsize)
+    valid = sizes.return_capacity
+    rows, experts = slots[:, 1:1 + El].long(), slots[:, 1 + El:].long().clamp(min=0)
+    source = (torch.arange(R, device=routing.device) // per_source)[:, None]
+    pos = ret_start[source, experts] + rows - block_start[experts, source]
+    ok = (rows >= 0) & (rows < N) & (pos < valid)
+    dummy = P * chunk
+    target = torch.where(ok, source * chunk + pos, dummy)
+    index = torch.full((dummy + 1,), N, dtype=torch.int64, device=routing.device)
+    index.scatter_(0, target.flatten(), torch.where(ok, rows, N).flatten())
+    index = index[:dummy]
+    words = recv.words.clone()
+    words[W_RECV] = torch.maximum(words[W_RECV], counts.sum().to(torch.int32))
+    words[W_RETURN] = torch.maximum(words[W_RETURN], cnt.sum(1).max().to(torch.int32))
+    words[W_CALL:W_CALL + 4] = plan.words[W_CALL:W_CALL + 4]
+    route = StaticRoute(index=index, gather=index.clamp(max=N - 1), chunk=chunk, valid=valid, num_rows=N,
+                        words=words, group=plan.group, latch=plan.latch, call=plan.call,
+                        strict=plan.config.strict_call_order)
+    return expert_map, route
+
+
+def send_back(rows: torch.Tensor, row_probs: Optional[torch.Tensor], route: StaticRoute,
+              code: int = COMBINE_CALL) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """rows [N, H] (receiver layout), row_probs [N] or None -> the owner buffer [P * chunk, H]
+    (and [P * chunk]), chunks by expert rank; and the max of every expert rank's words, the calls
+    compared (``code``: which return exchange, agreement.RETURN_CHECKS)."""
+    P = route.index.shape[0] // route.chunk
+    route.check_call_strict(code, rows.device)
+    fmt = RowFormat(rows.shape[1], rows.dtype, 1, row_probs.dtype if row_probs is not None else None, False)
+    send = fmt.empty(route.index.shape[0], rows.device)
+    fmt.pack(send, rows, row_probs[:, None] if row_probs is not None else None, None, route.gather)
+    write_status(send, P, route.chunk, route.valid, route.words)
+    out = all_to_all_rows(send, [route.chunk] * P, [route.chunk] * P, route.group)
+    hidden, probs, _ = fmt.views(out)
+    words = fold_call(read_status(out, P, route.chunk, route.valid), ORDER_CODE[code])
+    return hidden, (probs[:, 0] if probs is not None else None), words
+
+
+def send_forth(grad: torch.Tensor, route: StaticRoute, sizes: StaticSizes) -> torch.Tensor:
+    """Mirror of send_back: the owner's rows [P * chunk, H] -> receiver layout [N, H]. The status
+    rows carry the handle's call (a copy of grad: autograd's gradient is not ours to write);
+    another call's rows make the result NaN (and the error is latched)."""
+    P = route.index.shape[0] // route.chunk
+    route.check_call_strict(COMBINE_BACKWARD_CALL, grad.device)
+    send = grad.clone(memory_format=torch.contiguous_format)
+    write_status(send, P, route.chunk, route.valid, route.words)
+    recv = all_to_all_rows(send, [route.chunk] * P, [route.chunk] * P, route.group)
+    words = fold_call(read_status(recv, P, route.chunk, route.valid), ORDER_CODE[COMBINE_BACKWARD_CALL])
+    latch_words(route.group, words, sizes)
+    out = grad.new_zeros((route.num_rows + 1, grad.shape[1]))  # row N: the padding and status rows' dummy
+    out.index_copy_(0, route.index, recv)
+    return poison(out[:route.num_rows], words, sizes)
+
+
+class ReturnRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, route, sizes, anchor):
+        ctx.route, ctx.sizes = route, sizes
+        hidden, _, words = send_back(rows, None, route)
+        ctx.mark_non_differentiable(words)
+        return hidden, words
+
+    @staticmethod
+    def backward(ctx, grad, _grad_words):
+        refuse_double_backward("static_route.ReturnRows")
+        return send_forth(grad, ctx.route, ctx.sizes), None, None, None
+
+
+def return_exchange(step: StaticStep) -> SendBack:
+    """Expand's return path over the static route: the rows' gradients and the words; a bad step's
+    are latched (CUDA: before unpermute, whose kernel sees them) and poisoned."""
+    sizes = step.plan.layout
+
+    def send(rows: torch.Tensor, probs: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        rows, probs, words = send_back(rows, probs, step.route, DISPATCH_BACKWARD_CALL)
+        latch_words(step.plan.group, words, sizes)
+        return poison(rows, words, sizes), poison(probs, words, sizes) if probs is not None else None
+    return send
