@@ -110,3 +110,20 @@ def config_values_worker(rank: int, world_size: int, cases: list) -> list:
         except ValueError as exc:
             out.append(str(exc))
     return out
+
+
+def cuda_token_counts_worker(rank: int, world_size: int) -> dict:
+    """On the GPU (ranks sharing it over gloo): fewer tokens than the plan's T are bitwise the
+    dropless step; more give NaN and check_device_errors() raises (CUDA does not re-plan: that
+    would need a host read)."""
+    from moe_dispatch.ops import guard
+    torch.cuda.set_device(0)
+    static, dropless = (layer.to("cuda", torch.bfloat16) for layer in _pair("alltoall"))
+    same = []
+    for step, T in enumerate([6, 4, 0]):
+        gen = torch.Generator().manual_seed(10 * rank + step)
+        x, upstream = (torch.randn(T, 16, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+        a, b = _run(dropless, x, upstream), _run(static, x, upstream)
+        same.append(all(b[k] is not None and torch.equal(a[k], b[k]) for k in a))
+    out = static(torch.randn(9, 16, device="cuda", dtype=torch.bfloat16))
+    return {"same": same, "nan": bool(torch.isnan(out).all()), "error": value_error_of(guard.check_device_errors)}

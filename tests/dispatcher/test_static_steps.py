@@ -5,6 +5,7 @@ value that really differs: the same ValueError on every rank, never a hang (time
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.dispatcher import static_step_workers as workers
 from tests.dispatcher.harness import run_ranks
@@ -25,10 +26,12 @@ def test_every_rank_empty_then_full_steps(kind):
         _all_bitwise(steps)
 
 
-def test_another_token_count_later_is_bitwise_dropless():
+@pytest.mark.parametrize("kind", ["alltoall", "allgather"])
+def test_another_token_count_later_is_bitwise_dropless(kind):
     """The first step fixes the plan at T = 6; smaller, per-rank different and larger T later
-    (an eval batch, the last short batch) are bitwise the dropless steps."""
-    for steps in run_ranks(workers.token_counts_worker, 2, "alltoall", [6, 4, [5, 2], 9, 6, [3, 12]],
+    (an eval batch, the last short batch; larger: every rank re-plans) are bitwise the dropless
+    steps."""
+    for steps in run_ranks(workers.token_counts_worker, 2, kind, [6, 4, [5, 2], 9, 6, [3, 12]],
                            timeout=TIMEOUT):
         _all_bitwise(steps)
 
@@ -70,3 +73,13 @@ def test_config_values_of_other_python_types():
     assert "dispatcher configuration mismatch: ep_capacity_factor differs across the EP group: [2.0, 3.0] by rank" \
         in dispatcher, dispatcher
     assert "capacity_factor differs across the EP group: [1.0, 1.5] by rank" in layer, layer
+
+
+@pytest.mark.gpu
+def test_gpu_another_token_count():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    results = run_ranks(workers.cuda_token_counts_worker, 2, timeout=300)
+    assert all(all(r["same"]) and r["nan"] for r in results), results
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1 and "passed T = 9 tokens, more than the T = 6" in errors.pop(), results
