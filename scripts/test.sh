@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create or refresh .venv, install moe-dispatch with its test extras, run pytest.
 # Without arguments (CI): the whole suite under the main venv's megatron-core (0.16.1), then the
-# Megatron integration tests under each further supported release (scripts/test_megatron_versions.sh).
+# Megatron integration tests under each further supported release (scripts/test_megatron_versions.sh),
+# then the compile, row-stability and contract tests under the floor torch (scripts/test_floor_torch.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_venv.sh
@@ -12,4 +13,5 @@ fi
 status=0
 .venv/bin/python -m pytest -q || status=$?
 MAIN_STATUS=$status bash scripts/test_megatron_versions.sh || status=1
+bash scripts/test_floor_torch.sh || status=1
 exit $status

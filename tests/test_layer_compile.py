@@ -1,8 +1,9 @@
 """torch.compile of MoELayer forward + backward on gloo ranks: outputs and every gradient are
-bitwise equal to eager, with both dispatchers. aot_eager at EP 2 and 4; inductor (which generates
-and builds C++ on CPU, tens of seconds per graph) at EP 2 only. Graph breaks are expected around
-the collectives and the size exchange's one host read; the test checks that graphs were compiled
-and that the results do not change."""
+bitwise equal to eager, with both dispatchers. aot_eager at EP 2 and 4, and with dynamic=True
+(symbolic sizes) at EP 2; inductor (which generates and builds C++ on CPU, tens of seconds per
+graph) at EP 2 only. Graph breaks are expected around the collectives and the size exchange's one
+host read; the test checks that graphs were compiled and that the results do not change. Also run
+under the floor torch (scripts/test_floor_torch.sh)."""
 from __future__ import annotations
 
 import pytest
@@ -26,7 +27,7 @@ def _step(fn, layer: MoELayer, x: torch.Tensor) -> list[torch.Tensor]:
     return [out.detach(), x.grad, *grads]
 
 
-def _compile_worker(rank: int, world_size: int, backend: str, steps: int) -> dict:
+def _compile_worker(rank: int, world_size: int, backend: str, steps: int, dynamic: bool | None) -> dict:
     import torch._dynamo
 
     result = {}
@@ -39,7 +40,7 @@ def _compile_worker(rank: int, world_size: int, backend: str, steps: int) -> dic
         batches = [torch.randn(5 + rank, 8, generator=g), torch.randn(3 + 2 * rank, 8, generator=g)][:steps]
         eager = [_step(layer, layer, x) for x in batches]
         torch._dynamo.reset()
-        compiled = torch.compile(layer, backend=backend)
+        compiled = torch.compile(layer, backend=backend, dynamic=dynamic)
         got = [_step(compiled, layer, x) for x in batches]
         result[kind] = {
             "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
@@ -50,10 +51,12 @@ def _compile_worker(rank: int, world_size: int, backend: str, steps: int) -> dic
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("backend, ep, steps", [("aot_eager", 2, 2), ("aot_eager", 4, 1), ("inductor", 2, 1)])
-def test_compiled_layer_is_bitwise_eager(backend, ep, steps):
-    """Both dispatchers on every rank; ``steps`` batches (the second one recompiles)."""
-    for rank, res in enumerate(run_ranks(_compile_worker, ep, backend, steps, timeout=850)):
+@pytest.mark.parametrize("backend, ep, steps, dynamic", [("aot_eager", 2, 2, None), ("aot_eager", 4, 1, None),
+                                                     ("aot_eager", 2, 2, True), ("inductor", 2, 1, None)])
+def test_compiled_layer_is_bitwise_eager(backend, ep, steps, dynamic):
+    """Both dispatchers on every rank; ``steps`` batches (the second one recompiles, or with
+    dynamic=True runs the same graphs at other sizes)."""
+    for rank, res in enumerate(run_ranks(_compile_worker, ep, backend, steps, dynamic, timeout=850)):
         for kind, r in res.items():
             assert r["graphs"] > 0, (rank, kind, r)
             assert r["equal"] == [True] * steps, (backend, ep, rank, kind, r)

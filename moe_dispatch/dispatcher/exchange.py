@@ -71,8 +71,10 @@ class RowFormat:
             return torch.empty((rows, self.hidden_size), dtype=self.hidden_dtype, device=device)
         return torch.empty((rows, self._offsets()[2]), dtype=torch.uint8, device=device)
 
-    def views(self, buf: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """buf -> (hidden [n, H], probs [n, k] or None, routing [n, k] bool or None), strided views."""
+    def views(self, buf: torch.Tensor, routing_dtype: torch.dtype = torch.bool,
+              ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """buf -> (hidden [n, H], probs [n, k] or None, routing [n, k] or None), strided views;
+        the routing as ``routing_dtype``: bool, or uint8 (0 / 1)."""
         if self.plain:
             return buf, None, None
         h0, r0, _ = self._offsets()
@@ -81,7 +83,7 @@ class RowFormat:
         if self.probs_dtype is not None:
             probs = buf[:, :self.num_cols * self.probs_dtype.itemsize].view(self.probs_dtype)
         if self.routing:
-            routing = buf[:, r0:r0 + self.num_cols].view(torch.bool)
+            routing = buf[:, r0:r0 + self.num_cols].view(routing_dtype)
         return hidden, probs, routing
 
     def pack(self, buf: torch.Tensor, hidden: torch.Tensor, probs: Optional[torch.Tensor],
@@ -102,8 +104,9 @@ class RowFormat:
         The byte views are taken here, from ``buf``, and written at once: under torch.compile,
         views of one buffer in different dtypes that reach a graph as separate inputs and are
         written there make AOT autograd rebuild them from one "synthetic base", which cannot
-        reinterpret bytes (a PyTorch internal assert)."""
-        h, p, r = self.views(buf)
+        reinterpret bytes (a PyTorch internal assert). The routing is written as bytes: torch
+        2.11's inductor cannot lower a view of uint8 as bool."""
+        h, p, r = self.views(buf, torch.uint8)
         _gather_rows_into(h, hidden, hidden_index)
         if p is not None:
             p.copy_(probs)
@@ -134,6 +137,19 @@ class Received:
     routing: Optional[torch.Tensor]
     order: tuple[int, ...]
     words: Optional[torch.Tensor] = None
+
+
+@torch.compiler.disable
+def _received(fmt: RowFormat, buf: torch.Tensor, cols: Optional[slice], with_routing: bool,
+              order: tuple[int, ...]) -> Received:
+    """The Received views of buf (the columns ``cols`` of probs and routing, all without it), taken
+    outside any compiled graph: under torch.compile(dynamic=True) AOT autograd cannot rebuild a
+    graph output that views a graph input's bytes in another dtype (buf is one after a graph break
+    in the exchange), and torch 2.11's inductor cannot lower a view of uint8 as bool."""
+    hidden, probs, routing = fmt.views(buf)
+    if cols is not None:
+        probs, routing = probs[:, cols], routing[:, cols]
+    return Received(hidden, probs, routing if with_routing else None, order)
 
 
 def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -167,8 +183,7 @@ def send_alltoall(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tenso
     send = fmt.empty(sum(in_splits), x.device)
     fmt.write(send, x, probs3[token, dest], local[token, dest] if with_routing else None, token)
     all_to_all_rows(send, out_splits, in_splits, group, out=recv[n_self:])
-    hidden, rprobs, routing = fmt.views(recv)
-    return Received(hidden, rprobs, routing, _own_first(P, me))
+    return _received(fmt, recv, None, with_routing, _own_first(P, me))
 
 
 @torch.no_grad()
@@ -184,9 +199,8 @@ def send_allgather(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tens
     buf = fmt.empty(t_max, x.device)
     fmt.pack(buf[:T], x, probs, routing_map)
     buf[T:].zero_()
-    hidden, all_probs, all_routing = fmt.views(all_gather_rows(buf, group))
     cols = slice(me * El, (me + 1) * El)
-    return Received(hidden, all_probs[:, cols], all_routing[:, cols] if with_routing else None, _rank_order(P, me))
+    return _received(fmt, all_gather_rows(buf, group), cols, with_routing, _rank_order(P, me))
 
 
 @dataclass(frozen=True)
