@@ -93,6 +93,18 @@ def test_float_fields_take_ints(field):
     assert getattr(cfg(**{field: 1}), field) == 1
 
 
+@pytest.mark.parametrize("field", FLOAT_FIELDS + OPTIONAL_FLOAT_FIELDS)
+def test_float_field_values_of_an_int_equal_the_float(field):
+    """The EP ranks agree on field_values (repr text and the fingerprint): 1 and 1.0 are one
+    setting, whichever a rank wrote (issue 29)."""
+    from moe_dispatch.agreement import fingerprint
+    extra = {"ep_capacity_factor": dict(ep_capacity_factor=2)}.get(field, {})
+    a = cfg(**{**extra, field: 2})
+    b = cfg(**{**{k: float(v) for k, v in extra.items()}, field: 2.0})
+    assert repr(a.field_values()) == repr(b.field_values())
+    assert fingerprint(a.dispatch_config()) == fingerprint(b.dispatch_config())
+
+
 @pytest.mark.parametrize("field", STR_FIELDS)
 @pytest.mark.parametrize("value", [1, True, b"fp32"], ids=["int", "bool", "bytes"])
 def test_choice_fields_reject_non_strings(field, value):
