@@ -184,15 +184,18 @@ _LATCHED: dict = {}
 
 
 def latch_words(group: ProcessGroup, words: torch.Tensor, sizes: StaticSizes) -> None:
-    """Keep the step's words (max with earlier ones, in place: capture-safe) and poison on CUDA."""
+    """Keep a bad step's words (max with earlier ones, in place: capture-safe) and poison on CUDA.
+    A good step's words count for nothing: its sizes may be another plan's (another T or config)."""
     entry = _LATCHED.get(group_key(group))
     if entry is None or entry[0].device != words.device:
         entry = _LATCHED[group_key(group)] = [torch.zeros(NUM_WORDS, dtype=torch.int32, device=words.device), sizes]
-    entry[0].copy_(torch.maximum(entry[0], words))
-    entry[1] = sizes
+    bad = bad_words(words, sizes)
+    entry[0].copy_(torch.maximum(entry[0], torch.where(bad, words, torch.zeros_like(words))))
+    if words.is_cuda or bool(bad):  # CPU: the bad step's sizes (reading costs no sync); CUDA: the last
+        entry[1] = sizes
     if words.is_cuda:  # every later kernel of ours writes NaN (ops/guard.py)
         word = guard.status(words.device)[guard.STEP:guard.STEP + 1]
-        word.copy_(torch.maximum(word, bad_words(words, sizes).to(torch.int32).view(1)))
+        word.copy_(torch.maximum(word, bad.to(torch.int32).view(1)))
 
 
 def raise_latched(group: ProcessGroup) -> None:

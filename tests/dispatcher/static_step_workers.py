@@ -24,8 +24,13 @@ def _run(layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor) -> dict:
     return {"out": out.detach(), "x_grad": xx.grad, **grads}
 
 
-def token_counts_worker(rank: int, world_size: int, kind: str, counts: list) -> list:
-    """One step per entry of ``counts`` (T of each rank: an int, or a list by rank) on the
+def token_counts_worker(rank: int, world_size: int, runs: list) -> list:
+    """Per (kind, counts) of ``runs``: _token_counts."""
+    return [_token_counts(rank, kind, counts) for kind, counts in runs]
+
+
+def _token_counts(rank: int, kind: str, counts: list) -> list:
+    """One step per entry of ``counts`` (T of each rank: an int, or a list by rank) on a new
     sync-free layer and on the dropless one: per step, which results are bitwise equal (or the
     error)."""
     static, dropless = _pair(kind)
@@ -43,7 +48,12 @@ def token_counts_worker(rank: int, world_size: int, kind: str, counts: list) -> 
     return steps
 
 
-def no_grad_worker(rank: int, world_size: int, mode: str) -> dict:
+def no_grad_worker(rank: int, world_size: int, modes: list) -> dict:
+    """mode -> _no_grad(mode)."""
+    return {mode: _no_grad(rank, mode) for mode in modes}
+
+
+def _no_grad(rank: int, mode: str) -> dict:
     """After a first step in grad mode, rank 1 runs the next forward under torch.no_grad() while
     rank 0 trains: the error of each rank at that step, then whether a normal step still gives
     the first step's results."""
@@ -64,7 +74,12 @@ def no_grad_worker(rank: int, world_size: int, mode: str) -> dict:
     return {"error": error, "after": all(torch.equal(first[k], after[k]) for k in first)}
 
 
-def docs_example_worker(rank: int, world_size: int, factor: float, skewed: bool) -> dict:
+def docs_example_worker(rank: int, world_size: int, cases: list) -> list:
+    """Per (factor, skewed) of ``cases``: _docs_example."""
+    return [_docs_example(rank, factor, skewed) for factor, skewed in cases]
+
+
+def _docs_example(rank: int, factor: float, skewed: bool) -> dict:
     """docs/dispatchers.md's example at EP 2 with ep_capacity_factor=factor (sync-free), against
     the same code with the dropless config: per result whether bitwise equal, or the error."""
     def example(config: MoEConfig) -> dict:

@@ -19,26 +19,44 @@ def _all_bitwise(steps: list) -> None:
         assert all(same.values()), (step, [k for k, v in same.items() if not v])
 
 
-@pytest.mark.parametrize("kind", ["alltoall", "allgather"])
-def test_every_rank_empty_then_full_steps(kind):
+KINDS = ["alltoall", "allgather"]
+EMPTY = [0, 6, 0, 6]
+# the plan is made at T = 6: smaller, per-rank different, larger (every rank re-plans), then both
+OTHER_T = [6, 4, [5, 2], 9, 6, [3, 12]]
+NO_GRAD_MODES = ["sync_free", "strict", "dropless"]
+DOCS_CASES = [(2.0, False), (2.0, True), (0.5, True)]  # (ep_capacity_factor, skewed routing)
+
+
+@pytest.fixture(scope="module")
+def token_counts():
+    """One spawn: per rank, the steps of every (kind, counts) run."""
+    runs = [(kind, counts) for counts in (EMPTY, OTHER_T) for kind in KINDS]
+    results = run_ranks(workers.token_counts_worker, 2, runs, timeout=2 * TIMEOUT)
+    return {run: [r[i] for r in results] for i, run in enumerate((kind, str(c)) for kind, c in runs)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_rank_empty_then_full_steps(token_counts, kind):
     """T = 0 on every rank at the first step and after it: empty outputs; the next steps work."""
-    for steps in run_ranks(workers.token_counts_worker, 2, kind, [0, 6, 0, 6], timeout=TIMEOUT):
+    for steps in token_counts[kind, str(EMPTY)]:
         _all_bitwise(steps)
 
 
-@pytest.mark.parametrize("kind", ["alltoall", "allgather"])
-def test_another_token_count_later_is_bitwise_dropless(kind):
-    """The first step fixes the plan at T = 6; smaller, per-rank different and larger T later
-    (an eval batch, the last short batch; larger: every rank re-plans) are bitwise the dropless
-    steps."""
-    for steps in run_ranks(workers.token_counts_worker, 2, kind, [6, 4, [5, 2], 9, 6, [3, 12]],
-                           timeout=TIMEOUT):
+@pytest.mark.parametrize("kind", KINDS)
+def test_another_token_count_later_is_bitwise_dropless(token_counts, kind):
+    """Another T later (an eval batch, the last short batch) is bitwise the dropless step."""
+    for steps in token_counts[kind, str(OTHER_T)]:
         _all_bitwise(steps)
 
 
-@pytest.mark.parametrize("mode", ["sync_free", "strict", "dropless"])
-def test_no_grad_on_one_rank_raises_everywhere(mode):
-    results = run_ranks(workers.no_grad_worker, 2, mode, timeout=TIMEOUT)
+@pytest.fixture(scope="module")
+def no_grad():
+    return run_ranks(workers.no_grad_worker, 2, NO_GRAD_MODES, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("mode", NO_GRAD_MODES)
+def test_no_grad_on_one_rank_raises_everywhere(no_grad, mode):
+    results = [r[mode] for r in no_grad]
     errors = {r["error"] for r in results}
     assert len(errors) == 1, errors
     error = errors.pop()
@@ -46,16 +64,21 @@ def test_no_grad_on_one_rank_raises_everywhere(mode):
     assert all(r["after"] for r in results), results
 
 
+@pytest.fixture(scope="module")
+def docs_example():
+    results = run_ranks(workers.docs_example_worker, 2, DOCS_CASES, timeout=TIMEOUT)
+    return {case: [r[i] for r in results] for i, case in enumerate(DOCS_CASES)}
+
+
 @pytest.mark.parametrize("skewed", [False, True])
-def test_docs_example_sync_free_is_bitwise_dropless(skewed):
-    for r in run_ranks(workers.docs_example_worker, 2, 2.0, skewed, timeout=TIMEOUT):
+def test_docs_example_sync_free_is_bitwise_dropless(docs_example, skewed):
+    for r in docs_example[2.0, skewed]:
         assert r["error"] is None, r["error"]
         assert all(r["same"].values()), r["same"]
 
 
-def test_docs_example_overflow_same_error_everywhere():
-    results = run_ranks(workers.docs_example_worker, 2, 0.5, True, timeout=TIMEOUT)
-    errors = {r["error"] for r in results}
+def test_docs_example_overflow_same_error_everywhere(docs_example):
+    errors = {r["error"] for r in docs_example[0.5, True]}
     assert len(errors) == 1, errors
     error = errors.pop()
     assert error is not None and "static-capacity overflow (ep_capacity_factor=0.5)" in error, error
