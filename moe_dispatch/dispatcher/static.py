@@ -248,7 +248,7 @@ def dispatch(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, gro
         if grad_modes_differ(words):
             raise_words(words, plan.layout, deferred=False)
         if words[W_TOKENS] > plan.layout.T:
-            del _AGREED[(group_key(group), fingerprint_hash(cfg))]
+            _AGREED.pop((group_key(group), fingerprint_hash(cfg)), None)
             x, wire, plan = prepare(hidden, routing_map, probs, cfg, group, latch, steps=None,
                                     experts_grad=experts_grad, call=plan.call)
             recv = send_tokens(x, wire, plan)
