@@ -19,17 +19,9 @@ from torch.distributed.tensor import DTensor
 
 from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.parallel import expert_parameters
-from tests.dispatcher.harness import run_ranks
+from tests.dispatcher.harness import run_ranks, value_error_of
 
 CONFIG = MoEConfig(hidden_size=8, num_experts=4, topk=2, ffn_hidden_size=16)
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as exc:
-        return str(exc)
-    return "ran"
 
 
 def _ignored_route(ep: dist.ProcessGroup, layer_index: int) -> MoELayer:
@@ -46,14 +38,14 @@ def fsdp_worker(rank: int, world_size: int, checkpoint_dir: str) -> dict:
 
     layer = MoELayer(CONFIG, ep, layer_index=0)  # the experts sharded over all 4 ranks
     fully_shard(layer, mesh=init_device_mesh("cpu", (4,)))
-    out["state_dict"] = _error(layer.state_dict)
-    out["whole"] = _error(lambda: layer(x))
-    out["again"] = _error(lambda: layer(x))  # still refused: never a silent second step
+    out["state_dict"] = value_error_of(layer.state_dict)
+    out["whole"] = value_error_of(lambda: layer(x))
+    out["again"] = value_error_of(lambda: layer(x))  # still refused: never a silent second step
 
     layer = MoELayer(CONFIG, ep, layer_index=1)  # the experts sharded over the expert-DP ranks
     fully_shard(layer.experts, mesh=mesh["edp"])
     fully_shard(layer, mesh=init_device_mesh("cpu", (4,)))
-    out["edp"] = _error(lambda: layer(x))
+    out["edp"] = value_error_of(lambda: layer(x))
 
     # the supported route: the experts left out; its state dict holds the EP shards
     layer = _ignored_route(ep, layer_index=2)

@@ -57,3 +57,12 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 150.0,
                     p.kill()
                     p.join()
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def value_error_of(fn: Callable[[], Any]) -> "str | None":
+    """The message of the ValueError ``fn()`` raises, or None if it returns."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from moe_dispatch import AllToAllDispatcher, GroupedMLP, MoEConfig, MoELayer, TopKRouter
-from tests.dispatcher.static_workers import _config, value_error_of
+from tests.dispatcher.harness import value_error_of
+from tests.dispatcher.static_workers import _config
 
 
 def _pair(kind: str, **changes) -> tuple[MoELayer, MoELayer]:

@@ -8,6 +8,7 @@ from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.config import DISPATCHER_KINDS
 from moe_dispatch.ops import guard
 from tests.cuda_host_waits import count_scalar_copies
+from tests.dispatcher.harness import value_error_of
 
 
 def _config(kind: str, **changes) -> MoEConfig:
@@ -107,15 +108,6 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
     except ValueError as exc:
         error = str(exc)
     return dict(nan=bool(torch.isnan(out).all()), error=error)
-
-
-def value_error_of(fn) -> "str | None":
-    """The message of the ValueError ``fn()`` raises, or None."""
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return None
 
 
 def call_order_worker(rank: int, world_size: int, case: str) -> dict:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from moe_dispatch.config import DISPATCHER_KINDS
-from tests.dispatcher.static_workers import value_error_of
+from tests.dispatcher.harness import value_error_of
 
 from .megatron_worker import DTYPES, _build, _config, _pg, _setup, _step, _tokens
 

@@ -121,14 +121,19 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
 )
 
 
-def test_triton_kernel_indexing_under_interpreter():
-    """Masks, strides and dtype handling of the CUDA kernel, run by Triton's CPU interpreter."""
+def _run_interpreted(script: str, timeout: int) -> None:
+    """Run ``script`` in a fresh process under Triton's CPU interpreter; it must print OK."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=timeout)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+def test_triton_kernel_indexing_under_interpreter():
+    """Masks, strides and dtype handling of the CUDA kernel, run by Triton's CPU interpreter."""
+    _run_interpreted(_INTERPRETER_SCRIPT, timeout=120)
 
 
 @pytest.mark.gpu
@@ -188,12 +193,7 @@ _BACKWARD_INTERPRETER_SCRIPT = textwrap.dedent(
 def test_triton_input_grad_kernel_row_stable_under_interpreter():
     """The CUDA router input gradient's kernel (the forward's, with weight.t() as the right
     operand), run by Triton's CPU interpreter: correct, and each row independent of the others."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", _BACKWARD_INTERPRETER_SCRIPT], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+    _run_interpreted(_BACKWARD_INTERPRETER_SCRIPT, timeout=300)
 
 
 @pytest.mark.gpu
