@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .check_sizes import memory_per_rank, size_problem
+from .check_sizes import SIZE_FLAGS, memory_per_rank, size_problem
 from .comm import all_gather_rows
 from .config import DISPATCHER_KINDS, MoEConfig
 from .launch import end_spawned_rank, rank_device, set_rank_env, spawn_ranks
@@ -552,7 +552,8 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
         if backend == "nccl" and world > torch.cuda.device_count():
             fail(f"argument --ranks: {world} ranks on nccl need {world} GPUs, this machine has "
                  f"{torch.cuda.device_count()} (use --backend gloo for more ranks than GPUs)")
-    if problem := size_problem(args, world, DTYPES[args.dtype].itemsize, memory_per_rank(backend, world)):
+    defaults = {name: parser.get_default(name) for name in SIZE_FLAGS}
+    if problem := size_problem(args, defaults, world, DTYPES[args.dtype].itemsize, memory_per_rank(backend, world)):
         fail(problem)  # before any rank starts: not an allocator error in each rank's traceback
     # The truncation test zeroes tokens keep.. and compares tokens 0..keep-1, and one token alone
     # against the first: it needs a token on each side of the cut.

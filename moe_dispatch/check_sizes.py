@@ -12,8 +12,7 @@ from typing import Optional
 
 import torch
 
-# The flags' defaults: the flag whose value is furthest above its default is the one named.
-_DEFAULTS = {"--tokens": 128, "--hidden": 64, "--ffn": 128, "--experts": 8, "--topk": 2, "--ranks": 4}
+SIZE_FLAGS = ("tokens", "hidden", "ffn", "experts", "topk")  # the flags the bound grows with
 _PROCESS_BYTES = 256 * 2**20  # a spawned rank with torch loaded, before it allocates anything
 
 
@@ -26,11 +25,13 @@ def memory_per_rank(backend: str, world: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local, 1)
 
 
-def size_problem(args: argparse.Namespace, world: int, act_bytes: int, budget: int) -> Optional[str]:
+def size_problem(args: argparse.Namespace, defaults: dict[str, int], world: int, act_bytes: int,
+                 budget: int) -> Optional[str]:
     """None, or an argparse-style message (``argument --flag: ...``) if one rank needs more than
-    ``budget`` bytes. ``act_bytes``: bytes per element of the activation dtype."""
-    values = {"--tokens": args.tokens, "--hidden": args.hidden, "--ffn": args.ffn, "--experts": args.experts,
-              "--topk": args.topk, "--ranks": world}
+    ``budget`` bytes. ``act_bytes``: bytes per element of the activation dtype. ``defaults``: the
+    parser's default of each of SIZE_FLAGS; the flag furthest above its default is the one named."""
+    values = {f"--{name}": getattr(args, name) for name in SIZE_FLAGS}
+    base = {f"--{name}": defaults[name] for name in SIZE_FLAGS}
     if budget < 2 * _PROCESS_BYTES:  # too many ranks for this host before any tensor
         return (f"argument --ranks: {world} ranks get {budget / 2**20:.3g} MiB each of this machine's memory, "
                 f"too little to start one (a rank needs about {_PROCESS_BYTES // 2**20} MiB); lower --ranks")
@@ -46,7 +47,7 @@ def size_problem(args: argparse.Namespace, world: int, act_bytes: int, budget: i
     if need <= budget:
         return None
     what, (_, flags) = max(terms.items(), key=lambda item: item[1][0])
-    flag = max(flags, key=lambda f: values[f] / _DEFAULTS[f])
+    flag = max(flags, key=lambda f: values[f] / base[f])
     sizes = ", ".join(f"{f} {values[f]}" for f in flags)
     return (f"argument {flag}: the check needs at least {need / 2**30:.3g} GiB per rank ({what}, {sizes}), "
             f"more than the {budget / 2**30:.3g} GiB each of its {world} ranks can have here; lower {flag}")

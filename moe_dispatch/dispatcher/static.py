@@ -113,8 +113,6 @@ class StaticSizes:
         return self.num_tokens[0]
 
 
-
-
 # ---- the plan -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StaticPlan:
