@@ -120,7 +120,8 @@ def test_init_seed_range_and_type(seed):
 
 def test_init_seed_bounds_are_accepted_and_seed_a_generator():
     for seed in (0, 2**63 - 1):
-        torch.Generator().manual_seed(cfg(init_seed=seed).init_seed)
+        assert cfg(init_seed=seed).init_seed == seed
+        assert torch.Generator().manual_seed(cfg(init_seed=seed).init_seed).initial_seed() == seed
 
 
 def test_frozen():
