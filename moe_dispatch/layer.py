@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .agreement import hidden_states_problem
-from .comm import group_key, group_size_rank
 from .config import MoEConfig
 from .dispatcher import build_dispatcher
 from .dispatcher.functional import host_tokens_per_expert
+from .distributed.agreement import hidden_states_problem
+from .distributed.comm import group_key, group_size_rank
 from .experts import GroupedMLP, SequentialMLP, layer_seed
 from .parallel import check_ddp, check_fsdp
 from .router import TopKRouter
@@ -90,7 +90,7 @@ class MoELayer(nn.Module):
         At the first forward the EP ranks agree on every MoEConfig field; one that differs is the
         same ValueError on every rank, naming the field and the ranks (``layer_index`` included).
         Every rank must call its layers in the same order (each step's exchange names the layer, see
-        ``moe_dispatch.identity``), and every rank calls backward on a loss that depends on the
+        ``moe_dispatch.distributed.identity``), and every rank calls backward on a loss that depends on the
         output, or none does: when any rank's hidden states or experts need gradients the output
         requires grad on every rank, so that a rank that needs none still runs the backward's
         exchanges the others wait in. Inside a DistributedDataParallel that owns the routed experts

@@ -33,10 +33,11 @@ import torch.distributed as dist
 import triton
 from bench_ops import routing, time_host_calls  # python puts this script's folder first on its path
 
-from moe_dispatch import MoEConfig, MoELayer, profiling
-from moe_dispatch.capture import capture_step
+from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.config import DISPATCHER_KINDS
 from moe_dispatch.dispatcher import build_dispatcher
+from moe_dispatch.tools import profiling
+from moe_dispatch.tools.capture import capture_step
 
 DEVICE = torch.device("cuda")
 WARMUP, ITERS = 5, 30  # --cpu-smoke: 1, 2 (the smoke run checks that the script runs, not times)
@@ -238,7 +239,7 @@ def bench_layer(args, world: int, rank: int) -> None:
 
 def host_waits(fn, steps: int = 3) -> str:
     """'syncs / copies' per call of fn: synchronisations torch makes the host wait for, and
-    host<->device copies (moe_dispatch.profiling.host_waits); 'n/a' on the CPU."""
+    host<->device copies (moe_dispatch.tools.profiling.host_waits); 'n/a' on the CPU."""
     if DEVICE.type != "cuda":
         return "n/a"
     counts = profiling.host_waits(fn, steps, warmup=1)

@@ -31,7 +31,7 @@ for v in $VERSIONS; do
     export PYTHONPATH=$site:$PWD
     echo "=== megatron-core $(python3 -W ignore -c 'from megatron.core import package_info; print(package_info.__version__)' 2>/dev/null)"
     start=$SECONDS
-    timeout 200 python3 -m moe_dispatch.check --megatron --tokens 1024 --hidden 4096 --ffn 1024 --experts 64 \
+    timeout 200 python3 -m moe_dispatch.tools.check --megatron --tokens 1024 --hidden 4096 --ffn 1024 --experts 64 \
         --topk 6 --dtype bf16 2>&1 | tee "$OUT/check_megatron_$v.log" | grep -v Warning | tail -45 || status=1
     echo "--- check: $((SECONDS - start)) s"; start=$SECONDS
     if [ "${GPU_TESTS:-1}" != 0 ]; then

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from moe_dispatch.config import DISPATCHER_KINDS
-from moe_dispatch.launch import end_spawned_rank, set_rank_env, spawn_ranks
+from moe_dispatch.distributed.launch import end_spawned_rank, set_rank_env, spawn_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -1,5 +1,5 @@
 """Count the dispatcher's own host reads and table uploads while a block runs
-(``count_host_transfers``: anywhere, the CPU stand-in for ``moe_dispatch.profiling.host_waits``),
+(``count_host_transfers``: anywhere, the CPU stand-in for ``moe_dispatch.tools.profiling.host_waits``),
 and the Python numbers copied into tensors (``count_scalar_copies``: on CUDA each a synchronising
 host-to-device copy that CUDA-graph capture refuses)."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 def count_host_transfers() -> Iterator[dict]:
     """Count, while the block runs, the dispatcher's host reads (``read_host``: each one host sync
     on CUDA) and host-to-device table copies (``to_device``); yields the live counts."""
-    from moe_dispatch import agreement, comm
     from moe_dispatch.dispatcher import layout, plan
+    from moe_dispatch.distributed import agreement, comm
 
     counts = {"read_host": 0, "to_device": 0}
 

@@ -97,7 +97,7 @@ def test_float_fields_take_ints(field):
 def test_float_field_values_of_an_int_equal_the_float(field):
     """The EP ranks agree on field_values (repr text and the fingerprint): 1 and 1.0 are one
     setting, whichever a rank wrote (issue 29)."""
-    from moe_dispatch.agreement import fingerprint
+    from moe_dispatch.distributed.agreement import fingerprint
     extra = {"ep_capacity_factor": dict(ep_capacity_factor=2)}.get(field, {})
     a = cfg(**{**extra, field: 2})
     b = cfg(**{**{k: float(v) for k, v in extra.items()}, field: 2.0})

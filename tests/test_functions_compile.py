@@ -59,7 +59,7 @@ def test_fixed_order_sums_are_not_recompiled_per_size():
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from moe_dispatch.fixed_order import ordered_mm, tree_sum
+    from moe_dispatch.numerics.fixed_order import ordered_mm, tree_sum
 
     torch._dynamo.reset()
     counters.clear()

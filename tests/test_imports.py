@@ -92,7 +92,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
 def test_graph_sees_the_package():
     graph = import_graph()
     assert "moe_dispatch.dispatcher.functional" in graph["moe_dispatch.dispatcher.dispatchers"]
-    assert "moe_dispatch.config" in graph["moe_dispatch.agreement"]
+    assert "moe_dispatch.config" in graph["moe_dispatch.distributed.agreement"]
     # a package import runs its __init__; imports within one's own package do not loop back
     assert "moe_dispatch.dispatcher" in graph["moe_dispatch.layer"]
     assert "moe_dispatch.dispatcher" not in graph["moe_dispatch.dispatcher.functional"]
@@ -107,10 +107,10 @@ def test_no_import_circle():
 
 @pytest.mark.parametrize("module, not_loaded", [
     ("moe_dispatch.config", ["moe_dispatch.dispatcher", "moe_dispatch.router", "moe_dispatch.ops"]),
-    ("moe_dispatch.comm", ["moe_dispatch.config", "moe_dispatch.dispatcher"]),
-    ("moe_dispatch.identity", ["moe_dispatch.config", "moe_dispatch.dispatcher"]),
-    ("moe_dispatch.agreement", ["moe_dispatch.dispatcher", "moe_dispatch.router", "moe_dispatch.ops"]),
-    ("moe_dispatch.autograd", ["moe_dispatch.dispatcher", "moe_dispatch.router", "moe_dispatch.ops",
+    ("moe_dispatch.distributed.comm", ["moe_dispatch.config", "moe_dispatch.dispatcher"]),
+    ("moe_dispatch.distributed.identity", ["moe_dispatch.config", "moe_dispatch.dispatcher"]),
+    ("moe_dispatch.distributed.agreement", ["moe_dispatch.dispatcher", "moe_dispatch.router", "moe_dispatch.ops"]),
+    ("moe_dispatch.numerics.autograd", ["moe_dispatch.dispatcher", "moe_dispatch.router", "moe_dispatch.ops",
                                "moe_dispatch.experts"]),
 ])
 def test_leaf_modules_load_nothing_above_them(module, not_loaded):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_dispatch import MoEConfig, MoELayer
-from moe_dispatch.profiling import host_waits
+from moe_dispatch.tools.profiling import host_waits
 from tests.cuda_host_waits import count_host_transfers
 
 
@@ -102,7 +102,7 @@ def test_same_seed_same_layer():
 def test_check_end_to_end():
     """`moe-dispatch check` on 4 gloo ranks: EP 1, 2, 4, both dispatchers, truncation; exit 0."""
     exe = os.path.join(os.path.dirname(sys.executable), "moe-dispatch")
-    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "moe_dispatch.cli"]
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "moe_dispatch.tools.cli"]
     proc = subprocess.run(cmd + ["check", "--tokens", "96", "--ranks", "4"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -119,7 +119,7 @@ def test_check_end_to_end():
 
 
 def test_check_help_lists_options():
-    proc = subprocess.run([sys.executable, "-m", "moe_dispatch.check", "--help"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "moe_dispatch.tools.check", "--help"], capture_output=True, text=True)
     for option in ["--ranks", "--ep-sizes", "--dispatcher", "--dtype", "--tokens", "--megatron"]:
         assert option in proc.stdout
 
@@ -179,7 +179,7 @@ def test_gpu_dropless_dispatch_keeps_its_one_read():
 @pytest.mark.gpu
 def test_gpu_check_gloo_ranks_share_the_gpu():
     """`moe-dispatch check --backend gloo` on a CUDA machine runs its ranks on the GPU(s)."""
-    proc = subprocess.run([sys.executable, "-m", "moe_dispatch.cli", "check", "--backend", "gloo", "--ranks", "2",
+    proc = subprocess.run([sys.executable, "-m", "moe_dispatch.tools.cli", "check", "--backend", "gloo", "--ranks", "2",
                            "--tokens", "96"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ranks on gloo (cuda)" in proc.stdout and "ALL PASS" in proc.stdout, proc.stdout

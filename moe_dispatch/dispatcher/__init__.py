@@ -6,12 +6,12 @@ Modules: ``layout`` (the size exchange: validation, sizes), ``exchange`` (the ki
 forward and back), ``expand`` (the received rows into the expert layout, and their gradients
 back), ``functional`` (dispatch / combine and the frozen handle), ``static`` (the sync-free
 plan), ``dispatchers`` (the objects). Agreement across ranks and latched errors:
-``moe_dispatch.agreement``; which layer and step a collective belongs to:
-``moe_dispatch.identity``; the settings: ``moe_dispatch.config.DispatchConfig``; Megatron's
+``moe_dispatch.distributed.agreement``; which layer and step a collective belongs to:
+``moe_dispatch.distributed.identity``; the settings: ``moe_dispatch.config.DispatchConfig``; Megatron's
 six-method interface: ``moe_dispatch.integrations.megatron``.
 """
-from ..agreement import InputProblem, hidden_states_problem
 from ..config import DispatchConfig
+from ..distributed.agreement import InputProblem, hidden_states_problem
 from .dispatchers import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher
 from .exchange import KINDS
 from .functional import DispatchHandle, combine, dispatch

@@ -6,10 +6,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..agreement import GROUP_LATCHES, InputProblem, agree_config
-from ..comm import ProcessGroup, group_size_rank
 from ..config import DispatchConfig, MoEConfig, as_dispatch_config
-from ..identity import StepCounter, new_layer_id
+from ..distributed.agreement import GROUP_LATCHES, InputProblem, agree_config
+from ..distributed.comm import ProcessGroup, group_size_rank
+from ..distributed.identity import StepCounter, new_layer_id
 from . import functional, static
 from .functional import DispatchHandle, device_of
 from .layout import check_ep_size, exchange_sizes

@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from ..agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, ErrorLatch, check_call
-from ..autograd import refuse_double_backward
-from ..comm import ProcessGroup, all_gather_rows, all_to_all_rows
 from ..config import DISPATCHER_KINDS
-from ..identity import CallId
+from ..distributed.agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, ErrorLatch, check_call
+from ..distributed.comm import ProcessGroup, all_gather_rows, all_to_all_rows
+from ..distributed.identity import CallId
+from ..numerics.autograd import refuse_double_backward
 from ..ops.torch_twin import round_up
 
 if TYPE_CHECKING:

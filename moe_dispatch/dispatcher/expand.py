@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..autograd import refuse_double_backward
+from ..numerics.autograd import refuse_double_backward
 from ..ops import RowIdMap, unpermute
 from ..ops.permutation import permute_rows
 

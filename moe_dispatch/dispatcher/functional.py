@@ -35,7 +35,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..agreement import (
+from ..config import DispatchConfig, MoEConfig, as_dispatch_config
+from ..distributed.agreement import (
     DISPATCH_BACKWARD_CALL,
     EXPERT_DTYPE,
     EXPERT_ROWS,
@@ -46,9 +47,8 @@ from ..agreement import (
     agree_config,
     dtype_code,
 )
-from ..comm import ProcessGroup
-from ..config import DispatchConfig, MoEConfig, as_dispatch_config
-from ..identity import StepCounter, functional_counter
+from ..distributed.comm import ProcessGroup
+from ..distributed.identity import StepCounter, functional_counter
 from ..ops import RowIdMap, unpermute
 from . import static
 from .exchange import KINDS, Received, return_rows, send_back

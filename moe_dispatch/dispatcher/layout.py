@@ -23,7 +23,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..agreement import (
+from ..config import DispatchConfig
+from ..distributed.agreement import (
     ErrorLatch,
     InputProblem,
     differ,
@@ -33,9 +34,8 @@ from ..agreement import (
     order_problem,
     problem_message,
 )
-from ..comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
-from ..config import DispatchConfig
-from ..identity import CallId
+from ..distributed.comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
+from ..distributed.identity import CallId
 from ..ops.torch_twin import round_up
 
 _HIDDEN_DTYPES = tuple(dtype_code(d) for d in (torch.float32, torch.float16, torch.bfloat16))

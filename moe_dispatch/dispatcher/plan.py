@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from ..agreement import ErrorLatch
-from ..comm import ProcessGroup, to_device
 from ..config import DispatchConfig
+from ..distributed.agreement import ErrorLatch
+from ..distributed.comm import ProcessGroup, to_device
 from ..ops import RowIdMap
 from ..ops.permutation import make_slots, runs_index
 from .exchange import KINDS, ReturnRoute, return_runs

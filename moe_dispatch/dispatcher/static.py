@@ -26,10 +26,10 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ..agreement import ErrorLatch, fingerprint_hash
-from ..comm import ProcessGroup, all_gather_rows, all_to_all_rows, group_key, group_size_rank
 from ..config import DispatchConfig
-from ..identity import CallId, StepCounter
+from ..distributed.agreement import ErrorLatch, fingerprint_hash
+from ..distributed.comm import ProcessGroup, all_gather_rows, all_to_all_rows, group_key, group_size_rank
+from ..distributed.identity import CallId, StepCounter
 from ..ops import RowIdMap
 from ..ops.permutation import make_slots
 from .exchange import Received, RowFormat

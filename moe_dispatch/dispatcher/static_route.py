@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ..agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, ErrorLatch, check_call
-from ..autograd import refuse_double_backward
-from ..comm import ProcessGroup, all_to_all_rows
-from ..identity import CallId
+from ..distributed.agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, ErrorLatch, check_call
+from ..distributed.comm import ProcessGroup, all_to_all_rows
+from ..distributed.identity import CallId
+from ..numerics.autograd import refuse_double_backward
 from ..ops import RowIdMap
 from ..ops.permutation import make_slots
 from .exchange import Received, RowFormat

@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ..agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, RETURN_CHECKS
-from ..comm import ProcessGroup, group_key
-from ..identity import CallId, layer_name
+from ..distributed.agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, RETURN_CHECKS
+from ..distributed.comm import ProcessGroup, group_key
+from ..distributed.identity import CallId, layer_name
 from ..ops import guard
 
 if TYPE_CHECKING:

@@ -24,8 +24,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..autograd import refuse_double_backward
-from ..fixed_order import tree_sum
+from ..numerics.autograd import refuse_double_backward
+from ..numerics.fixed_order import tree_sum
 
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693147180369123816490  # high bits of ln 2: n * _LN2_HI is exact for |n| < 2**20

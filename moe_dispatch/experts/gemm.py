@@ -5,7 +5,7 @@
 
 Strategies, picked by `select_gemm`:
 
-- ``"ordered"`` (CPU, row-stable, every dtype): `moe_dispatch.fixed_order.ordered_mm` per
+- ``"ordered"`` (CPU, row-stable, every dtype): `moe_dispatch.numerics.fixed_order.ordered_mm` per
   expert, elementwise products summed over K by a fixed pairwise tree, no BLAS call. A row's
   bits are a function of that row and the weights only, by construction, whatever kernels the
   CPU's MKL/oneDNN would pick (their choice changes rows at CPU-model-dependent M, in forward
@@ -36,8 +36,8 @@ from typing import List, Literal, Optional
 
 import torch
 
-from ..autograd import refuse_double_backward
-from ..fixed_order import ordered_mm
+from ..numerics.autograd import refuse_double_backward
+from ..numerics.fixed_order import ordered_mm
 
 GemmStrategy = Literal["grouped", "ordered", "tiled", "loop"]
 

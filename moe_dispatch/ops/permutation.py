@@ -20,7 +20,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from ..autograd import refuse_double_backward
+from ..numerics.autograd import refuse_double_backward
 from . import guard, torch_twin
 from .torch_twin import round_up
 

@@ -12,7 +12,7 @@ the library and the CPU or GPU model (BENCHMARKS.md "Row stability of GEMMs"). S
   stability of GEMMs").
   fp32 activations use an IEEE fp32 FMA kernel, fp64 an fp64 one. Without triton, CUDA falls
   back to fixed-shape cuBLAS calls of ``FALLBACK_ROW_BLOCK`` rows (not measured for row stability).
-* CPU: `moe_dispatch.fixed_order.ordered_mm`, elementwise products summed over H by a fixed
+* CPU: `moe_dispatch.numerics.fixed_order.ordered_mm`, elementwise products summed over H by a fixed
   pairwise tree, no BLAS call: a row's logits are a function of that row and the weight only,
   whatever kernels the CPU's library would pick.
 
@@ -31,8 +31,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..autograd import refuse_double_backward
-from ..fixed_order import ordered_mm
+from ..numerics.autograd import refuse_double_backward
+from ..numerics.fixed_order import ordered_mm
 
 FALLBACK_ROW_BLOCK = 128
 

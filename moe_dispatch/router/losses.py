@@ -10,7 +10,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..autograd import refuse_double_backward
+from ..numerics.autograd import refuse_double_backward
 from .topk import compute_dtype, stable_topk_indices
 
 

@@ -13,9 +13,9 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..agreement import agree_settings
-from ..comm import group_size_rank
 from ..config import MoEConfig
+from ..distributed.agreement import agree_settings
+from ..distributed.comm import group_size_rank
 from .capacity import apply_capacity
 from .gating import gating_linear
 from .losses import (

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_dispatch.launch import end_spawned_rank
+from moe_dispatch.distributed.launch import end_spawned_rank
 
 
 def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, backend: str,

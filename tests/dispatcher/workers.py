@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_dispatch.comm import group_size_rank
 from moe_dispatch.dispatcher import AllGatherDispatcher, AllToAllDispatcher
+from moe_dispatch.distributed.comm import group_size_rank
 from moe_dispatch.integrations.megatron import MegatronTokenDispatcher
 from moe_dispatch.ops import permute, unpermute
 

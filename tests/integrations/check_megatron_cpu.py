@@ -2,7 +2,7 @@
 
 The command itself refuses CPU ranks (megatron-core's MoE code needs CUDA); this launcher spawns
 the ranks as the command does, applies the test-only CPU shims (tests/megatron_cpu.py) in each,
-and then runs the command's own rank code (``moe_dispatch.check.main_worker``) unchanged.
+and then runs the command's own rank code (``moe_dispatch.tools.check.main_worker``) unchanged.
 
     python -m tests.integrations.check_megatron_cpu --megatron --ranks 2 --dtype fp32
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from moe_dispatch import check
-from moe_dispatch.launch import end_spawned_rank, set_rank_env, spawn_ranks
+from moe_dispatch.distributed.launch import end_spawned_rank, set_rank_env, spawn_ranks
+from moe_dispatch.tools import check
 
 
 def _rank(local_rank: int, world: int, port: int, args) -> None:

@@ -95,7 +95,6 @@ def capture_worker(rank: int, world_size: int) -> dict:
     tokens against eager steps, the sync-free eager step against the dropless one, host waits."""
     assert world_size == 1
     warnings.filterwarnings("ignore")  # Megatron's import-time notices (no TE, no apex, ...)
-    from moe_dispatch.capture import capture_step
     from moe_dispatch.integrations.megatron import install
     from moe_dispatch.integrations.megatron.build import (
         build_moe_layer,
@@ -105,7 +104,8 @@ def capture_worker(rank: int, world_size: int) -> dict:
         process_groups,
     )
     from moe_dispatch.ops import check_device_errors
-    from moe_dispatch.profiling import host_waits
+    from moe_dispatch.tools.capture import capture_step
+    from moe_dispatch.tools.profiling import host_waits
 
     device = torch.device("cuda")
     prepare_megatron(device)

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from moe_dispatch.launch import end_spawned_rank, set_rank_env, spawn_ranks
+from moe_dispatch.distributed.launch import end_spawned_rank, set_rank_env, spawn_ranks
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron_gpt.py"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_dispatch import check
+from moe_dispatch.tools import check
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_MEGATRON = (importlib.util.find_spec("megatron") is not None
@@ -100,7 +100,7 @@ def test_check_megatron_on_gpus():
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    cmd = [sys.executable, "-m", "moe_dispatch.check", "--megatron", "--tokens", "512", "--hidden", "1024",
+    cmd = [sys.executable, "-m", "moe_dispatch.tools.check", "--megatron", "--tokens", "512", "--hidden", "1024",
            "--ffn", "512", "--experts", "16", "--topk", "4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

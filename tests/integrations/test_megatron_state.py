@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_dispatch.distributed.launch import free_port
 from moe_dispatch.experts import GroupedMLP, SequentialMLP
 from moe_dispatch.integrations.megatron import (
     from_megatron_grouped,
@@ -17,7 +18,6 @@ from moe_dispatch.integrations.megatron import (
     megatron_state_dict,
     to_megatron_grouped,
 )
-from moe_dispatch.launch import free_port
 from tests.experts.reference import make_config, reference_forward, routed_batch
 from tests.experts.test_reference import TOL
 

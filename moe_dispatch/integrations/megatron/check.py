@@ -1,6 +1,6 @@
 """``moe-dispatch check --megatron``: the contract checks on megatron-core's own MoELayer.
 
-The same contract checks (every rank, dispatcher, EP size, batch) as ``moe_dispatch.check`` runs
+The same contract checks (every rank, dispatcher, EP size, batch) as ``moe_dispatch.tools.check`` runs
 on our MoELayer, on the same tokens, for megatron-core's MoELayer (0.16.1 through 0.19.2;
 SequentialMLP experts, no TransformerEngine) at the check's size:
 
@@ -19,7 +19,7 @@ layers of every EP size are the same model. Megatron's layers are fed [T, 1, H].
 Megatron's MoE code needs CUDA (it asks for CUDA devices and streams even for CPU tensors), so the
 command runs it on GPUs; on CPU ranks only the test suite runs it, with its test-only shims.
 
-This module does not import ``moe_dispatch.check``: the check hands it the EP groups and its
+This module does not import ``moe_dispatch.tools.check``: the check hands it the EP groups and its
 ``contract`` function (the contract checks of one kind of layer), so the two never import each
 other.
 """
@@ -37,13 +37,13 @@ OURS_LABEL = "megatron + moe-dispatch: "
 
 
 # contract(run, label, informational) -> results: the contract checks on one kind of layer, whose
-# run(kind, ep, x, upstream) does one forward + backward (moe_dispatch.check.contract_checks).
+# run(kind, ep, x, upstream) does one forward + backward (moe_dispatch.tools.check.contract_checks).
 ContractFn = Callable[[Callable, str, bool], list]
 
 
 def _megatron_run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, groups: dict, single: Any,
                   ours: bool) -> Callable:
-    """A check run function (see ``moe_dispatch.check.RunFn``) over Megatron layers, one per
+    """A check run function (see ``moe_dispatch.tools.check.RunFn``) over Megatron layers, one per
     (dispatcher, EP size), built on first use and reused (grads zeroed before each step)."""
     from .build import build_moe_layer, load_seeded_weights, moe_transformer_config, process_groups
 
@@ -106,7 +106,7 @@ def run_megatron_checks(args: argparse.Namespace, device: torch.device, dtype: t
                         contract: ContractFn) -> list:
     """Checks (a)-(d) on megatron-core's MoELayer, stock (reference rows) and with our dispatcher
     installed. ``groups``: this rank's EP group per EP size (the check's). Collective: call on
-    every rank, after ``moe_dispatch.check.run_checks``."""
+    every rank, after ``moe_dispatch.tools.check.run_checks``."""
     from .build import prepare_megatron
     from .supported import warn_if_untested
 

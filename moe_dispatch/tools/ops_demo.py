@@ -1,6 +1,6 @@
 """Ops demo: max error of permute/unpermute against float64, and a repeatability check.
 
-    python -m moe_dispatch.ops.demo [--tokens 4096 --experts 64 --topk 6 --hidden 1024]
+    python -m moe_dispatch.tools.ops_demo [--tokens 4096 --experts 64 --topk 6 --hidden 1024]
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 
 import torch
 
-from .permutation import permute, unpermute
+from ..ops.permutation import permute, unpermute
 
 
 def _error_table(T: int, E: int, K: int, H: int, dtype: torch.dtype, device: str) -> dict[str, float]:

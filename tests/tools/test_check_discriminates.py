@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_dispatch.check import build_parser, contract_checks
+from moe_dispatch.tools.check import build_parser, contract_checks
 
 
 @pytest.fixture()

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_dispatch import cli
+from moe_dispatch.tools import cli
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -150,7 +150,7 @@ OPS_DEMO_BAD = [
 
 @pytest.mark.parametrize("argv,flag,says", OPS_DEMO_BAD, ids=[" ".join(a) for a, _, _ in OPS_DEMO_BAD])
 def test_ops_demo_refuses_a_bad_flag_before_any_work(capsys, monkeypatch, argv, flag, says):
-    from moe_dispatch.ops import demo
+    from moe_dispatch.tools import ops_demo as demo
 
     def no_work(*args, **kwargs):
         raise AssertionError("the demo started")
@@ -174,8 +174,8 @@ def test_no_command_is_a_usage_error(capsys):
 
 def test_console_script_exits_2_once():
     # The real entry point in a fresh interpreter: status 2, one message, no rank output.
-    proc = subprocess.run([sys.executable, "-m", "moe_dispatch.cli", "check", "--tokens", "0", "--backend", "gloo"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "moe_dispatch.tools.cli", "check", "--tokens", "0", "--backend",
+                           "gloo"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("error: argument --tokens:") == 1 and proc.stdout == ""
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from moe_dispatch.launch import rank_device
+from moe_dispatch.distributed.launch import rank_device
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case")

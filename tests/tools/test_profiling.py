@@ -1,4 +1,4 @@
-"""moe_dispatch.profiling.gpu_idle on a hand-made trace (the CPU suite has no CUDA kernels)."""
+"""moe_dispatch.tools.profiling.gpu_idle on a hand-made trace (the CPU suite has no CUDA kernels)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from moe_dispatch.profiling import gpu_idle
+from moe_dispatch.tools.profiling import gpu_idle
 
 
 def _event(name, start, end, device=DeviceType.CPU, id=0, linked=0, thread=1, annotation=False):

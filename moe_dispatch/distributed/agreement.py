@@ -26,8 +26,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..config import DISPATCHER_KINDS, DispatchConfig
 from .comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
-from .config import DISPATCHER_KINDS, DispatchConfig
 from .identity import FUNCTIONAL_LAYER, CallId, layer_name
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.bool: 5,

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_dispatch.check import build_parser, combine_rows, expert_outputs, reduce_scatter_combine
 from moe_dispatch.config import MoEConfig
 from moe_dispatch.layer import MoELayer
+from moe_dispatch.tools.check import build_parser, combine_rows, expert_outputs, reduce_scatter_combine
 
 
 @pytest.fixture()

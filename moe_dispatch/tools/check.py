@@ -19,8 +19,8 @@ Launch plainly (it spawns the ranks itself: 4 CPU ranks on gloo by default, one 
 NCCL where CUDA is present) or under torchrun, which sets the ranks:
 
     moe-dispatch check
-    python -m moe_dispatch.check --ranks 2 --dtype fp32
-    torchrun --nproc-per-node 8 -m moe_dispatch.check --ep-sizes 1,2,4,8
+    python -m moe_dispatch.tools.check --ranks 2 --dtype fp32
+    torchrun --nproc-per-node 8 -m moe_dispatch.tools.check --ep-sizes 1,2,4,8
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..config import DISPATCHER_KINDS, MoEConfig
+from ..distributed.comm import all_gather_rows
+from ..distributed.launch import end_spawned_rank, rank_device, set_rank_env, spawn_ranks
 from .check_sizes import SIZE_FLAGS, memory_per_rank, size_problem
-from .comm import all_gather_rows
-from .config import DISPATCHER_KINDS, MoEConfig
-from .launch import end_spawned_rank, rank_device, set_rank_env, spawn_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -248,8 +248,8 @@ def _gather_results(results: list[Result], device: torch.device) -> list[Result]
 
 
 def run_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
-    from .config import MoEConfig
-    from .layer import MoELayer
+    from ..config import MoEConfig
+    from ..layer import MoELayer
 
     world = dist.get_world_size()
     sizes, dispatchers = check_plan(args, world)
@@ -362,8 +362,8 @@ def captured_check(args: argparse.Namespace, device: torch.device, config: MoECo
     """The EP-1 layer's sync-free forward + backward captured in a CUDA graph and replayed on
     new tokens, against the eager step on them: output, input and router gradients bitwise. CUDA
     only (skipped on CPU: there is nothing to capture). Collective: every rank calls it."""
+    from ..layer import MoELayer
     from .capture import capture_step
-    from .layer import MoELayer
 
     check = "CUDA-graph replay vs eager step: EP 1, sync-free"
     if device.type != "cuda":
@@ -400,7 +400,7 @@ def _megatron_checks(args: argparse.Namespace, device: torch.device) -> list[Res
     """--megatron: the contract checks (every rank, dispatcher, EP size, batch) on megatron-core's
     MoELayer (``integrations.megatron.check``), handed this check's EP groups and
     ``contract_checks`` (so that module never imports this one)."""
-    from .integrations.megatron.check import run_megatron_checks
+    from ..integrations.megatron.check import run_megatron_checks
 
     world = dist.get_world_size()
     sizes, dispatchers = check_plan(args, world)
@@ -413,8 +413,8 @@ def _megatron_checks(args: argparse.Namespace, device: torch.device) -> list[Res
 
 
 def throughput(args: argparse.Namespace, device: torch.device) -> str:
-    from .config import MoEConfig
-    from .layer import MoELayer
+    from ..config import MoEConfig
+    from ..layer import MoELayer
 
     world = dist.get_world_size()
     config = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
@@ -497,7 +497,7 @@ def main_worker(args: argparse.Namespace, backend: str) -> int:
         if rank == 0:
             _print_table(results, args.dtype)
             if args.megatron:
-                from .integrations.megatron.check import explain
+                from ..integrations.megatron.check import explain
                 for note in explain(results):
                     print(note)
             print(line)
@@ -568,7 +568,7 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
              "or the truncation test zeroes nothing")
     if args.topk == 1:  # MoEConfig would ask for pre_softmax, which the check has no flag for
         fail("argument --topk: must be >= 2 (the check's softmax router over one chosen expert gets no gradient)")
-    from .config import MoEConfig
+    from ..config import MoEConfig
 
     try:
         base = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
@@ -598,7 +598,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     validate_args(parser, args, argv)
     if args.megatron:
-        from .integrations.megatron.check import megatron_unavailable
+        from ..integrations.megatron.check import megatron_unavailable
 
         if why := megatron_unavailable():
             parser.error(why)

@@ -20,7 +20,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     if argv[0] == "--version":
-        from . import __version__
+        from .. import __version__
         print(f"moe-dispatch {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
@@ -28,7 +28,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from .check import main as check_main
         return check_main(rest)
     if command == "ops-demo":
-        from .ops.demo import main as demo_main
+        from .ops_demo import main as demo_main
         return demo_main(rest)
     print(f"moe-dispatch: unknown command {command!r}; expected 'check' or 'ops-demo'", file=sys.stderr)
     return 2

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moe_dispatch import MoEConfig, MoELayer
-from moe_dispatch.capture import capture_step
 from moe_dispatch.dispatcher import AllToAllDispatcher
 from moe_dispatch.ops import check_device_errors, permute
+from moe_dispatch.tools.capture import capture_step
 
 pytestmark = pytest.mark.gpu
 

@@ -1,5 +1,5 @@
 """Double backward (create_graph=True) through any of our backward formulas is one clear error
-naming the formula (moe_dispatch/autograd.py): router, experts, ops and dispatcher paths, and the
+naming the formula (moe_dispatch/numerics/autograd.py): router, experts, ops and dispatcher paths, and the
 whole layer at EP 1 and on 2 gloo ranks (every rank raises it, none waits)."""
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from moe_dispatch import MoEConfig, MoELayer, dispatch, permute, sort_chunks, unpermute
-from moe_dispatch.agreement import ErrorLatch
 from moe_dispatch.config import DISPATCHER_KINDS
 from moe_dispatch.dispatcher.exchange import ReturnRoute, return_rows
+from moe_dispatch.distributed.agreement import ErrorLatch
+from moe_dispatch.distributed.identity import FUNCTIONAL_LAYER, CallId
 from moe_dispatch.experts.activations import activate, scale_rows
 from moe_dispatch.experts.gemm import expert_gemm
-from moe_dispatch.identity import FUNCTIONAL_LAYER, CallId
 from moe_dispatch.router.gating import gating_linear
 from moe_dispatch.router.losses import attach_loss
 
-from .dispatcher.harness import run_ranks
+from ..dispatcher.harness import run_ranks
 
 DISPATCHERS = DISPATCHER_KINDS
 
