@@ -104,6 +104,17 @@ class DispatchHandle:
         return self.expert_map.padded_tokens_per_expert
 
     @property
+    def source_blocks(self) -> Optional[tuple[tuple[tuple[int, int], ...], ...]]:
+        """Host ints [El][P]: (first row, rows) of each (local expert, source EP rank) block of the
+        receiver layout (capacity padding included; an expert's tail padding after its blocks is in
+        none). A block holds that source's tokens alone, in token order. None for the sync-free plan."""
+        if self.static is not None:
+            return None
+        layout = self.plan.layout
+        return tuple(tuple((layout.block_starts[e][s], layout.local_blocks[s][e]) for s in range(layout.ep_size))
+                     for e in range(layout.num_local_experts))
+
+    @property
     def trailing_rows(self) -> bool:
         """Sync-free: rows after the last expert's block (up to N) belong to no expert."""
         return self.static is not None
