@@ -2,7 +2,7 @@
 
 The command itself refuses CPU ranks (megatron-core's MoE code needs CUDA); this launcher spawns
 the ranks as the command does, applies the test-only CPU shims (tests/megatron_cpu.py) in each,
-and then runs the command's own rank code (``moe_dispatch.tools.check.main_worker``) unchanged.
+and then runs the command's own rank code (``moe_dispatch.tools.check.launch.main_worker``) unchanged.
 
     python -m tests.integrations.check_megatron_cpu --megatron --ranks 2 --dtype fp32
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Optional
 
 from moe_dispatch.distributed.launch import end_spawned_rank, set_rank_env, spawn_ranks
-from moe_dispatch.tools import check
+from moe_dispatch.tools.check.args import build_parser
+from moe_dispatch.tools.check.launch import main_worker
 
 
 def _rank(local_rank: int, world: int, port: int, args) -> None:
@@ -19,12 +20,12 @@ def _rank(local_rank: int, world: int, port: int, args) -> None:
     from tests.megatron_cpu import apply_cpu_shims
 
     apply_cpu_shims()
-    check.main_worker(args, "gloo")
+    main_worker(args, "gloo")
     end_spawned_rank()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = check.build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     return spawn_ranks(_rank, args.ranks or 2, args, name="check --megatron (CPU)")
 
 

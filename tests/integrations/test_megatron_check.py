@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_dispatch.tools import check
+from moe_dispatch.tools.check import main as check_main
+from moe_dispatch.tools.check.contract import Result
+from moe_dispatch.tools.check.reference import REFERENCE_LABEL
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_MEGATRON = (importlib.util.find_spec("megatron") is not None
@@ -45,7 +47,7 @@ def test_check_megatron_end_to_end(dtype):
     assert [_status(r) for r in captured] == ["SKIP (CUDA only)"], out  # the capture row: CUDA only
     # every rank: 2 dispatchers x 2 EP sizes; dispatcher + EP size: 3 comparisons; batch: 2 x 2;
     # 11 rows per kind of layer, and ours has the float64 row and a reference row besides
-    reference = [r for r in plain if r.startswith(check.REFERENCE_LABEL)]
+    reference = [r for r in plain if r.startswith(REFERENCE_LABEL)]
     plain = [r for r in plain if r not in reference]
     assert len(plain) == len(ours) + 1 and len(ours) == len(stock) == 11, out
     assert len(reference) == 1 and all(_status(r) in ("PASS", "DIFF") for r in reference), out
@@ -60,11 +62,11 @@ def test_check_megatron_end_to_end(dtype):
 
 
 def test_result_informational_rows_never_fail():
-    ref = check.Result("megatron stock: x", 1e-3, passed=False, informational=True)
-    ours = check.Result("megatron + moe-dispatch: x", 1e-3, passed=False)
+    ref = Result("megatron stock: x", 1e-3, passed=False, informational=True)
+    ours = Result("megatron + moe-dispatch: x", 1e-3, passed=False)
     assert (ref.status, ref.failed) == ("DIFF", False)
     assert (ours.status, ours.failed) == ("FAIL", True)
-    assert check.Result("y", 0.0, passed=True, informational=True).status == "PASS"
+    assert Result("y", 0.0, passed=True, informational=True).status == "PASS"
 
 
 def test_check_megatron_without_megatron_core(monkeypatch, capsys):
@@ -72,7 +74,7 @@ def test_check_megatron_without_megatron_core(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "megatron", None)  # import megatron -> ModuleNotFoundError
     monkeypatch.setitem(sys.modules, "megatron.core", None)
     with pytest.raises(SystemExit) as exc:
-        check.main(["--megatron", "--ranks", "2"])
+        check_main(["--megatron", "--ranks", "2"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--megatron needs megatron-core" in err and "pip install megatron-core" in err
@@ -85,7 +87,7 @@ def test_check_megatron_needs_cuda(monkeypatch, capsys):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exc:
-        check.main(["--megatron", "--ranks", "2"])
+        check_main(["--megatron", "--ranks", "2"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--megatron needs CUDA" in err and "test" in err

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_dispatch.tools.check import build_parser, contract_checks
+from moe_dispatch.tools.check.args import build_parser
+from moe_dispatch.tools.check.contract import contract_checks
 
 
 @pytest.fixture()

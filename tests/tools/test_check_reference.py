@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from moe_dispatch.config import MoEConfig
 from moe_dispatch.layer import MoELayer
-from moe_dispatch.tools.check import build_parser, combine_rows, expert_outputs, reduce_scatter_combine
+from moe_dispatch.tools.check.args import build_parser
+from moe_dispatch.tools.check.reference import combine_rows, expert_outputs, reduce_scatter_combine
 
 
 @pytest.fixture()

@@ -37,13 +37,13 @@ OURS_LABEL = "megatron + moe-dispatch: "
 
 
 # contract(run, label, informational) -> results: the contract checks on one kind of layer, whose
-# run(kind, ep, x, upstream) does one forward + backward (moe_dispatch.tools.check.contract_checks).
+# run(kind, ep, x, upstream) does one forward + backward (moe_dispatch.tools.check.contract.contract_checks).
 ContractFn = Callable[[Callable, str, bool], list]
 
 
 def _megatron_run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, groups: dict, single: Any,
                   ours: bool) -> Callable:
-    """A check run function (see ``moe_dispatch.tools.check.RunFn``) over Megatron layers, one per
+    """A check run function (see ``moe_dispatch.tools.check.contract.RunFn``) over Megatron layers, one per
     (dispatcher, EP size), built on first use and reused (grads zeroed before each step)."""
     from .build import build_moe_layer, load_seeded_weights, moe_transformer_config, process_groups
 
@@ -106,7 +106,7 @@ def run_megatron_checks(args: argparse.Namespace, device: torch.device, dtype: t
                         contract: ContractFn) -> list:
     """Checks (a)-(d) on megatron-core's MoELayer, stock (reference rows) and with our dispatcher
     installed. ``groups``: this rank's EP group per EP size (the check's). Collective: call on
-    every rank, after ``moe_dispatch.tools.check.run_checks``."""
+    every rank, after ``moe_dispatch.tools.check.launch.run_checks``."""
     from .build import prepare_megatron
     from .supported import warn_if_untested
 
