@@ -128,8 +128,10 @@ class MoELayer(nn.Module):
             expert_output = self.experts(expert_input, handle.expert_counts, handle.permuted_probs,
                                          offsets=handle.expert_offsets, trailing_rows=True)
         else:
+            # per-source weight gradients only while a GradientTree asked for them (experts.source_grads)
+            blocks = handle.source_blocks if self.experts.source_grads is not None else None
             expert_output = self.experts(expert_input, host_tokens_per_expert(handle), handle.permuted_probs,
-                                         offsets=handle.expert_offsets)
+                                         offsets=handle.expert_offsets, source_blocks=blocks)
         output = self.dispatcher.combine(expert_output, handle)
         if agreed is not None or handle.input_replaced:
             # NaN in this rank's own shape; the graph stays, so the backward's collectives still run.

@@ -32,7 +32,7 @@ Empty experts get exact zeros.
 
 from __future__ import annotations
 
-from typing import List, Literal, Optional
+from typing import Callable, List, Literal, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,6 +40,8 @@ from ..numerics.autograd import refuse_double_backward
 from ..numerics.fixed_order import ordered_mm
 
 GemmStrategy = Literal["grouped", "ordered", "tiled", "loop"]
+# [E][P]: (first row, rows) of each (local expert, source EP rank) block (``DispatchHandle.source_blocks``).
+SourceBlocks = Sequence[Sequence[Tuple[int, int]]]
 
 # Rows per GEMM call of "tiled": larger tiles keep the GPU busier (BENCHMARKS.md "Experts").
 DEFAULT_ROW_TILE = 256
@@ -98,6 +100,10 @@ def _counts(tokens_per_expert: torch.Tensor, n_rows: int, trailing_rows: bool = 
     return counts
 
 
+def _grouped_dx(grad: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs)
+
+
 class _GroupedMM(torch.autograd.Function):
     """torch._grouped_mm with an explicit backward: the built-in one rejects the stride-0
     gradients that e.g. ``out.sum().backward()`` produces."""
@@ -115,14 +121,15 @@ class _GroupedMM(torch.autograd.Function):
             return torch.zeros_like(x), torch.zeros_like(w), None
         grad = _dense(grad)
         # dx rows: dy_row @ w[e]^T, one grouped GEMM again (row-stable like the forward).
-        gx = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
+        gx = _grouped_dx(grad, w, offs) if ctx.needs_input_grad[0] else None
         # dw[e] = x_e^T @ dy_e: groups now split the reduction dim; empty groups give zeros.
         gw = torch._grouped_mm(x.t(), grad, offs=offs) if ctx.needs_input_grad[1] else None
         return gx, gw, None
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor,
-             offsets: Optional[torch.Tensor], trailing_rows: bool = False) -> torch.Tensor:
+             offsets: Optional[torch.Tensor], trailing_rows: bool = False,
+             per_source: Optional[tuple] = None) -> torch.Tensor:
     if tokens_per_expert.device.type == "cpu":
         _counts(tokens_per_expert, x.shape[0], trailing_rows)  # cheap check; a device tensor would need a sync
     if offsets is None:
@@ -131,6 +138,8 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor,
     elif offsets.shape != (w.shape[0],) or offsets.dtype != torch.int32 or offsets.device != x.device:
         raise ValueError(f"offsets must be int32 [{w.shape[0]}] on {x.device}, got {offsets.dtype} "
                          f"{list(offsets.shape)} on {offsets.device}")
+    if per_source is not None:
+        return _PerSourceMM.apply(x, w, offsets, None, None, *per_source)
     return _GroupedMM.apply(x, w, offsets)
 
 
@@ -166,6 +175,11 @@ def _ordered(x: torch.Tensor, w: torch.Tensor, counts: List[int]) -> torch.Tenso
     return out
 
 
+def _loop_forward(x: torch.Tensor, w: torch.Tensor, counts: List[int], row_tile: Optional[int]) -> torch.Tensor:
+    """"ordered" (row_tile None) or "tiled"/"loop" (row_tile a number): x [N, K] @ w[e] per expert block."""
+    return _ordered(x, w, counts) if row_tile is None else _blockwise(x, w, counts, row_tile)
+
+
 class _LoopMM(torch.autograd.Function):
     """Per-expert GEMMs (``"ordered"``, ``"tiled"`` or ``"loop"``) with an explicit backward:
     dx through the same blocking as the forward, dw one product per expert over its rows."""
@@ -174,7 +188,7 @@ class _LoopMM(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, counts: List[int], row_tile: Optional[int]) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w)
         ctx.args = (counts, row_tile)
-        return _ordered(x, w, counts) if row_tile is None else _blockwise(x, w, counts, row_tile)
+        return _loop_forward(x, w, counts, row_tile)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -182,10 +196,7 @@ class _LoopMM(torch.autograd.Function):
         x, w = ctx.saved_tensors
         counts, row_tile = ctx.args
         grad = _dense(grad)
-        gx = None
-        if ctx.needs_input_grad[0]:
-            wt = w.transpose(1, 2)
-            gx = _ordered(grad, wt, counts) if row_tile is None else _blockwise(grad, wt, counts, row_tile)
+        gx = _loop_forward(grad, w.transpose(1, 2), counts, row_tile) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1]:
             gw = torch.empty_like(w)
@@ -196,6 +207,94 @@ class _LoopMM(torch.autograd.Function):
         return gx, gw, None, None
 
 
+class _PerSourceMM(torch.autograd.Function):
+    """An expert GEMM whose weight gradient is one product per (local expert, source) block, handed
+    to ``sink`` as [P, E, K, M] instead of to autograd (``w`` gets none). The forward and the input
+    gradient are the strategy's own calls ("grouped" when ``offs`` is given, else the loop paths)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: Optional[torch.Tensor], counts: Optional[List[int]],  # type: ignore[override]
+                row_tile: Optional[int], blocks: SourceBlocks, sink: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offs)
+        ctx.args = (counts, row_tile, blocks, sink)
+        return torch._grouped_mm(x, w, offs=offs) if offs is not None else _loop_forward(x, w, counts, row_tile)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        refuse_double_backward("_PerSourceMM")
+        x, w, offs = ctx.saved_tensors
+        counts, row_tile, blocks, sink = ctx.args
+        if offs is not None and grad.shape[0] == 0:
+            gx = torch.zeros_like(x)
+        else:
+            grad = _dense(grad)
+            gx = None
+            if ctx.needs_input_grad[0]:
+                gx = _grouped_dx(grad, w, offs) if offs is not None else \
+                    _loop_forward(grad, w.transpose(1, 2), counts, row_tile)
+        if ctx.needs_input_grad[1]:
+            sink(source_weight_grads(x, grad, blocks, w.shape, "grouped" if offs is not None else row_tile))
+        return gx, None, None, None, None, None, None
+
+
+def source_weight_grads(x: torch.Tensor, grad: torch.Tensor, blocks: SourceBlocks, w_shape: torch.Size,
+                        how: "str | int | None") -> torch.Tensor:
+    """x [N, K], grad [N, M] -> [P, E, K, M]: ``x_b^T @ grad_b`` for each (expert e, source s) block
+    b = blocks[e][s]; rows in no block (padding after an expert's blocks) add nothing. ``how``:
+    "grouped" (one torch._grouped_mm, a group per block: each group's result is its rows' alone),
+    None (`ordered_mm` per block) or a row tile (torch.mm per block, the loop paths)."""
+    E, K, M = w_shape
+    P = len(blocks[0]) if E else 0
+    if how != "grouped" or x.shape[0] == 0:
+        out = x.new_zeros(P, E, K, M)
+        mm = ordered_mm if how is None else torch.mm
+        for e in range(E):
+            for s, (first, rows) in enumerate(blocks[e]):
+                if rows:
+                    out[s, e] = mm(x[first:first + rows].t(), grad[first:first + rows])
+        return out
+    ends, pick = [], [[0] * E for _ in range(P)]
+    cursor = 0
+    for e in range(E):
+        for s, (first, rows) in enumerate(blocks[e]):
+            if first > cursor:  # padding rows between blocks: a group of their own, dropped
+                ends.append(first)
+            pick[s][e] = len(ends)
+            ends.append(first + rows)
+            cursor = first + rows
+    if cursor < x.shape[0]:
+        ends.append(x.shape[0])
+    offs = torch.tensor(ends, dtype=torch.int32).to(x.device)
+    groups = torch._grouped_mm(x.t(), grad, offs=offs)  # [G, K, M]; empty groups give zeros
+    index = torch.tensor([g for row in pick for g in row], dtype=torch.int64).to(x.device)
+    return groups.index_select(0, index).view(P, E, K, M)
+
+
+def _check_blocks(blocks: SourceBlocks, tokens_per_expert: torch.Tensor, num_experts: int) -> SourceBlocks:
+    """ValueError unless ``blocks`` is [E][P] of (first row, rows) tiling each expert's rows from its
+    first row on, in order (host counts only; device counts are not read)."""
+    widths = {len(row) for row in blocks}
+    if len(blocks) != num_experts or len(widths) != 1 or 0 in widths:
+        raise ValueError(f"source_blocks must be [{num_experts}][P] (first row, rows) pairs, got "
+                         f"{[len(row) for row in blocks]} per expert")
+    counts = tokens_per_expert.tolist() if tokens_per_expert.device.type == "cpu" else None
+    start = 0
+    for e, row in enumerate(blocks):
+        cursor = row[0][0]
+        if counts is not None and cursor != start:
+            raise ValueError(f"source_blocks: expert {e}'s first block starts at row {cursor}, its rows at {start}")
+        for first, rows in row:
+            if first != cursor or rows < 0:
+                raise ValueError(f"source_blocks: expert {e}'s blocks {list(row)} are not consecutive row ranges")
+            cursor = first + rows
+        if counts is not None:
+            if cursor > start + counts[e]:
+                raise ValueError(f"source_blocks: expert {e}'s blocks end at row {cursor}, past its "
+                                 f"{counts[e]} rows from row {start}")
+            start += counts[e]
+    return blocks
+
+
 def expert_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -204,6 +303,8 @@ def expert_gemm(
     row_tile: int = 0,
     offsets: Optional[torch.Tensor] = None,
     trailing_rows: bool = False,
+    source_blocks: Optional[SourceBlocks] = None,
+    sink: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> torch.Tensor:
     """``x`` [N, K] expert-major, ``w`` [E, K, M], ``tokens_per_expert`` [E] -> [N, M].
 
@@ -215,11 +316,22 @@ def expert_gemm(
     ``row_tile`` (``"tiled"`` only): rows per GEMM call, 0 means ``DEFAULT_ROW_TILE``.
     ``offsets``: optional int32 [E] on x's device, the cumulative sum of tokens_per_expert (what
     ``"grouped"`` needs; the dispatcher's ``handle.expert_offsets``): saves a host-to-device copy.
+    ``source_blocks`` ([E][P] (first row, rows), see `source_weight_grads`) with ``sink``: the weight
+    gradient is computed per (expert, source) block and passed to ``sink`` as [P, E, K, M] (w itself
+    gets no gradient); the forward and the input gradient are unchanged.
     """
     x = _dense(x)
+    per_source = None
+    if source_blocks is not None:
+        if sink is None or trailing_rows:
+            raise ValueError("source_blocks needs a sink and a dropless dispatch (trailing_rows=False)")
+        per_source = (_check_blocks(source_blocks, tokens_per_expert, w.shape[0]), sink)
     if strategy == "grouped":
-        return _grouped(x, w, tokens_per_expert, offsets, trailing_rows)
+        return _grouped(x, w, tokens_per_expert, offsets, trailing_rows, per_source)
     tiles = {"ordered": None, "loop": 0, "tiled": row_tile or DEFAULT_ROW_TILE}
     if strategy not in tiles:
         raise ValueError(f"unknown GEMM strategy {strategy!r}, expected one of grouped, {', '.join(tiles)}")
-    return _LoopMM.apply(x, w, _counts(tokens_per_expert, x.shape[0], trailing_rows), tiles[strategy])
+    counts = _counts(tokens_per_expert, x.shape[0], trailing_rows)
+    if per_source is not None:
+        return _PerSourceMM.apply(x, w, None, counts, tiles[strategy], *per_source)
+    return _LoopMM.apply(x, w, counts, tiles[strategy])

@@ -37,7 +37,7 @@ the two are different kernels and may differ in the last bits; they agree within
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ from torch import nn
 
 from ..checkpoint import register_sharded
 from .activations import activate, scale_rows
-from .gemm import GemmStrategy, expert_gemm, select_gemm
+from .gemm import GemmStrategy, SourceBlocks, expert_gemm, select_gemm
 from .init import WEIGHT1, WEIGHT2, init_expert_weights
 
 
@@ -93,6 +93,10 @@ class LocalExperts(nn.Module):
         self.row_tile = row_tile
         self.ep_group = _sharding_group(ep_group, config.num_experts, num_local_experts, local_expert_offset)
         self._ep_mesh: Any = None  # the DeviceMesh of ep_group, built at the first state_dict()
+        # Per-source weight gradients (`moe_dispatch.parallel.GradientTree` sets it): a forward given
+        # source_blocks appends, at its backward, each weight's [P, E_local, ...] gradient here
+        # instead of accumulating into .grad. None: off.
+        self.source_grads: Optional[Dict[str, List[torch.Tensor]]] = None
         fc1_out = 2 * self.ffn_hidden_size if self.activation == "swiglu" else self.ffn_hidden_size
         kw = dict(dtype=config.params_dtype, device=device)
         self.weight1 = nn.Parameter(torch.empty(num_local_experts, self.hidden_size, fc1_out, **kw))
@@ -110,6 +114,7 @@ class LocalExperts(nn.Module):
         memo[id(self)] = new
         state = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_ddp_checked"}, memo)
         new.__setstate__(state)
+        new.source_grads = None  # a copy is no GradientTree's: its weights take gradients as usual
         if new.ep_group is not None:
             register_sharded(new)
         return new
@@ -168,17 +173,23 @@ class LocalExperts(nn.Module):
         *,
         offsets: Optional[torch.Tensor] = None,
         trailing_rows: bool = False,
+        source_blocks: Optional[SourceBlocks] = None,
     ) -> torch.Tensor:
         """permuted_tokens [N, H] (expert-major rows), tokens_per_expert [E_local] (int, summing
         to N), permuted_probs [N] or None -> [N, H] in permuted_tokens' dtype. ``offsets``:
         optional int32 [E_local] on the tokens' device, cumsum(tokens_per_expert) (e.g. the
         dispatcher's ``handle.expert_offsets``), so that grouped GEMMs copy nothing to the device.
         ``trailing_rows`` (a sync-free dispatch, ``handle.trailing_rows``): tokens_per_expert may
-        sum to less than N and be a device tensor (``handle.expert_counts``); see ``expert_gemm``.
+        sum to less than N and be a device tensor (``handle.device_expert_rows``); see ``expert_gemm``.
 
         With ``config.probs_in_experts`` and probs given, the activation is multiplied by each
         row's prob before fc2 (in float32 at least, rounded once), as Megatron's experts do;
         otherwise probs are ignored (the combine applies them).
+
+        ``source_blocks`` ([E_local][P] (first row, rows) of each (local expert, source) block, the
+        dispatcher's ``handle.source_blocks``), only while ``source_grads`` is set: each weight's
+        gradient is computed per block and appended to ``source_grads[name]`` as [P, E_local, ...]
+        in the weight's dtype; ``.grad`` is left alone. Output and input gradient are unchanged.
         """
         x = permuted_tokens
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
@@ -189,15 +200,25 @@ class LocalExperts(nn.Module):
             )
         # Weights follow the activations' dtype (e.g. float32 master weights, bf16 compute).
         w1, w2 = self.weight1.to(x.dtype), self.weight2.to(x.dtype)
+        sinks = (None, None) if source_blocks is None else (self._sink("weight1"), self._sink("weight2"))
         s1 = select_gemm(x, w1, self.prefer_grouped, self.row_stable)
-        h = expert_gemm(x, w1, tokens_per_expert, s1, self.row_tile, offsets, trailing_rows)
+        h = expert_gemm(x, w1, tokens_per_expert, s1, self.row_tile, offsets, trailing_rows, source_blocks, sinks[0])
         act = activate(h, self.activation)
         if self.probs_in_experts and permuted_probs is not None:
             if permuted_probs.shape != (x.shape[0],):
                 raise ValueError(f"permuted_probs must be [{x.shape[0]}], got {tuple(permuted_probs.shape)}")
             act = scale_rows(act, permuted_probs)
         s2 = select_gemm(act, w2, self.prefer_grouped, self.row_stable)
-        return expert_gemm(act, w2, tokens_per_expert, s2, self.row_tile, offsets, trailing_rows)
+        return expert_gemm(act, w2, tokens_per_expert, s2, self.row_tile, offsets, trailing_rows, source_blocks,
+                           sinks[1])
+
+    def _sink(self, name: str) -> Callable[[torch.Tensor], None]:
+        """Where the per-source gradient of weight ``name`` goes (``source_grads``), cast to its dtype."""
+        if self.source_grads is None:
+            raise ValueError("source_blocks given, but source_grads is None: per-source weight gradients are "
+                             "off (moe_dispatch.parallel.GradientTree turns them on)")
+        store, dtype = self.source_grads.setdefault(name, []), getattr(self, name).dtype
+        return lambda grad: store.append(grad.to(dtype))
 
     # ---- state dict: expert identity, DTensor shards for torch.distributed.checkpoint ----------
 

@@ -1,0 +1,89 @@
+"""Per-(expert, source) weight gradients (expert_gemm's source_blocks, LocalExperts.source_grads):
+each block's gradient is the product of that block's rows alone, bitwise what the same rows give
+as an expert's only rows; padding rows after an expert's blocks add nothing; the forward and the
+input gradient are the strategy's own."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from moe_dispatch.experts import GroupedMLP, expert_gemm
+from moe_dispatch.experts.gemm import grouped_mm_supported
+from tests.dispatcher.harness import value_error_of
+from tests.experts.reference import make_config
+
+# [E=3][P=3] (first row, rows); expert 1 has 2 padding rows after its blocks, expert 2 none at all
+COUNTS = [7, 6, 0]
+BLOCKS = (((0, 3), (3, 0), (3, 4)), ((7, 1), (8, 3), (11, 0)), ((13, 0), (13, 0), (13, 0)))
+K, M = 8, 12
+
+
+def _strategies():
+    x, w = torch.zeros(4, K), torch.zeros(3, K, M)
+    return ["ordered", "loop", "tiled"] + (["grouped"] if grouped_mm_supported(x, w) else [])
+
+
+def _run(strategy, x, w, dy, counts, blocks=None):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    got = []
+    y = expert_gemm(x, w, torch.tensor(counts), strategy, 4, source_blocks=blocks,
+                    sink=got.append if blocks is not None else None)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad, got
+
+
+@pytest.mark.parametrize("strategy", _strategies())
+def test_block_gradient_is_its_rows_alone(strategy):
+    g = torch.Generator().manual_seed(0)
+    n = sum(COUNTS)
+    x, dy, w = torch.randn(n, K, generator=g), torch.randn(n, M, generator=g), torch.randn(3, K, M, generator=g)
+    y, gx, gw, got = _run(strategy, x, w, dy, COUNTS, BLOCKS)
+    y_ref, gx_ref, gw_ref, _ = _run(strategy, x, w, dy, COUNTS)
+    assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
+    assert gw is None and len(got) == 1 and got[0].shape == (3, 3, K, M)
+    per_source = got[0]
+    for e, row in enumerate(BLOCKS):
+        for s, (first, rows) in enumerate(row):
+            if rows == 0:
+                assert not per_source[s, e].any(), (e, s)
+                continue
+            alone = [rows if i == e else 0 for i in range(3)]
+            *_, w_alone, _ = _run(strategy, x[first:first + rows], w, dy[first:first + rows], alone)
+            assert torch.equal(per_source[s, e], w_alone[e]), (strategy, e, s)
+    # expert 1's 2 padding rows (12, 13) are in no block; the rest sums to the usual gradient
+    padded = gw_ref.clone()
+    padded[1] -= x[11:13].t() @ dy[11:13]
+    torch.testing.assert_close(per_source.sum(0), padded, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_blocks_are_refused():
+    x, w = torch.randn(13, K), torch.randn(3, K, M)
+    counts = torch.tensor(COUNTS)
+    assert "[3][P]" in value_error_of(lambda: expert_gemm(x, w, counts, "ordered", source_blocks=BLOCKS[:2],
+                                                          sink=print))
+    shifted = (((1, 2), (3, 0), (3, 4)), *BLOCKS[1:])
+    assert "first block starts at row 1" in value_error_of(
+        lambda: expert_gemm(x, w, counts, "ordered", source_blocks=shifted, sink=print))
+    gap = (((0, 2), (3, 0), (3, 4)), *BLOCKS[1:])
+    assert "not consecutive" in value_error_of(lambda: expert_gemm(x, w, counts, "ordered", source_blocks=gap,
+                                                                   sink=print))
+    over = (((0, 3), (3, 0), (3, 5)), *BLOCKS[1:])
+    assert "past its 7 rows" in value_error_of(lambda: expert_gemm(x, w, counts, "ordered", source_blocks=over,
+                                                                   sink=print))
+    assert "needs a sink" in value_error_of(lambda: expert_gemm(x, w, counts, "ordered", source_blocks=BLOCKS))
+
+
+def test_local_experts_collect_per_source_grads():
+    experts = GroupedMLP(make_config(hidden=K, ffn=M, num_experts=3), 3, 0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(COUNTS), K, generator=g)
+    counts = torch.tensor(COUNTS)
+    assert "source_grads is None" in value_error_of(lambda: experts(x, counts, None, source_blocks=BLOCKS))
+    experts.source_grads = {}
+    experts(x, counts, None, source_blocks=BLOCKS).square().sum().backward()
+    assert experts.weight1.grad is None and experts.weight2.grad is None
+    assert [t.shape for t in experts.source_grads["weight1"]] == [(3, *experts.weight1.shape)]
+    assert [t.shape for t in experts.source_grads["weight2"]] == [(3, *experts.weight2.shape)]
+    assert copy.deepcopy(experts).source_grads is None
