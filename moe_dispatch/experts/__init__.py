@@ -1,10 +1,12 @@
 """Local experts for expert parallelism: row-stable grouped and sequential MLPs.
 
 See `moe_dispatch.experts.mlp` for the guarantees, `gemm` for the GEMM strategies and their
-row-stability status, `activations` for why the CPU activations are hand-built.
+row-stability status, `activations` for why the CPU activations are hand-built, `fp8` for the
+FP8 expert GEMMs (row-wise scales).
 """
 
 from .activations import activate, scale_rows
+from .fp8 import fp8_expert_gemm
 from .gemm import expert_gemm, grouped_mm_row_stable, grouped_mm_supported, select_gemm
 from .init import expert_seed, init_expert_weights, layer_seed
 from .mlp import GroupedMLP, LocalExperts, SequentialMLP
@@ -16,6 +18,7 @@ __all__ = [
     "activate",
     "scale_rows",
     "expert_gemm",
+    "fp8_expert_gemm",
     "select_gemm",
     "grouped_mm_supported",
     "grouped_mm_row_stable",

@@ -1,0 +1,197 @@
+"""fp8_expert_gemm: row and group invariance, FP8 really on, the float64 bound of the dequantised math,
+bad arguments, empty experts (CPU twin); on CUDA (marked gpu) the kernel's invariance and its
+closeness to the twin."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moe_dispatch.experts.fp8 import fp8_expert_gemm, quantize_group_columns, quantize_rows
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _rows(n: int, k: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """Rows of magnitudes spread over 1e-2..1e2, so that any scale shared between rows shows."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, k, generator=gen) * 10.0 ** (4 * torch.rand(n, 1, generator=gen) - 2)
+    return x.to(dtype)
+
+
+def _weights(e: int, k: int, m: int, seed: int = 7) -> torch.Tensor:
+    return (torch.randn(e, k, m, generator=torch.Generator().manual_seed(seed)) / math.sqrt(k)).to(torch.bfloat16)
+
+
+def _run(x, w, counts, g, prequant: bool, out_dtype=torch.bfloat16, device="cpu"):
+    """(out, rows' gradient, w's gradient) of sum(out * g)."""
+    x, w, g = x.to(device), w.detach().to(device).requires_grad_(), g.to(device)
+    tokens = torch.tensor(counts, device=device)
+    if prequant:
+        q, s = quantize_rows(x, E4M3)
+        sink = torch.zeros((), dtype=x.dtype, device=device).expand(x.shape).requires_grad_()
+        out = fp8_expert_gemm(q, s, w, tokens, out_dtype=out_dtype, grad_sink=sink)
+        out.backward(g)
+        return out.detach(), sink.grad, w.grad
+    x = x.detach().clone().requires_grad_()
+    out = fp8_expert_gemm(x, None, w, tokens, out_dtype=out_dtype)
+    out.backward(g)
+    return out.detach(), x.grad, w.grad
+
+
+def _batch(block: torch.Tensor, g_block: torch.Tensor, counts, expert: int, seed: int, m: int):
+    """x and g with `block` as expert `expert`'s rows and fresh rows for the other experts."""
+    before, after = sum(counts[:expert]), sum(counts[expert + 1:])
+    k = block.shape[1]
+    x = torch.cat([_rows(before, k, seed), block, _rows(after, k, seed + 1)])
+    g = torch.cat([_rows(before, m, seed + 2), g_block, _rows(after, m, seed + 3)])
+    return x, g, before
+
+
+@pytest.mark.parametrize("prequant", [False, True])
+def test_rows_and_groups_invariant(prequant):
+    """A row's output and input gradient are bitwise the same whatever rows share the call and
+    however the others are grouped; expert 2's wgrad is bitwise the same whatever the others hold."""
+    k, m, rows = 48, 32, 13
+    w = _weights(4, k, m)
+    block, g_block = _rows(rows, k, 1), _rows(rows, m, 2)
+    splits = [[7, 0, rows, 20], [0, 0, rows, 0], [3, 30, rows, 1]]
+    results = []
+    for i, counts in enumerate(splits):
+        x, g, start = _batch(block, g_block, counts, 2, 10 * i + 20, m)
+        out, gx, gw = _run(x, w, counts, g, prequant)
+        results.append((out[start : start + rows], gx[start : start + rows], gw[2]))
+    for out, gx, gw in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(gx, results[0][1]) and torch.equal(gw, results[0][2])
+    out, gx, _ = _run(block[5:6], w, [0, 0, 1, 0], g_block[5:6], prequant)  # one row alone
+    assert torch.equal(out, results[0][0][5:6]) and torch.equal(gx, results[0][1][5:6])
+
+
+def _median_row_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(((got.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).median())
+
+
+def test_fp8_really_on():
+    """Median per-row relative error against the unquantised fp32 math lies in [1e-2, 0.2]
+    (e4m3's 3-bit mantissa), for the output, the rows' gradient and the weight gradient."""
+    counts, k, m = [30, 10, 24], 64, 32
+    x, g, w = _rows(64, k, 3), _rows(64, m, 4), _weights(3, k, m)
+    out, gx, gw = _run(x, w, counts, g, prequant=False)
+    xs, gs = torch.split(x.double(), counts), torch.split(g.double(), counts)
+    ref_out = torch.cat([xe @ w[e].double() for e, xe in enumerate(xs)])
+    ref_gx = torch.cat([ge @ w[e].double().t() for e, ge in enumerate(gs)])
+    ref_gw = torch.stack([xe.t() @ ge for xe, ge in zip(xs, gs)])
+    for got, ref in [(out, ref_out), (gx, ref_gx), (gw, ref_gw)]:
+        assert 1e-2 <= _median_row_error(got, ref) <= 0.2
+
+
+def _deq(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.double() * s.double()[:, None]
+
+
+def _within_bound(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """got ~ a @ b (float64 dequantised operands, [n, C] and [C, D]). fp32 products of float8 values
+    are exact; the tree sum over C adds ceil(log2 C) roundings and the two scale multiplies two more,
+    each <= 2^-24 of the absolute sum S = |a| @ |b|, and one more where an fp32 result is cast on to
+    bf16; the final rounding <= u (of got's dtype) of the value:
+    |got - ref| <= u * |ref| + (1 + u) * (ceil(log2 C) + 3) * 2^-24 * S."""
+    ref, s = a @ b, a.abs() @ b.abs()
+    u = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}[got.dtype]
+    bound = u * ref.abs() + (1 + u) * (math.ceil(math.log2(max(a.shape[1], 2))) + 3) * 2.0 ** -24 * s
+    assert bool(((got.double() - ref).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_float64_bound(out_dtype):
+    """Forward, dgrad and wgrad against float64 of the same dequantised operands, built here by
+    quantize_rows alone (wgrad's per-(expert, column) operands one expert at a time)."""
+    counts, k, m = [40, 1, 0, 3], 48, 32
+    n = sum(counts)
+    x, g, w = _rows(n, k, 5), _rows(n, m, 6).to(out_dtype), _weights(4, k, m)
+    out, gx, gw = _run(x, w, counts, g, prequant=False, out_dtype=out_dtype)
+    xq, xs = quantize_rows(x, E4M3)
+    gq, gs = quantize_rows(g, E4M3)
+    start = 0
+    for e, rows in enumerate(counts):
+        sl = slice(start, start + rows)
+        wq, ws = quantize_rows(w[e].t(), E4M3)  # per output column, over K
+        _within_bound(out[sl], _deq(xq[sl], xs[sl]), _deq(wq, ws).t())
+        wq, ws = quantize_rows(w[e], E4M3)  # per k, over M
+        _within_bound(gx[sl], _deq(gq[sl], gs[sl]), _deq(wq, ws).t())
+        xcq, xcs = quantize_rows((_deq(xq[sl], xs[sl]).float()).t(), E4M3)
+        gcq, gcs = quantize_rows(g[sl].t(), E4M3)
+        _within_bound(gw[e], _deq(xcq, xcs), _deq(gcq, gcs).t())
+        start += rows
+
+
+def test_group_columns_match_one_call_per_expert():
+    """The padded, chunked quantisation equals quantize_rows(x_e.T) per expert, zeros in the padding."""
+    counts = [40, 1, 0, 3, 17]
+    x = _rows(sum(counts), 24, 8)
+    qt, scales = quantize_group_columns(x, counts, E4M3)
+    assert qt.shape == (24, 48 + 16 + 0 + 16 + 32)
+    start = pstart = 0
+    for e, rows in enumerate(counts):
+        q, s = quantize_rows(x[start : start + rows].t(), E4M3)
+        padded = -(-rows // 16) * 16
+        assert torch.equal(qt[:, pstart : pstart + rows].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(scales[e], s)
+        assert not qt[:, pstart + rows : pstart + padded].view(torch.uint8).any()
+        start, pstart = start + rows, pstart + padded
+
+
+@pytest.mark.parametrize("bad", [torch.float8_e5m2, torch.float16, torch.int8])
+def test_bad_fp8_dtype_names_it(bad):
+    x, w = _rows(4, 16, 0), _weights(2, 16, 16)
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        fp8_expert_gemm(x, None, w, torch.tensor([1, 3]), fp8_dtype=bad)
+
+
+def test_bad_arguments_name_them():
+    x, w = _rows(4, 16, 0), _weights(2, 16, 16)
+    q, s = quantize_rows(x, E4M3)
+    with pytest.raises(ValueError, match="x_scales"):
+        fp8_expert_gemm(q, s[:3], w, torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        fp8_expert_gemm(x, None, w, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="out_dtype"):
+        fp8_expert_gemm(x, None, w, torch.tensor([1, 3]), out_dtype=torch.float64)
+    with pytest.raises(ValueError, match="grad_sink"):
+        fp8_expert_gemm(x, None, w, torch.tensor([1, 3]), grad_sink=torch.zeros(4, 16))
+
+
+@pytest.mark.parametrize("counts", [[0, 9, 0], [0, 0, 0]])
+def test_empty_experts_give_zeros(counts):
+    n, k, m = sum(counts), 16, 16
+    out, gx, gw = _run(_rows(n, k, 1), _weights(3, k, m), counts, _rows(n, m, 2), prequant=False)
+    assert out.shape == (n, m) and gx.shape == (n, k)
+    for e, rows in enumerate(counts):
+        if rows == 0:
+            assert torch.equal(gw[e], torch.zeros(k, m, dtype=gw.dtype))
+        else:
+            assert gw[e].abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prequant", [False, True])
+def test_cuda_invariant_and_close_to_twin(prequant):
+    """CUDA: 128 rows alone and inside a batch of unaligned groups (1068 rows included, which FP8
+    wgrad cannot take unpadded) give bitwise the same output, input gradient and their expert's
+    wgrad; the batch is close to the CPU twin (within two bf16 ulps plus the fp32 summation bound)."""
+    k, m, rows = 512, 256, 128
+    w = _weights(6, k, m)
+    block, g_block = _rows(rows, k, 1), _rows(rows, m, 2)
+    counts = [1068, 13, 0, rows, 301, 7]
+    x, g, start = _batch(block, g_block, counts, 3, 30, m)
+    got = _run(x, w, counts, g, prequant, device="cuda")
+    alone = _run(block, w, [0, 0, 0, rows, 0, 0], g_block, prequant, device="cuda")
+    sl = slice(start, start + rows)
+    assert torch.equal(got[0][sl], alone[0]) and torch.equal(got[1][sl], alone[1])
+    assert torch.equal(got[2][3], alone[2][3])
+    twin = _run(x, w, counts, g, prequant)
+    for gpu, cpu in zip(got, twin):
+        gpu, cpu = gpu.cpu().double(), cpu.double()
+        scale = cpu.abs().amax(dim=-1, keepdim=True)
+        assert bool(((gpu - cpu).abs() <= 2.0 ** -7 * cpu.abs() + 2.0 ** -12 * scale).all())
