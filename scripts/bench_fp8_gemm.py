@@ -1,0 +1,130 @@
+"""Times the expert GEMMs in bf16 (torch._grouped_mm) against moe_dispatch.experts.fp8 (CUDA only).
+
+For forward (X @ W), dgrad (dY @ W^T) and wgrad (X^T @ dY per expert) it prints, in ms (median of
+CUDA-event timings): the bf16 grouped GEMM; the FP8 GEMM alone on operands quantised beforehand; the
+FP8 GEMM with its quantisation, as `fp8_expert_gemm` runs it (x per row for the forward: fc2's case;
+wgrad's per-(expert, column) operands, zero-padded to 16 rows per expert); and the FLOP floors at the
+H200 SXM's dense peaks (989 TFLOP/s bf16, 1979 TFLOP/s fp8: NVIDIA's H200 datasheet). A last row
+times the whole autograd step (forward + backward) of each.
+
+    python scripts/bench_fp8_gemm.py [--rows 49152 --hidden 4096 --ffn 2048 --experts 64 --counts even]
+
+``--counts ragged`` draws uneven counts (most not multiples of 16), which wgrad pads.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+from moe_dispatch.experts.fp8 import _cuda_mm, _cuda_wgrad, fp8_expert_gemm, quantize_group_columns, quantize_rows
+
+PEAK = {"bf16": 989.4e12, "fp8": 1978.9e12}  # dense FLOP/s, H200 SXM datasheet
+E4M3 = torch.float8_e4m3fn
+
+
+def _time(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _counts(rows: int, experts: int, kind: str) -> list:
+    if kind == "even":
+        base = [rows // experts] * experts
+        base[-1] += rows - sum(base)
+        return base
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.multinomial(torch.rand(experts, generator=gen) + 0.5, rows, replacement=True, generator=gen)
+    return torch.bincount(picks, minlength=experts).tolist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=49152)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--ffn", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--counts", choices=["even", "ragged"], default="even")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_fp8_gemm needs a CUDA device")
+    n, k, m, e = args.rows, args.hidden, args.ffn, args.experts
+    counts = _counts(n, e, args.counts)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    x = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+    w = (torch.randn(e, k, m, device=dev) / k ** 0.5).to(torch.bfloat16)
+    dy = torch.randn(n, m, device=dev, dtype=torch.bfloat16)
+    tokens = torch.tensor(counts, device=dev)
+    offs = torch.cumsum(tokens, 0).to(torch.int32)
+
+    # Operands quantised once, for the GEMM-only column.
+    xq, sx = quantize_rows(x, E4M3)
+    wf, swf = quantize_rows(w.transpose(1, 2).reshape(e * m, k), E4M3)
+    wf, swf = wf.view(e, m, k), swf.view(e, m)
+    wd, swd = quantize_rows(w.reshape(e * k, m), E4M3)
+    wd, swd = wd.view(e, k, m), swd.view(e, k)
+    dyq, sdy = quantize_rows(dy, E4M3)
+    xt, sxc = quantize_group_columns(xq.float() * sx[:, None], counts, E4M3)
+    dyt, sdyc = quantize_group_columns(dy, counts, E4M3)
+
+    def fwd_quant():
+        q, s = quantize_rows(x, E4M3)
+        wq, sw = quantize_rows(w.transpose(1, 2).reshape(e * m, k), E4M3)
+        return _cuda_mm(q, s, wq.view(e, m, k), sw.view(e, m), offs)
+
+    def dgrad_quant():
+        q, s = quantize_rows(dy, E4M3)
+        wq, sw = quantize_rows(w.reshape(e * k, m), E4M3)
+        return _cuda_mm(q, s, wq.view(e, k, m), sw.view(e, k), offs)
+
+    def wgrad_quant():
+        a, sa = quantize_group_columns(xq.float() * sx[:, None], counts, E4M3)
+        b, sb = quantize_group_columns(dy, counts, E4M3)
+        return _cuda_wgrad(a, sa, b, sb, counts)
+
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+
+    def step_bf16():
+        xg.grad = wg.grad = None
+        torch._grouped_mm(xg, wg, offs=offs).backward(dy)
+
+    def step_fp8():
+        xg.grad = wg.grad = None
+        fp8_expert_gemm(xg, None, wg, tokens, offs).backward(dy)
+
+    rows = [
+        ("forward", lambda: torch._grouped_mm(x, w, offs=offs), lambda: _cuda_mm(xq, sx, wf, swf, offs), fwd_quant),
+        ("dgrad", lambda: torch._grouped_mm(dy, w.transpose(1, 2), offs=offs),
+         lambda: _cuda_mm(dyq, sdy, wd, swd, offs), dgrad_quant),
+        ("wgrad", lambda: torch._grouped_mm(x.t(), dy, offs=offs),
+         lambda: _cuda_wgrad(xt, sxc, dyt, sdyc, counts), wgrad_quant),
+    ]
+    flops = 2.0 * n * k * m
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: {n} rows, K {k}, M {m}, {e} experts, "
+          f"counts {args.counts} ({sum(c % 16 != 0 for c in counts)} not multiples of 16)")
+    print(f"{'GEMM':<10}{'bf16':>10}{'fp8 GEMM':>10}{'fp8+quant':>11}{'bf16 floor':>12}{'fp8 floor':>11}   (ms)")
+    for name, bf16, fp8, fp8_quant in rows:
+        t = [_time(f, args.iters) for f in (bf16, fp8, fp8_quant)]
+        print(f"{name:<10}{t[0]:>10.3f}{t[1]:>10.3f}{t[2]:>11.3f}"
+              f"{flops / PEAK['bf16'] * 1e3:>12.3f}{flops / PEAK['fp8'] * 1e3:>11.3f}")
+    t_bf16, t_fp8 = _time(step_bf16, args.iters), _time(step_fp8, args.iters)
+    print(f"{'step':<10}{t_bf16:>10.3f}{'':>10}{t_fp8:>11.3f}"
+          f"{3 * flops / PEAK['bf16'] * 1e3:>12.3f}{3 * flops / PEAK['fp8'] * 1e3:>11.3f}"
+          "   (autograd forward + backward, fp8 quantising x per row)")
+
+
+if __name__ == "__main__":
+    main()
