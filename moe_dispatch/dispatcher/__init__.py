@@ -2,19 +2,39 @@
 results: expert outputs return unreduced to each token's owner, which sums them in a fixed order
 in fp32 (fp64 for fp64 probs).
 
-Modules: ``layout`` (the size exchange: validation, sizes), ``exchange`` (the kinds' transport,
-forward and back), ``expand`` (the received rows into the expert layout, and their gradients
-back), ``functional`` (dispatch / combine and the frozen handle), ``static`` (the sync-free
-plan), ``dispatchers`` (the objects). Agreement across ranks and latched errors:
-``moe_dispatch.distributed.agreement``; which layer and step a collective belongs to:
-``moe_dispatch.distributed.identity``; the settings: ``moe_dispatch.config.DispatchConfig``; Megatron's
-six-method interface: ``moe_dispatch.integrations.megatron``.
+Three faces, one path:
+- ``dispatch`` / ``combine`` (functional.py): the frozen ``DispatchHandle`` from one to the other;
+- the dispatcher objects (dispatchers.py): the same, with the configuration agreed once;
+- the stages (stages.py), for frameworks that call them one by one (Megatron's six methods):
+  ``prepare`` -> ``send`` -> ``finish`` -> the experts -> ``check_expert_output`` ->
+  ``return_rows`` -> ``owner_sum``, each returning a frozen record (``Prepared``, ``Sent``,
+  ``DispatchHandle``, ``Returned``).
+
+Inside: ``plan`` (the Plan interface: a step's plan is chosen once, in prepare), ``dropless`` (sizes
+from the size exchange, ``layout``; transport, ``exchange``), ``static`` (the sync-free plan;
+``static_exchange``, ``static_words``), ``expand`` (the received rows into the expert layout, and
+their gradients back). Agreement across ranks and latched errors: ``moe_dispatch.distributed``;
+the settings: ``moe_dispatch.config.DispatchConfig``.
 """
 from ..config import DispatchConfig
 from ..distributed.agreement import InputProblem, hidden_states_problem
 from .dispatchers import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher
 from .exchange import KINDS
-from .functional import DispatchHandle, combine, dispatch
+from .functional import combine, dispatch, dispatch_rows
+from .handle import DispatchHandle, Prepared, Returned, Sent
+from .plan import Plan
+from .stages import (
+           check_expert_output,
+           device_of,
+           finish,
+           host_tokens_per_expert,
+           owner_sum,
+           prepare,
+           return_rows,
+           send,
+)
 
 __all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "DispatchConfig", "DispatchHandle", "InputProblem", "KINDS",
-           "build_dispatcher", "combine", "dispatch", "hidden_states_problem"]
+           "Plan", "Prepared", "Returned", "Sent", "build_dispatcher", "check_expert_output", "combine", "device_of",
+           "dispatch", "dispatch_rows", "finish", "hidden_states_problem", "host_tokens_per_expert", "owner_sum",
+           "prepare", "return_rows", "send"]

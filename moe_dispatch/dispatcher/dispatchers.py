@@ -11,8 +11,9 @@ from ..distributed.agreement import GROUP_LATCHES, InputProblem, agree_config
 from ..distributed.comm import ProcessGroup, group_size_rank
 from ..distributed.identity import StepCounter, new_layer_id
 from . import functional, static
-from .functional import DispatchHandle, device_of
+from .handle import DispatchHandle
 from .layout import check_ep_size, exchange_sizes
+from .stages import device_of
 
 
 class _Dispatcher:

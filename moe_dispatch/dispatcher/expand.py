@@ -1,5 +1,5 @@
 """``Expand``: the received rows -> the expert layout (one row per (received token, local expert)),
-the autograd function of both plans' dispatch: the dropless plan (functional.py) and the
+the autograd function of both plans' dispatch: the dropless plan (dropless.py) and the
 sync-free plan (static.py). They differ only in how the backward returns the rows' gradients to
 the tokens' owners: ``ReturnPath``.
 
@@ -35,6 +35,17 @@ class ReturnPath:
     owner_map: Optional[RowIdMap]
     send_probs_grad: bool
     zero_fill: bool
+
+
+def grad_anchor(needed: bool, tensor: torch.Tensor, *others: torch.Tensor) -> Optional[torch.Tensor]:
+    """A leaf that requires grad, when some rank's backward runs an exchange (``needed``: agreed
+    in the size exchange, or always at EP > 1 for the sync-free plan, which has none) but none of
+    this rank's inputs to it requires grad. Given to the exchange's autograd function, it makes
+    the output require grad, so this rank's backward runs the exchange too. Its own gradient is
+    never computed. None when not needed."""
+    if needed and torch.is_grad_enabled() and not any(t.requires_grad for t in (tensor, *others)):
+        return torch.zeros((), device=tensor.device, requires_grad=True)
+    return None
 
 
 def pairs_to_dense(values: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:

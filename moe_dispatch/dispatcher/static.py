@@ -15,7 +15,7 @@ valid rows first (the dropless path's rows in its order), then padding rows that
 then a status row carrying the sender's check words (static_words.py). The received rows are in
 source rank order, so make_slots' dense numbering over them is again the dropless receiver layout
 (expert-major, source ascending, token ascending): while everything fits, every row, order and
-sum is the dropless path's, bitwise. The return route: static_route.py.
+sum is the dropless path's, bitwise. Both exchanges, with their status rows: static_exchange.py.
 """
 from __future__ import annotations
 
@@ -28,15 +28,15 @@ import torch
 
 from ..config import DispatchConfig
 from ..distributed.agreement import ErrorLatch, fingerprint_hash
-from ..distributed.comm import ProcessGroup, all_gather_rows, all_to_all_rows, group_key, group_size_rank
+from ..distributed.comm import ProcessGroup, group_key, group_size_rank
 from ..distributed.identity import CallId, StepCounter
-from ..ops import RowIdMap
+from ..ops import RowIdMap, unpermute
 from ..ops.permutation import make_slots
-from .exchange import Received, RowFormat
-from .expand import Expand, ReturnPath
-from .static_route import ReturnRows, StaticStep, expert_map_and_route, return_exchange
+from .expand import Expand, ReturnPath, grad_anchor
+from .handle import DispatchHandle, Prepared, Returned, Sent
+from .plan import Plan
+from .static_exchange import ReturnRows, expert_map_and_route, return_exchange, send_tokens
 from .static_words import (
-    DISPATCH_CODE,
     NUM_WORDS,
     W_GRAD_OFF,
     W_GRAD_ON,
@@ -45,15 +45,13 @@ from .static_words import (
     W_NONFINITE,
     W_SEND,
     W_TOKENS,
-    fold_call,
     grad_modes_differ,
     latch_words,
+    poison,
     raise_latched,
     raise_words,
-    read_status,
     set_call_words,
     status_rows,
-    write_status,
 )
 
 # (group, fingerprint) -> _Agreed: the plan fixed by its first step, EP > 1
@@ -115,8 +113,8 @@ class StaticSizes:
 
 # ---- the plan -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class StaticPlan:
-    """What a sync-free step's own routing decides (see functional.Plan, whose names it shares).
+class StaticPlan(Plan):
+    """What a sync-free step's own routing decides (plan.Plan).
 
     Attributes:
         layout: the step's StaticSizes.
@@ -125,6 +123,8 @@ class StaticPlan:
         words: int32 [NUM_WORDS], this rank's own check words (with its call at EP > 1).
         latch, call: the group's ErrorLatch and this step's call (``identity``), for
             ``strict_call_order``'s host-side check.
+        replaced: this rank's inputs were bad: it took part with zeros (see ``prepare``).
+        num_real: this rank's own T (at EP > 1 fewer than the layout's T: padded, see ``prepare``).
     """
 
     config: DispatchConfig
@@ -139,10 +139,104 @@ class StaticPlan:
     slots: torch.Tensor
     counts: torch.Tensor
     words: torch.Tensor
-    replaced: bool = False  # this rank's inputs were bad: it took part with zeros (see prepare)
-    num_real: int = 0  # this rank's own T (at EP > 1 fewer than the layout's T: padded, see prepare)
-    route = None  # the static return route is made with the expert map (``StaticRoute``)
-    tokens_per_expert = None  # read lazily (DispatchHandle.tokens_per_expert)
+    replaced: bool = False
+    num_real: int = 0
+    trailing_rows = True  # N = the plan's capacity: rows after the experts' blocks belong to no expert
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep_size
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @classmethod
+    def prepare(cls, hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
+                latch: ErrorLatch, *, steps: Optional[StepCounter], experts_grad: Optional[bool] = None,
+                call: Optional[CallId] = None) -> Prepared:
+        """Checks, then the step's plan; see ``_prepare``. ``call``: a reused handle's call."""
+        return _prepare(hidden, routing_map, probs, cfg, group, latch, steps=steps, experts_grad=experts_grad,
+                        call=call)
+
+    def send(self, prepared: Prepared, with_routing: bool = True) -> Sent:
+        """The forward exchange. On CPU the received words are read (no sync): every rank reads
+        the same, so every rank raises at once when the grad modes differ (before a backward could
+        wait for a rank that runs none), and every rank re-plans (one size exchange) and sends
+        again when a rank had more tokens than the plan's T."""
+        recv = send_tokens(prepared.x, prepared.probs, self)
+        if self.layout.ep_size > 1 and recv.words.device.type == "cpu":
+            words = recv.words.tolist()
+            if grad_modes_differ(words):
+                raise_words(words, self.layout, deferred=False)
+            if words[W_TOKENS] > self.layout.T:
+                _AGREED.pop((group_key(self.group), fingerprint_hash(self.config)), None)
+                again = _prepare(*prepared.inputs, self.config, self.group, self.latch, steps=None,
+                                 experts_grad=prepared.experts_grad, call=self.call)
+                return again.plan.send(again)
+        shape = prepared.x.shape if self.replaced else prepared.hidden_shape  # replaced: zeros [T, H]
+        return Sent(prepared.x, prepared.probs, self, recv, shape)
+
+    def finish(self, sent: Sent, expert_map: Optional[RowIdMap] = None) -> tuple[torch.Tensor, DispatchHandle]:
+        """(expert_input [N, H], handle). At EP 1 the plan's words are checked here: CPU raises at
+        once; CUDA poisons and latches them."""
+        route = None
+        if expert_map is None or self.layout.ep_size > 1:
+            expert_map, route = expert_map_and_route(self, sent.recv, sent.x.shape[1], sent.x.element_size())
+        if self.layout.ep_size == 1:
+            if self.words.device.type == "cpu":
+                raise_words(self.words.tolist(), self.layout, deferred=False)
+            else:
+                latch_words(self.group, self.words, self.layout)  # before the copy: its kernel sees the status
+        elif route is not None and route.words.is_cuda:  # poison this rank's experts early
+            latch_words(self.group, route.words, self.layout)
+        probs_in = sent.probs if self.config.probs_in_experts else sent.probs.detach()
+        send = return_exchange(self, route) if route is not None else None
+        path = ReturnPath(send=send, owner_map=self.owner_map if send is not None else None,
+                          send_probs_grad=self.config.probs_in_experts, zero_fill=True)
+        rows, row_probs = Expand.apply(sent.x, probs_in, sent.recv.hidden, sent.recv.probs, path, expert_map,
+                                       self.config.probs_in_experts, grad_anchor(route is not None, sent.x, probs_in))
+        offsets = torch.cumsum(expert_map.padded_tokens_per_expert, 0).to(torch.int32)  # cut to N (static_exchange)
+        owner_map = expert_map if self.owner_map is None else self.owner_map
+        return rows, DispatchHandle(plan=self, expert_map=expert_map, owner_map=owner_map, probs=sent.probs,
+                                    permuted_probs=row_probs, hidden_shape=sent.hidden_shape, expert_offsets=offsets,
+                                    route=route)
+
+    def reuse(self, handle: DispatchHandle, hidden: Any, routing_map: Any,
+              probs: Any) -> tuple[torch.Tensor, DispatchHandle]:
+        """A new sync-free dispatch (there is no size exchange to skip), whose routing is compared
+        with the handle's on the device; a difference sets the step's input word (NaN outputs,
+        then the error; see static_words.py)."""
+        prepared = _prepare(hidden, routing_map, probs, self.config, self.group, self.latch, steps=None,
+                            call=self.call)
+        sent = prepared.plan.send(prepared)
+        new = sent.plan
+        old_map, new_map = self.routing_map[:self.num_real], new.routing_map[:new.num_real]  # without the padding
+        differs = (new_map != old_map).any() if new_map.shape == old_map.shape else torch.ones((), dtype=torch.bool)
+        new.words[W_INPUT] = torch.maximum(new.words[W_INPUT],
+                                           differs.to(new.words.device, torch.int32) * (new.rank + 1))
+        return new.finish(sent)
+
+    def host_counts(self, handle: DispatchHandle) -> torch.Tensor:
+        return handle.device_expert_rows.cpu()  # a host read: only whoever asks pays it
+
+    def flag_expert_output(self, handle: DispatchHandle, expert_output: Any) -> None:
+        route = handle.route  # the input word travels in the return exchange's status rows
+        route.words[W_INPUT] = torch.clamp(route.words[W_INPUT], min=self.rank + 1)
+
+    def return_rows(self, expert_output: torch.Tensor, handle: DispatchHandle) -> Returned:
+        """The owner buffer and the step's words from every rank (None at EP 1); the words are latched."""
+        route = handle.route
+        if route is None:
+            return Returned(expert_output)
+        hidden, words = ReturnRows.apply(expert_output, route, self.layout, grad_anchor(True, expert_output))
+        latch_words(self.group, words, self.layout)
+        return Returned(hidden, words)
+
+    def owner_sum(self, returned: Returned, handle: DispatchHandle) -> torch.Tensor:
+        weights = None if self.config.probs_in_experts else handle.probs  # None: the experts applied them
+        out = poison(unpermute(returned.rows, handle.owner_map, weights), returned.words, self.layout)
+        return out[:self.num_real].reshape(handle.hidden_shape)  # without the plan's padding rows
 
 
 BAD_INPUT = object()  # hidden_states of a rank whose input was bad (it takes part with zeros)
@@ -189,16 +283,17 @@ def _agree(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group
     return _AGREED[key]
 
 
-def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
-            latch: ErrorLatch, *, steps: Optional[StepCounter], experts_grad: Optional[bool] = None,
-            call: Optional[CallId] = None) -> tuple[torch.Tensor, torch.Tensor, StaticPlan]:
-    """Checks, then the step's plan; returns (hidden [T, H], probs in the wire dtype, plan).
+def _prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
+             latch: ErrorLatch, *, steps: Optional[StepCounter],
+             experts_grad: Optional[bool] = None, call: Optional[CallId] = None) -> Prepared:
+    """Checks, then the step's plan: Prepared (x [T, H], probs in the wire dtype, the plan).
     No host read (except, at EP > 1, the plan's first step: one size exchange). ``steps``: the
     layer's forward counter (advanced here); ``call``: instead, a reused handle's call. At EP > 1
     fewer tokens than the plan's T are padded with rows that route nowhere (bitwise the same
     results); more, or other dtypes, take part with zeros (``W_TOKENS``, ``W_INPUT``)."""
     P, rank = group_size_rank(group)
     raise_latched(group)
+    inputs = (hidden, routing_map, probs)  # the caller's: a re-plan starts from them
     if call is None:
         call = steps.call()
     input_code = grown = 0
@@ -220,7 +315,7 @@ def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, grou
             probs = torch.zeros((agreed.T, E), dtype=agreed.probs_dtype, device=device)
     x = hidden.reshape(-1, hidden.shape[-1])
     wire = probs.to(cfg.wire_probs_dtype(probs.dtype))
-    real = x.shape[0]
+    real, shape = x.shape[0], hidden.shape
     if P > 1 and real < agreed.T:
         pad = agreed.T - real
         x, wire = torch.cat([x, x.new_zeros(pad, x.shape[1])]), torch.cat([wire, wire.new_zeros(pad, wire.shape[1])])
@@ -228,29 +323,8 @@ def prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, grou
     plan = make_plan(cfg, group, latch, call, x, wire, routing_map, input_code, grown)
     if steps is not None:
         steps.advance()
-    return x, wire, dataclasses.replace(plan, replaced=bool(input_code or grown), num_real=real)
-
-
-def dispatch(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
-             latch: ErrorLatch, *, steps: Optional[StepCounter], experts_grad: Optional[bool] = None,
-             call: Optional[CallId] = None) -> tuple[torch.Tensor, torch.Tensor, StaticPlan, Received]:
-    """prepare and the forward exchange: (x [T, H], wire probs, plan, received rows). On CPU the
-    received words are read (no sync): every rank reads the same, so every rank raises at once
-    when the grad modes differ (before a backward could wait for a rank that runs none), and
-    every rank re-plans (one size exchange) and sends again when a rank had more tokens."""
-    x, wire, plan = prepare(hidden, routing_map, probs, cfg, group, latch, steps=steps, experts_grad=experts_grad,
-                            call=call)
-    recv = send_tokens(x, wire, plan)
-    if plan.layout.ep_size > 1 and recv.words.device.type == "cpu":
-        words = recv.words.tolist()
-        if grad_modes_differ(words):
-            raise_words(words, plan.layout, deferred=False)
-        if words[W_TOKENS] > plan.layout.T:
-            _AGREED.pop((group_key(group), fingerprint_hash(cfg)), None)
-            x, wire, plan = prepare(hidden, routing_map, probs, cfg, group, latch, steps=None,
-                                    experts_grad=experts_grad, call=plan.call)
-            recv = send_tokens(x, wire, plan)
-    return x, wire, plan, recv
+    plan = dataclasses.replace(plan, replaced=bool(input_code or grown), num_real=real)
+    return Prepared(x, wire, plan, shape, inputs, experts_grad)
 
 
 def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, call: CallId, x: torch.Tensor,
@@ -284,103 +358,3 @@ def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, call:
     return StaticPlan(config=cfg, group=group, latch=latch, call=call, layout=sizes, routing_map=routing_map,
                       hidden_dtype=x.dtype, probs_dtype=wire.dtype, owner_map=owner_map, slots=slots, counts=counts,
                       words=words)
-
-
-# ---- the forward exchange -------------------------------------------------------------------------
-@torch.no_grad()
-def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: StaticPlan) -> Received:
-    """x [T, H], probs [T, E] (wire dtype) -> every source's rows for this rank's experts, in
-    source rank order, each source's chunk padded to its capacity (padding routes nowhere); the
-    routing is a contiguous copy; ``words``: the max of every source's words."""
-    sizes = plan.layout
-    P, El, me = sizes.ep_size, sizes.num_local_experts, sizes.rank
-    if P == 1:
-        return Received(x.detach(), probs.detach(), plan.routing_map, (0,), plan.words)
-    T, H = x.shape
-    E = plan.config.num_experts
-    if plan.config.kind == "allgather":
-        fmt = RowFormat(H, x.dtype, E, probs.dtype, True)
-        width = fmt.empty(0, x.device).shape[1]
-        valid, chunk = T, T + status_rows(width)
-        buf = fmt.empty(chunk, x.device)
-        buf[T:].zero_()
-        fmt.pack(buf[:T], x, probs, plan.routing_map)
-        write_status(buf, 1, chunk, valid, plan.words)
-        recv = all_gather_rows(buf, plan.group)
-        hidden, all_probs, all_routing = fmt.views(recv)
-        cols = slice(me * El, (me + 1) * El)
-        rprobs, routing = all_probs[:, cols], all_routing[:, cols].contiguous()
-    else:
-        fmt = RowFormat(H, x.dtype, El, probs.dtype, True)
-        width = fmt.empty(0, x.device).shape[1]
-        valid, chunk = sizes.send_capacity, sizes.send_capacity + status_rows(width)
-        local = plan.routing_map.reshape(T, P, El)
-        rank_map = local.any(-1)  # [T, P]
-        pos = torch.cumsum(rank_map, 0) - 1  # the token's row in its chunk to each rank
-        ok = rank_map & (pos < valid)
-        dummy = P * chunk
-        target = torch.where(ok, torch.arange(P, device=x.device) * chunk + pos, dummy)
-        token = torch.zeros(dummy + 1, dtype=torch.int64, device=x.device)
-        token.scatter_(0, target.flatten(), torch.arange(T, device=x.device)[:, None].expand(T, P).flatten())
-        used = torch.zeros(dummy + 1, dtype=torch.bool, device=x.device)
-        used.scatter_(0, target.flatten(), ok.flatten())
-        token, used = token[:dummy], used[:dummy]
-        dest = torch.arange(dummy, device=x.device) // chunk
-        send = fmt.empty(dummy, x.device)
-        h, p, r = fmt.views(send)
-        torch.index_select(x, 0, token, out=h)
-        p.copy_(torch.where(used[:, None], probs.reshape(T, P, El)[token, dest], 0))
-        r.copy_(local[token, dest] & used[:, None])
-        write_status(send, P, chunk, valid, plan.words)
-        recv = all_to_all_rows(send, [chunk] * P, [chunk] * P, plan.group)
-        hidden, rprobs, routing = fmt.views(recv)
-        routing = routing.contiguous()
-    words = fold_call(read_status(recv, P, chunk, valid), DISPATCH_CODE)
-    routing.view(P, chunk, El)[:, valid:] = False  # the status rows route nowhere
-    return Received(hidden, rprobs, routing, tuple(range(P)), words)
-
-
-def _anchor(step: StaticStep, *tensors: torch.Tensor) -> Optional[torch.Tensor]:
-    """A leaf that requires grad when none of ``tensors`` does, under grad mode at EP > 1: without a
-    size exchange no rank knows whether another rank's backward runs the exchanges, so every rank's
-    output requires grad and every rank's backward runs them (functional._grad_anchor). Grad mode
-    itself travels in the words (``W_GRAD_ON`` / ``W_GRAD_OFF``): ranks that differ raise (see dispatch)."""
-    if step.route is None or not torch.is_grad_enabled() or any(t.requires_grad for t in tensors):
-        return None
-    return torch.zeros((), device=tensors[0].device, requires_grad=True)
-
-
-def expand(x: torch.Tensor, probs: torch.Tensor, recv: Received, plan: StaticPlan,
-           expert_map: Optional[RowIdMap] = None) -> tuple[torch.Tensor, torch.Tensor, RowIdMap, StaticStep]:
-    """(expert_input [N, H], permuted_probs [N], expert_map, step). At EP 1 the plan's words are
-    checked here: CPU raises at once; CUDA poisons and latches them."""
-    route = None
-    if expert_map is None or plan.layout.ep_size > 1:
-        expert_map, route = expert_map_and_route(plan, recv, x.shape[1], x.element_size())
-    if plan.layout.ep_size == 1:
-        if plan.words.device.type == "cpu":
-            raise_words(plan.words.tolist(), plan.layout, deferred=False)
-        else:
-            latch_words(plan.group, plan.words, plan.layout)  # before the copy: its kernel sees the status
-    elif route is not None and route.words.is_cuda:  # poison this rank's experts early
-        latch_words(plan.group, route.words, plan.layout)
-    step = StaticStep(plan, route)
-    probs_in = probs if plan.config.probs_in_experts else probs.detach()
-    send = return_exchange(step) if route is not None else None
-    path = ReturnPath(send=send, owner_map=plan.owner_map if send is not None else None,
-                      send_probs_grad=plan.config.probs_in_experts, zero_fill=True)
-    rows, row_probs = Expand.apply(x, probs_in, recv.hidden, recv.probs, path, expert_map,
-                                   plan.config.probs_in_experts, _anchor(step, x, probs_in))
-    return rows, row_probs, expert_map, step
-
-
-def return_to_owners(expert_output: torch.Tensor, step: StaticStep) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Checked expert rows [N, H] -> (the owner buffer, the step's words from every rank; None at
-    EP 1); the words are latched."""
-    if step.route is None:
-        return expert_output, None
-    hidden, words = ReturnRows.apply(expert_output, step.route, step.plan.layout, _anchor(step, expert_output))
-    latch_words(step.plan.group, words, step.plan.layout)
-    return hidden, words
-
-

@@ -8,10 +8,12 @@ FP8 expert GEMMs (row-wise scales).
 from .activations import activate, scale_rows
 from .fp8 import fp8_expert_gemm
 from .gemm import expert_gemm, grouped_mm_row_stable, grouped_mm_supported, select_gemm
-from .init import expert_seed, init_expert_weights, layer_seed
+from .init import WEIGHT1, WEIGHT2, expert_seed, init_expert_weights, layer_seed
 from .mlp import GroupedMLP, LocalExperts, SequentialMLP
 
 __all__ = [
+    "WEIGHT1",
+    "WEIGHT2",
     "GroupedMLP",
     "LocalExperts",
     "SequentialMLP",

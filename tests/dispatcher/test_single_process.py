@@ -165,7 +165,7 @@ def test_megatron_steps_need_preprocess_first():
 def test_handle_reuse_skips_the_exchange_and_is_bitwise(monkeypatch, probs_in_experts):
     """dispatch(handle=previous) (activation recomputation): no size exchange, no new row maps,
     and rows, outputs and every gradient bitwise equal to the fresh dispatch's."""
-    from moe_dispatch.dispatcher import functional
+    from moe_dispatch.dispatcher import dropless
 
     d = data_with_edge_cases(torch.bfloat16)
     cfg = config(probs_in_experts=probs_in_experts, pad_multiple=4)
@@ -176,8 +176,8 @@ def test_handle_reuse_skips_the_exchange_and_is_bitwise(monkeypatch, probs_in_ex
         if reuse:
             def fail(*args, **kwargs):
                 raise AssertionError("a reused handle must not exchange sizes or build a plan")
-            monkeypatch.setattr(functional, "exchange_sizes", fail)
-            monkeypatch.setattr(functional, "make_plan", fail)
+            monkeypatch.setattr(dropless, "exchange_sizes", fail)
+            monkeypatch.setattr(dropless, "make_plan", fail)
         x = d["x"].clone().requires_grad_()
         p = d["probs"].clone().requires_grad_()
         rows, tpe, new = dispatch(x, d["rmap"].clone(), p, cfg, handle=handle)

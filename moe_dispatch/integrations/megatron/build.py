@@ -137,8 +137,8 @@ def load_seeded_weights(layer: Any, init_seed: int) -> Any:
     its own: each global expert's fc1 / fc2 from its own generator (normal, std 1/sqrt(fan in)), the
     router's normal(0, 0.02) from ``init_seed + ROUTER_SEED_OFFSET``. A global expert's weights
     depend only on (init_seed, its id): layers of every EP size are the same model. Returns layer."""
-    from ...experts.init import WEIGHT1, WEIGHT2, init_expert_weights
-    from ...router.router import INIT_STD, ROUTER_SEED_OFFSET
+    from ...experts import WEIGHT1, WEIGHT2, init_expert_weights
+    from ...router import INIT_STD, ROUTER_SEED_OFFSET
 
     router = layer.router.weight
     gen = torch.Generator().manual_seed(init_seed + ROUTER_SEED_OFFSET)

@@ -8,8 +8,9 @@ Megatron's MoELayer calls, in order:
     combine_preprocess(expert_output [N, H])                -> the checked expert output
     token_combine(rows)                                     -> the owner's rows (unreduced)
     combine_postprocess(rows)                               -> output, shaped like hidden_states
-The interface keeps state between the calls; here it is one frozen record per step (``_step``),
-which the next call checks and replaces. One wrapper serves one layer.
+The interface keeps state between the calls; here it is the frozen record of the stage just run
+(``moe_dispatch.dispatcher``'s staged API: prepare, send, finish, return_rows, owner_sum), which the
+next call checks and replaces. One wrapper serves one layer.
 """
 from __future__ import annotations
 
@@ -20,28 +21,27 @@ from typing import Any, Optional, Union
 import torch
 
 from ...config import as_dispatch_config
-from ...dispatcher import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher, functional
-from ...dispatcher.exchange import Received
-from ...dispatcher.functional import DispatchHandle, Plan
+from ...dispatcher import (
+    AllGatherDispatcher,
+    AllToAllDispatcher,
+    DispatchHandle,
+    Prepared,
+    Returned,
+    Sent,
+    build_dispatcher,
+    check_expert_output,
+    device_of,
+    finish,
+    host_tokens_per_expert,
+    owner_sum,
+    prepare,
+    return_rows,
+    send,
+)
 from .config import moe_config_from_megatron
 from .supported import check_groups, megatron_field
 
 Dispatcher = Union[AllGatherDispatcher, AllToAllDispatcher]
-
-
-@dataclass(frozen=True)
-class _Prepared:  # after dispatch_preprocess
-    plan: Plan
-    hidden_shape: torch.Size
-
-
-@dataclass(frozen=True)
-class _Sent:  # after token_dispatch: the owner's tensors (autograd) and what arrived
-    plan: Plan
-    hidden_shape: torch.Size
-    x: torch.Tensor
-    probs: torch.Tensor
-    recv: Received
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,13 @@ class _Dispatched:  # after dispatch_postprocess, combine_preprocess
 
 
 @dataclass(frozen=True)
-class _Returned:  # after token_combine
+class _Combined:  # after token_combine
     handle: DispatchHandle
-    words: Optional[torch.Tensor] = None  # a sync-free step's check words (dispatcher/static.py)
+    returned: Returned
 
 
-_Step = Union[None, _Prepared, _Sent, _Dispatched, _Returned]
-
+# The record of the step so far: the stages' own records, and the handle with them.
+_Step = Union[None, Prepared, Sent, _Dispatched, _Combined]
 
 class MegatronTokenDispatcher:
     """One of our dispatchers (``dispatcher``) behind Megatron's MoETokenDispatcher interface.
@@ -87,20 +87,20 @@ class MegatronTokenDispatcher:
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
                             probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validate (all ranks), exchange sizes; returns (hidden [T, H], probs [T, E] fp32/fp64)."""
-        self.dispatcher.agree(functional.device_of(hidden_states))
-        x, wire, plan = functional.prepare(hidden_states, routing_map, probs, self.config, self.ep_group,
-                                           self.dispatcher.latch, steps=self.dispatcher.steps)
-        self._step = _Prepared(plan, hidden_states.shape)
-        return x, wire
+        """Validate (all ranks), plan the step; returns (hidden [T, H], probs [T, E] fp32/fp64)."""
+        self.dispatcher.agree(device_of(hidden_states))
+        prepared = prepare(hidden_states, routing_map, probs, self.config, self.ep_group, latch=self.dispatcher.latch,
+                           agreed=True, steps=self.dispatcher.steps)
+        self._step = prepared
+        return prepared.x, prepared.probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Send hidden_states [T, H] and probs [T, E] (the step's own, as dispatch_preprocess
         returned them); returns (received tokens [R, H], received probs [R, El]), by source."""
-        step = self._expect(_Prepared, "dispatch_preprocess")
-        recv = functional.send_tokens(hidden_states, probs, step.plan)
-        self._step = _Sent(step.plan, step.hidden_shape, hidden_states, probs, recv)
-        return recv.hidden, recv.probs
+        prepared = self._expect(Prepared, "dispatch_preprocess")
+        sent = send(dataclasses.replace(prepared, x=hidden_states, probs=probs))
+        self._step = sent
+        return sent.recv.hidden, sent.recv.probs
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor,
                              probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,34 +115,34 @@ class MegatronTokenDispatcher:
         permuted_probs (returned detached, for inspection): ``make_row_stable``'s experts do.
         Megatron's own experts always multiply by them: they need probs_in_experts=True (the
         default of ``dispatcher_from_megatron``)."""
-        step = self._expect(_Sent, "token_dispatch")
-        recv = dataclasses.replace(step.recv, hidden=hidden_states, probs=probs)
-        rows, handle = functional.finish(step.x, step.probs, recv, step.plan, step.hidden_shape)
+        sent = self._expect(Sent, "token_dispatch")
+        recv = dataclasses.replace(sent.recv, hidden=hidden_states, probs=probs)
+        rows, handle = finish(dataclasses.replace(sent, recv=recv))
         self._step = _Dispatched(handle)
-        counts = handle.expert_counts if handle.trailing_rows else functional.host_tokens_per_expert(handle)
+        counts = handle.device_expert_rows if handle.trailing_rows else host_tokens_per_expert(handle)
         return rows, counts, handle.permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Expert output [N, H] -> the same rows, checked (see functional.check_expert_output)."""
-        return functional.check_expert_output(hidden_states, self._expect(_Dispatched, "dispatch_postprocess").handle)
+        """Expert output [N, H] -> the same rows, checked (see ``check_expert_output``)."""
+        return check_expert_output(hidden_states, self._expect(_Dispatched, "dispatch_postprocess").handle)
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Expert rows -> this rank's own rows, from every expert rank (unreduced)."""
         handle = self._expect(_Dispatched, "dispatch_postprocess").handle
-        rows, words = functional.return_with_words(hidden_states, handle)
-        self._step = _Returned(handle, words)
-        return rows
+        returned = return_rows(hidden_states, handle)
+        self._step = _Combined(handle, returned)
+        return returned.rows
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The owner's fixed-order fp32 weighted sum; returns hidden_states' original shape."""
-        step = self._expect(_Returned, "token_combine")
+        step = self._expect(_Combined, "token_combine")
         self._step = None
-        return functional.owner_sum(hidden_states, step.handle, step.words)
+        return owner_sum(dataclasses.replace(step.returned, rows=hidden_states), step.handle)
 
     @property
     def handle(self) -> Optional[DispatchHandle]:
         """The current step's handle (after dispatch_postprocess), else None."""
-        return self._step.handle if isinstance(self._step, (_Dispatched, _Returned)) else None
+        return self._step.handle if isinstance(self._step, (_Dispatched, _Combined)) else None
 
     def _expect(self, record: type, previous: str) -> Any:
         if not isinstance(self._step, record):

@@ -28,8 +28,8 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from ...experts.gemm import expert_gemm, select_gemm
-from ...numerics.fixed_order import ordered_mm
+from ...experts import expert_gemm, select_gemm
+from ...numerics import ordered_mm
 
 __all__ = ["expert_linear", "expert_weights", "restack_after_conversion", "stack_expert_weights", "stacked_view",
            "warn_copied"]

@@ -38,8 +38,8 @@ def make_row_stable(moe_layer: Any) -> Any:
 
     import torch
 
-    from ...experts.activations import activate, scale_rows
-    from ...router.gating import gating_linear
+    from ...experts import activate, scale_rows
+    from ...router import gating_linear
     from .experts import expert_linear, expert_weights, restack_after_conversion, stack_expert_weights, warn_copied
 
     check_row_stable_supported(moe_layer)

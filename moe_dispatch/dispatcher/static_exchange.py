@@ -1,6 +1,6 @@
-"""The sync-free step's return route (EP > 1): the receiver layout's rows back to their owners in
-fixed chunks, each with its status rows (static_words.py), and the mirror exchange of the
-backward. static.py plans the step and runs the forward exchange."""
+"""The sync-free step's exchanges (EP > 1), every chunk of a fixed size with its status rows
+(static_words.py): the forward exchange of the tokens, and the return route of the receiver
+layout's rows back to their owners with its mirror in the backward. static.py plans the step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..distributed.agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, ErrorLatch, check_call
-from ..distributed.comm import ProcessGroup, all_to_all_rows
+from ..distributed.comm import ProcessGroup, all_gather_rows, all_to_all_rows
 from ..distributed.identity import CallId
 from ..numerics.autograd import refuse_double_backward
 from ..ops import RowIdMap
@@ -17,6 +17,7 @@ from ..ops.permutation import make_slots
 from .exchange import Received, RowFormat
 from .expand import SendBack
 from .static_words import (
+    DISPATCH_CODE,
     ORDER_CODE,
     W_CALL,
     W_RECV,
@@ -66,12 +67,57 @@ class StaticRoute:
             check_call(self.group, self.latch, self.call, code, True, device)
 
 
-@dataclass(frozen=True)
-class StaticStep:
-    """The handle's sync-free part: the return route (None at EP 1) and the plan."""
-
-    plan: StaticPlan
-    route: Optional[StaticRoute]
+@torch.no_grad()
+def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: StaticPlan) -> Received:
+    """x [T, H], probs [T, E] (wire dtype) -> every source's rows for this rank's experts, in
+    source rank order, each source's chunk padded to its capacity (padding routes nowhere); the
+    routing is a contiguous copy; ``words``: the max of every source's words."""
+    sizes = plan.layout
+    P, El, me = sizes.ep_size, sizes.num_local_experts, sizes.rank
+    if P == 1:
+        return Received(x.detach(), probs.detach(), plan.routing_map, (0,), plan.words)
+    T, H = x.shape
+    E = plan.config.num_experts
+    if plan.config.kind == "allgather":
+        fmt = RowFormat(H, x.dtype, E, probs.dtype, True)
+        width = fmt.empty(0, x.device).shape[1]
+        valid, chunk = T, T + status_rows(width)
+        buf = fmt.empty(chunk, x.device)
+        buf[T:].zero_()
+        fmt.pack(buf[:T], x, probs, plan.routing_map)
+        write_status(buf, 1, chunk, valid, plan.words)
+        recv = all_gather_rows(buf, plan.group)
+        hidden, all_probs, all_routing = fmt.views(recv)
+        cols = slice(me * El, (me + 1) * El)
+        rprobs, routing = all_probs[:, cols], all_routing[:, cols].contiguous()
+    else:
+        fmt = RowFormat(H, x.dtype, El, probs.dtype, True)
+        width = fmt.empty(0, x.device).shape[1]
+        valid, chunk = sizes.send_capacity, sizes.send_capacity + status_rows(width)
+        local = plan.routing_map.reshape(T, P, El)
+        rank_map = local.any(-1)  # [T, P]
+        pos = torch.cumsum(rank_map, 0) - 1  # the token's row in its chunk to each rank
+        ok = rank_map & (pos < valid)
+        dummy = P * chunk
+        target = torch.where(ok, torch.arange(P, device=x.device) * chunk + pos, dummy)
+        token = torch.zeros(dummy + 1, dtype=torch.int64, device=x.device)
+        token.scatter_(0, target.flatten(), torch.arange(T, device=x.device)[:, None].expand(T, P).flatten())
+        used = torch.zeros(dummy + 1, dtype=torch.bool, device=x.device)
+        used.scatter_(0, target.flatten(), ok.flatten())
+        token, used = token[:dummy], used[:dummy]
+        dest = torch.arange(dummy, device=x.device) // chunk
+        send = fmt.empty(dummy, x.device)
+        h, p, r = fmt.views(send)
+        torch.index_select(x, 0, token, out=h)
+        p.copy_(torch.where(used[:, None], probs.reshape(T, P, El)[token, dest], 0))
+        r.copy_(local[token, dest] & used[:, None])
+        write_status(send, P, chunk, valid, plan.words)
+        recv = all_to_all_rows(send, [chunk] * P, [chunk] * P, plan.group)
+        hidden, rprobs, routing = fmt.views(recv)
+        routing = routing.contiguous()
+    words = fold_call(read_status(recv, P, chunk, valid), DISPATCH_CODE)
+    routing.view(P, chunk, El)[:, valid:] = False  # the status rows route nowhere
+    return Received(hidden, rprobs, routing, tuple(range(P)), words)
 
 
 def _fitting(counts: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -167,13 +213,13 @@ class ReturnRows(torch.autograd.Function):
         return send_forth(grad, ctx.route, ctx.sizes), None, None, None
 
 
-def return_exchange(step: StaticStep) -> SendBack:
+def return_exchange(plan: StaticPlan, route: StaticRoute) -> SendBack:
     """Expand's return path over the static route: the rows' gradients and the words; a bad step's
     are latched (CUDA: before unpermute, whose kernel sees them) and poisoned."""
-    sizes = step.plan.layout
+    sizes = plan.layout
 
     def send(rows: torch.Tensor, probs: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        rows, probs, words = send_back(rows, probs, step.route, DISPATCH_BACKWARD_CALL)
-        latch_words(step.plan.group, words, sizes)
+        rows, probs, words = send_back(rows, probs, route, DISPATCH_BACKWARD_CALL)
+        latch_words(plan.group, words, sizes)
         return poison(rows, words, sizes), poison(probs, words, sizes) if probs is not None else None
     return send

@@ -1,0 +1,134 @@
+"""The staged dispatch: the public stages a framework calls between its own steps.
+
+    prepared = prepare(hidden, routing_map, probs, config, ep_group)  # validate, plan the step
+    sent = send(prepared)                                             # the forward data exchange
+    expert_input, handle = finish(sent)                               # the experts' layout, frozen handle
+    ... the experts: expert_output [N, H] from expert_input [N, H] ...
+    returned = return_rows(check_expert_output(expert_output, handle), handle)  # back to the owners
+    output = owner_sum(returned, handle)                              # fixed-order fp32 sum, [T, H]
+
+``dispatch`` and ``combine`` (functional.py) are these stages in a row; Megatron's six-method
+interface (``moe_dispatch.integrations.megatron``) is these stages one per method. Each stage
+returns a frozen record (handle.py) that the next consumes; a framework that changes a tensor
+between two stages (Megatron passes its own copies on) swaps it in with ``dataclasses.replace``.
+The plan is chosen once, in ``prepare`` (``plan_type``), and every later stage calls it.
+
+Every stage at EP > 1 is collective: every rank of ``ep_group`` runs the same stages in the same
+order. An error in the inputs raises the same ValueError on every rank in ``prepare``; one found
+later (a wrong expert_output) gives NaN rows and raises on every rank at the next ``prepare``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..config import DispatchConfig, MoEConfig, as_dispatch_config
+from ..distributed.agreement import GROUP_LATCHES, ErrorLatch, agree_config
+from ..distributed.comm import ProcessGroup
+from ..distributed.identity import StepCounter, functional_counter
+from ..ops import RowIdMap
+from .dropless import DroplessPlan
+from .handle import DispatchHandle, Prepared, Returned, Sent
+from .plan import Plan
+from .static import StaticPlan
+
+
+def plan_type(cfg: DispatchConfig) -> type[Plan]:
+    """The plan of a configuration, chosen here once per dispatch: every later stage calls it."""
+    return StaticPlan if cfg.sync_free else DroplessPlan
+
+
+def device_of(hidden: Any) -> torch.device:
+    """Where a step's small messages live: the hidden states' device (the CPU for a non-tensor)."""
+    return hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+
+
+def prepare(hidden: Any, routing_map: Any, probs: Any, config: MoEConfig | DispatchConfig,
+            ep_group: ProcessGroup = None, kind: Optional[str] = None, *, latch: Optional[ErrorLatch] = None,
+            agreed: bool = False, steps: Optional[StepCounter] = None,
+            experts_grad: Optional[bool] = None) -> Prepared:
+    """Validate every rank's input (the same ValueError on every rank) and plan the step.
+
+    Args:
+        hidden: [T, H] or [S, B, H] float32/float16/bfloat16. routing_map: [T, E] bool.
+        probs: [T, E] float; they travel as fp32 (fp64 for an fp64 router).
+        config, ep_group, kind: as ``dispatch``.
+        latch: the group's ErrorLatch (default ``GROUP_LATCHES.of(ep_group)``).
+        agreed: the caller has agreed the configuration with the group already (a dispatcher
+            object does, once); otherwise it is agreed here (one small exchange at EP > 1).
+        steps: the caller's forward counter (a layer's; default the functional one of the group).
+        experts_grad: whether the experts have trainable weights (None: assumed under grad mode).
+
+    Returns a Prepared: x [T, H], probs [T, E] in the wire dtype (autograd to the caller's), the
+    step's Plan (the dropless plan: one size exchange; the sync-free plan: none after its first step).
+    """
+    cfg = as_dispatch_config(config, kind)
+    if not agreed:
+        agree_config(cfg, ep_group, device_of(hidden))
+    latch = GROUP_LATCHES.of(ep_group) if latch is None else latch
+    steps = functional_counter(ep_group) if steps is None else steps
+    return plan_type(cfg).prepare(hidden, routing_map, probs, cfg, ep_group, latch, steps=steps,
+                                  experts_grad=experts_grad)
+
+
+def send(prepared: Prepared) -> Sent:
+    """The forward data exchange of prepared.x and prepared.probs. Returns a Sent whose ``recv``
+    holds what arrived: hidden [R, H], probs [R, El] and routing [R, El], by source rank."""
+    return prepared.plan.send(prepared)
+
+
+def finish(sent: Sent, expert_map: Optional[RowIdMap] = None) -> tuple[torch.Tensor, DispatchHandle]:
+    """The received rows in the receiver layout: (expert_input [N, H], handle). expert_input is
+    expert-major, within an expert by (source rank, token) ascending; padding rows are zero. Its
+    backward returns every row's gradient to its owner unreduced. ``expert_map``: a previous
+    handle's (the same routing; normally None)."""
+    return sent.plan.finish(sent, expert_map)
+
+
+def host_tokens_per_expert(handle: DispatchHandle) -> torch.Tensor:
+    """CPU int64 [El], rows per local expert block (padding included). The dropless plan has them;
+    the sync-free plan reads them from the device now (a host sync on CUDA: only whoever asks pays)."""
+    return handle.host_expert_rows
+
+
+def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Tensor:
+    """expert_output if it is [N, H] in the dispatch's dtype and on its device (N: the rows the
+    experts were given, ``handle.expert_rows`` when fewer). Otherwise: at EP 1 a ValueError; at
+    EP > 1 the plan records the error (every rank raises it at the group's next exchange) and NaN
+    rows of the right shape come back, so this step's collectives still match on every rank (no
+    hang) and its outputs are NaN on the owners of the rows (no silent result)."""
+    plan = handle.plan
+    N, H = handle.expert_map.num_out_tokens, plan.config.hidden_size
+    dtype, device = plan.hidden_dtype, plan.routing_map.device
+    given = N if handle.expert_rows is None else handle.expert_rows
+    ok = (isinstance(expert_output, torch.Tensor) and expert_output.shape == (given, H)
+          and expert_output.dtype == dtype and expert_output.device == device)
+    if ok and given < N:  # the rows after the experts' blocks belong to no expert: never read
+        return torch.cat([expert_output, expert_output.new_zeros(N - given, H)])
+    if ok:
+        return expert_output
+    is_tensor = isinstance(expert_output, torch.Tensor)
+    if plan.ep_size == 1:
+        got = f"{list(expert_output.shape)} {expert_output.dtype}" if is_tensor else type(expert_output).__name__
+        raise ValueError(f"expert_output must be [N, H] = [{given}, {H}] {dtype} on {device} "
+                         f"(N = sum(tokens_per_expert)), got {got}")
+    plan.flag_expert_output(handle, expert_output)
+    nan = torch.full((N, H), float("nan"), dtype=dtype, device=device)
+    if is_tensor and expert_output.requires_grad and expert_output.is_floating_point():
+        # keep the graph to the experts and the dispatch: their backward collectives must still run
+        nan = nan + (expert_output.sum() * 0).to(device=device, dtype=dtype)
+    return nan
+
+
+def return_rows(expert_output: torch.Tensor, handle: DispatchHandle) -> Returned:
+    """Checked expert rows [N, H] -> Returned: the owner buffer [M, H] (this rank's rows from
+    every expert rank, unreduced; the rows themselves at EP 1)."""
+    return handle.plan.return_rows(expert_output, handle)
+
+
+def owner_sum(returned: Returned, handle: DispatchHandle) -> torch.Tensor:
+    """The owner's weighted sum, hidden_states' shape: out[t] = sum over t's experts e, ascending,
+    of probs[t, e] * y[t, e] (probs omitted when the experts applied them) in fp32 (fp64 for fp64
+    probs), rounded once to the rows' dtype."""
+    return handle.plan.owner_sum(returned, handle)
