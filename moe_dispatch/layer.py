@@ -15,8 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import MoEConfig
-from .dispatcher import build_dispatcher
-from .dispatcher.functional import host_tokens_per_expert
+from .dispatcher import build_dispatcher, host_tokens_per_expert
 from .distributed.agreement import hidden_states_problem
 from .distributed.comm import group_key, group_size_rank
 from .experts import GroupedMLP, SequentialMLP, layer_seed
@@ -125,7 +124,7 @@ class MoELayer(nn.Module):
         expert_input, handle = self.dispatcher.dispatch_rows(None if agreed else tokens, routing_map, probs,
                                                              experts_need_grad=experts_grad)
         if handle.trailing_rows:  # sync-free: device counts, read only by a GEMM path that needs them
-            expert_output = self.experts(expert_input, handle.expert_counts, handle.permuted_probs,
+            expert_output = self.experts(expert_input, handle.device_expert_rows, handle.permuted_probs,
                                          offsets=handle.expert_offsets, trailing_rows=True)
         else:
             # per-source weight gradients only while a GradientTree asked for them (experts.source_grads)
