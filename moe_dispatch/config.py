@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from .numerics.rounding import is_int, round_up
+
 # The dispatcher kinds' names, the one list (dispatcher/exchange.py maps each to its implementation).
 DISPATCHER_KINDS: tuple[str, ...] = ("allgather", "alltoall")
 
@@ -36,13 +38,8 @@ def _choice(field: str, value: Any, allowed: tuple) -> None:
         raise ValueError(f"{field}={value!r} is not one of {allowed}")
 
 
-def _is_int(value: Any) -> bool:
-    # bool is an int subclass; True as a size is a typo, not a size.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _positive_int(field: str, value: Any) -> None:
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{field} must be an int >= 1, got {value!r}")
 
 
@@ -60,10 +57,22 @@ def _finite_number(field: str, value: Any, minimum: float, strict: bool) -> None
         raise ValueError(f"{field} must be a finite number {op} {minimum}, got {value!r}")
 
 
+def _optional_positive_number(field: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{field} must be None or a finite number > 0, got {value!r}")
+
+
+def _dispatcher_kind(kind: Any) -> None:
+    if kind not in DISPATCHER_KINDS:
+        raise ValueError(f"dispatcher kind must be one of {DISPATCHER_KINDS}, got {kind!r}")
+
+
 @dataclass(frozen=True)
 class DispatchConfig:
     """The dispatcher's settings (typed, immutable): what the dispatchers read, and nothing else.
-    Build it with ``MoEConfig.dispatch_config()``.
+    Build it with ``MoEConfig.dispatch_config()``, which takes the values as that config
+    validated them; built directly (or by ``replace``) it validates its own fields.
 
     Attributes:
         kind: one of ``DISPATCHER_KINDS`` ('allgather', 'alltoall').
@@ -103,8 +112,7 @@ class DispatchConfig:
     ep_capacity_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
-        if self.kind not in DISPATCHER_KINDS:
-            raise ValueError(f"dispatcher kind must be one of {DISPATCHER_KINDS}, got {self.kind!r}")
+        _dispatcher_kind(self.kind)
         for name in ("num_experts", "topk", "hidden_size", "pad_multiple"):
             _positive_int(name, getattr(self, name))
         if self.topk > self.num_experts:
@@ -113,18 +121,24 @@ class DispatchConfig:
             raise ValueError(f"router_dtype must be None, 'fp32' or 'fp64', got {self.router_dtype!r}")
         for name in ("probs_in_experts", "pad_to_capacity", "strict_call_order", "sync_free"):
             _strict_bool(name, getattr(self, name))
-        cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf)
-                               or cf <= 0):
-            raise ValueError(f"capacity_factor must be None or a finite number > 0, got {cf!r}")
-        if self.pad_to_capacity and cf is None:
+        _optional_positive_number("capacity_factor", self.capacity_factor)
+        if self.pad_to_capacity and self.capacity_factor is None:
             raise ValueError("pad_to_capacity=True needs capacity_factor to be set")
-        ecf = self.ep_capacity_factor
-        if ecf is not None and (isinstance(ecf, bool) or not isinstance(ecf, (int, float)) or not math.isfinite(ecf)
-                                or ecf <= 0):
-            raise ValueError(f"ep_capacity_factor must be None or a finite number > 0, got {ecf!r}")
+        _optional_positive_number("ep_capacity_factor", self.ep_capacity_factor)
         if self.sync_free and (self.pad_to_capacity or self.pad_multiple != 1):
             raise ValueError("sync_free=True (the static dispatch) needs pad_to_capacity=False and pad_multiple=1")
+
+    @classmethod
+    def _of_valid(cls, **values: Any) -> "DispatchConfig":
+        """One with every field given, from values a MoEConfig already validated (whose rules
+        include all of the checks above): built without running them a second time."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        if sorted(values) != sorted(names):
+            raise TypeError(f"DispatchConfig._of_valid needs exactly the fields {names}, got {sorted(values)}")
+        config = object.__new__(cls)
+        for name in names:
+            object.__setattr__(config, name, values[name])  # frozen: the dataclass sets fields this way too
+        return config
 
     def replace(self, **changes: Any) -> "DispatchConfig":
         """A validated copy with some fields changed."""
@@ -140,7 +154,7 @@ class DispatchConfig:
     def capacity(self, num_tokens: int) -> int:
         """Megatron's expert capacity ceil(T * topk / E * capacity_factor), rounded up to pad_multiple."""
         cap = math.ceil(num_tokens * self.topk / self.num_experts * self.capacity_factor)
-        return -(-cap // self.pad_multiple) * self.pad_multiple
+        return round_up(cap, self.pad_multiple)
 
     def field_values(self) -> list[tuple[str, Any]]:
         """(name, value) of every field, in declaration order (the fingerprint compares them)."""
@@ -280,7 +294,7 @@ class MoEConfig:
             _positive_int("shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size)
         if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
             raise ValueError(f"params_dtype must be a floating torch.dtype, got {self.params_dtype!r}")
-        if not _is_int(self.init_seed) or not 0 <= self.init_seed < _SEED_LIMIT:
+        if not is_int(self.init_seed) or not 0 <= self.init_seed < _SEED_LIMIT:
             raise ValueError(f"init_seed must be an int in [0, 2**63), got {self.init_seed!r}")
 
     def _check_groups(self) -> None:
@@ -318,14 +332,17 @@ class MoEConfig:
         return _field_values(self)
 
     def dispatch_config(self, kind: Optional[str] = None) -> "DispatchConfig":
-        """The dispatcher's part of this config; ``kind`` overrides ``dispatcher``."""
-        return DispatchConfig(kind=kind or self.dispatcher, num_experts=self.num_experts, topk=self.topk,
-                              hidden_size=self.hidden_size, router_dtype=self.router_dtype,
-                              probs_in_experts=self.probs_in_experts, pad_multiple=self.pad_multiple,
-                              capacity_factor=self.capacity_factor if self.pad_to_capacity else None,
-                              pad_to_capacity=self.pad_to_capacity, strict_call_order=self.strict_call_order,
-                              sync_free=self.ep_capacity_factor is not None,
-                              ep_capacity_factor=self.ep_capacity_factor)
+        """The dispatcher's part of this config; ``kind`` overrides ``dispatcher``. This config's
+        validation covers every field but an overriding ``kind``, so only that is checked again."""
+        if kind:  # an empty kind is no override
+            _dispatcher_kind(kind)
+        return DispatchConfig._of_valid(kind=kind or self.dispatcher, num_experts=self.num_experts, topk=self.topk,
+                                        hidden_size=self.hidden_size, router_dtype=self.router_dtype,
+                                        probs_in_experts=self.probs_in_experts, pad_multiple=self.pad_multiple,
+                                        capacity_factor=self.capacity_factor if self.pad_to_capacity else None,
+                                        pad_to_capacity=self.pad_to_capacity, strict_call_order=self.strict_call_order,
+                                        sync_free=self.ep_capacity_factor is not None,
+                                        ep_capacity_factor=self.ep_capacity_factor)
 
     def replace(self, **changes: Any) -> "MoEConfig":
         """A validated copy with some fields changed (the only way to change a frozen config)."""

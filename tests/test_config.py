@@ -159,3 +159,39 @@ def test_equal_configs_hash_alike_and_survive_pickling():
     assert c == cfg(router_dtype="fp64", params_dtype=torch.bfloat16) and hash(c) == hash(cfg(router_dtype="fp64",
                                                                                         params_dtype=torch.bfloat16))
     assert pickle.loads(pickle.dumps(c)) == c
+
+
+DISPATCH_SETTINGS = [
+    {}, dict(dispatcher="allgather", router_dtype=None), dict(router_dtype="fp64", probs_in_experts=True),
+    dict(capacity_factor=1.25, pad_to_capacity=True, pad_multiple=4), dict(capacity_factor=2, pad_multiple=8),
+    dict(ep_capacity_factor=1.5, strict_call_order=True),
+]
+
+
+@pytest.mark.parametrize("settings", DISPATCH_SETTINGS, ids=str)
+def test_dispatch_config_takes_the_validated_values_once(settings, monkeypatch):
+    """A MoEConfig's dispatch_config() does not validate again, and needs not: what the MoEConfig
+    accepted, DispatchConfig's own checks accept too (rebuilding it through them gives it back)."""
+    from moe_dispatch.config import DispatchConfig
+    config = cfg(**settings)
+
+    def validate_again(self):
+        raise AssertionError("DispatchConfig validated a MoEConfig's values a second time")
+
+    with monkeypatch.context() as m:
+        m.setattr(DispatchConfig, "__post_init__", validate_again)
+        dc = config.dispatch_config()
+        with pytest.raises(AssertionError, match="second time"):  # built directly, it does validate
+            dc.replace()
+    assert dc.replace() == dc and dc.kind == config.dispatcher and dc.sync_free == ("ep_capacity_factor" in settings)
+
+
+def test_dispatch_config_checks_an_overriding_kind_and_direct_builds():
+    from moe_dispatch.config import DispatchConfig
+    assert cfg().dispatch_config("allgather").kind == "allgather"
+    with pytest.raises(ValueError, match="dispatcher kind must be one of"):
+        cfg().dispatch_config("ring")
+    with pytest.raises(ValueError, match="topk=9 exceeds num_experts=8"):
+        DispatchConfig(kind="alltoall", num_experts=8, topk=9, hidden_size=4)
+    with pytest.raises(ValueError, match="capacity_factor must be None or a finite number > 0"):
+        cfg().dispatch_config().replace(capacity_factor=float("nan"))
