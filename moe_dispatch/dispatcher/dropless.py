@@ -63,14 +63,6 @@ class DroplessPlan(Plan):
     host_expert_rows: torch.Tensor
     replaced: bool = False
 
-    @property
-    def ep_size(self) -> int:
-        return self.layout.ep_size
-
-    @property
-    def rank(self) -> int:
-        return self.layout.rank
-
     # ---- dispatch -------------------------------------------------------------------------------
     @classmethod
     def prepare(cls, hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,

@@ -36,7 +36,8 @@ SourceBlocks = tuple[tuple[tuple[int, int], ...], ...]
 class Plan(ABC):
     """One step's plan. Implementations are frozen dataclasses with at least these fields:
 
-    config (DispatchConfig), group (the EP ProcessGroup), latch (its ErrorLatch), routing_map
+    config (DispatchConfig), group (the EP ProcessGroup), latch (its ErrorLatch), layout (the
+    step's sizes: at least ep_size and rank; layout.Layout or static.StaticSizes), routing_map
     ([T, E] bool, this rank's), hidden_dtype, probs_dtype (the wire dtype), owner_map (RowIdMap of
     this rank's (token, expert) pairs in the owner buffer; None at EP 1, where the expert map
     serves), ep_size, rank, and ``replaced`` (this rank's bad input took part as zeros)."""
@@ -47,6 +48,7 @@ class Plan(ABC):
     routing_map: torch.Tensor
     hidden_dtype: torch.dtype
     probs_dtype: torch.dtype
+    layout: Any
     owner_map: Optional["RowIdMap"]
     replaced: bool
     # The receiver layout has rows after the last expert's block that belong to no expert (the
@@ -54,12 +56,13 @@ class Plan(ABC):
     trailing_rows: bool = False
 
     @property
-    @abstractmethod
-    def ep_size(self) -> int: ...
+    def ep_size(self) -> int:
+        return self.layout.ep_size
 
     @property
-    @abstractmethod
-    def rank(self) -> int: ...
+    def rank(self) -> int:
+        """This rank's index in the EP group."""
+        return self.layout.rank
 
     @classmethod
     @abstractmethod

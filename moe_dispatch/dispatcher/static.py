@@ -143,14 +143,6 @@ class StaticPlan(Plan):
     num_real: int = 0
     trailing_rows = True  # N = the plan's capacity: rows after the experts' blocks belong to no expert
 
-    @property
-    def ep_size(self) -> int:
-        return self.layout.ep_size
-
-    @property
-    def rank(self) -> int:
-        return self.layout.rank
-
     @classmethod
     def prepare(cls, hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
                 latch: ErrorLatch, *, steps: Optional[StepCounter], experts_grad: Optional[bool] = None,
