@@ -77,8 +77,12 @@ def run_layer(layer_fn: Callable[[], torch.nn.Module], x: torch.Tensor, upstream
     x = x.clone().requires_grad_()
     out = layer(x)
     out.backward(upstream)
-    router_weight = next(p for n, p in layer.named_parameters() if "router" in n)
-    return out.detach(), x.grad.detach(), router_weight.grad.detach().clone()
+    return out.detach(), x.grad.detach(), router_weight(layer).grad.detach().clone()
+
+
+def router_weight(layer: torch.nn.Module) -> torch.nn.Parameter:
+    """The router's weight of our MoELayer (the gradient the rows compare beside the input's)."""
+    return next(p for n, p in layer.named_parameters() if "router" in n)
 
 
 def _all_equal_across(group: Optional[dist.ProcessGroup], tensors: tuple[torch.Tensor, ...]) -> tuple[float, bool]:
@@ -217,8 +221,7 @@ def captured_check(args: argparse.Namespace, device: torch.device, config: MoECo
     with torch.no_grad():
         x.copy_(fresh)
     graph.replay()
-    router = next(p for n, p in layer.named_parameters() if "router" in n)
-    captured = (out.detach().clone(), x.grad.detach().clone(), router.grad.detach().clone())
+    captured = (out.detach().clone(), x.grad.detach().clone(), router_weight(layer).grad.detach().clone())
     layer.zero_grad(set_to_none=True)  # the eager step writes fresh .grad, not into the graph's
     eager = run_layer(lambda: layer, fresh, upstream)
     diff = max(largest_diff(a, b) for a, b in zip(captured, eager))
