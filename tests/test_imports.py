@@ -120,3 +120,39 @@ def test_leaf_modules_load_nothing_above_them(module, not_loaded):
     loaded = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
     assert module in loaded
     assert not [m for m in loaded if any(m == n or m.startswith(n + ".") for n in not_loaded)], loaded
+
+
+# The packages whose public face (their __init__) a framework integration may import from.
+FACES = {"moe_dispatch.config", "moe_dispatch.dispatcher", "moe_dispatch.experts", "moe_dispatch.router",
+         "moe_dispatch.numerics", "moe_dispatch.distributed", "moe_dispatch.ops", "moe_dispatch.layer",
+         "moe_dispatch.parallel", "moe_dispatch"}
+
+
+def _below_the_faces(package: Path, root: Path = PACKAGE) -> list[str]:
+    """Imports in ``package``'s modules of moe_dispatch modules that are not a public face
+    (imports within the package itself are its own business)."""
+    own = _module_name(package / "__init__.py", root)
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        module = _module_name(path, root)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            target = _imported(node, module, path.name == "__init__.py")[0]
+            if target.startswith("moe_dispatch") and not target.startswith(own) and target not in FACES:
+                found.append(f"{module}:{node.lineno} imports {target}")
+    return found
+
+
+def test_integrations_use_only_public_faces(tmp_path):
+    """The Megatron adapter (and any second framework's) reaches the core through the packages'
+    faces only: the staged dispatch, the experts, the router, the numerics."""
+    assert _below_the_faces(PACKAGE / "integrations") == []
+    # the check finds an import from below a face (as the adapter had before the staged API)
+    fake = tmp_path / "moe_dispatch" / "integrations" / "other"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("from ...dispatcher.functional import dispatch\n"
+                                      "from ...experts import expert_gemm\n")
+    assert _below_the_faces(fake, tmp_path / "moe_dispatch") == [
+        "moe_dispatch.integrations.other:1 imports moe_dispatch.dispatcher.functional"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ...distributed.agreement import hidden_states_problem
+from ...dispatcher import hidden_states_problem
 from .config import megatron_moe_settings
 from .dispatcher import is_installed
 from .supported import megatron_field
