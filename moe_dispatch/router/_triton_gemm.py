@@ -17,9 +17,10 @@ try:
 except ImportError:  # triton is optional; gating.py falls back to fixed-shape blocked mm
     triton = None
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per operand kind, tuned on H200 for
-# T=16384, H=4096/E=128 and H=7168/E=256. Wide N tiles pay off only when E fills them. fp32
-# operands use input_precision="ieee": TF32 would lower the router precision below fp32.
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per operand kind and N, never M (the row
+# stability above); a 256-wide N tile only where N fills it. Their timings beside alternatives:
+# BENCHMARKS.md "Router". fp32 operands use input_precision="ieee": TF32 would lower the router
+# precision below fp32.
 def _config_for(kind: str, n: int) -> tuple:
     if kind == "half":
         return (128, 256, 64, 8, 3) if n >= 256 else (64, 128, 64, 4, 4)
@@ -103,7 +104,7 @@ def triton_row_stable_mm(
         kind = "split" if split_b else kind
     else:
         op_dtype, kind = out_dtype, ("fp32" if out_dtype == torch.float32 else "half")
-    bm, bn, bk, warps, stages = _config or _config_for(kind, b_t.shape[0])  # _config: tuning scripts only
+    bm, bn, bk, warps, stages = _config or _config_for(kind, b_t.shape[0])  # _config: scripts/measure/gating_tiles.py
     m, k = a.shape
     n = b_t.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)

@@ -92,8 +92,8 @@ class _GatingLinear(torch.autograd.Function):
         grad_hidden = grad_weight = None
         if ctx.needs_input_grad[0]:
             # [T, E] @ [E, H]: weight.t() is the [N, K] = [H, E] right operand row_stable_mm takes.
-            # Cast first (as the kernel would, [E, H] only): the kernel's strided loads of a bf16
-            # weight converted to fp32 in registers ran 6x slower on H200.
+            # Cast first (as the kernel would, [E, H] only): converting a bf16 weight in the
+            # kernel's strided loads costs more than the cast (BENCHMARKS.md "Router").
             grad_hidden = row_stable_mm(grad, weight.to(ctx.dtype).t(), ctx.dtype).to(hidden.dtype)
         if ctx.needs_input_grad[1]:
             # A reduction over tokens: deterministic for a fixed T, batch-dependent by nature.

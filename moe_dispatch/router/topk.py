@@ -37,8 +37,7 @@ def stable_topk_indices(key: torch.Tensor, k: int) -> torch.Tensor:
     Returns:
         [..., k] int64 indices.
     """
-    # A stable descending sort keeps equal values in index order. (The router forward was faster
-    # with it than with torch.topk on int64 keys packing the value bits and the index: BENCHMARKS.md.)
+    # A stable descending sort keeps equal values in index order (its cost: BENCHMARKS.md "Router").
     # "+ 0.0" maps -0.0 to +0.0: a radix sort (CUDA) orders them, a comparison sort (CPU) not.
     return torch.sort(key.detach() + 0.0, dim=-1, descending=True, stable=True).indices[..., :k]
 

@@ -3,7 +3,7 @@ shipped pass (two launches), each of its launches alone, and the same traffic wi
 probability gradient's dot products. Forward: the shipped pass with and without probs, and the
 permute backward (the same rows summed, no probs).
 
-Run on a CUDA machine:  python scripts/probe_unpermute.py [--shapes T,E,H,K ...]
+Run on a CUDA machine:  python scripts/measure/unpermute.py [--shapes T,E,H,K ...]
 
 Every row is a CUDA-graph replay median (GPU time only) over the pass's floor: (T*H read + N*H
 read + N*H written) * 2 bytes + the probs and their gradient (T*E*4 each), at the copy bandwidth
@@ -19,15 +19,19 @@ The forward's floor is (N*H read + T*H written) * 2 bytes + the probs (T*E*4).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from bench_ops import copy_bandwidth, graph_ms, routing  # python puts this script's folder first on its path
 
 from moe_dispatch.ops import guard, permute
 from moe_dispatch.ops import triton_kernels as KT
 from moe_dispatch.ops.torch_twin import block_h
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for bench_ops
+from bench_ops import copy_bandwidth, graph_ms, routing  # noqa: E402
 
 SHAPES = [(8192, 16, 2048, 4), (16384, 128, 4096, 6), (4096, 256, 7168, 8), (32768, 64, 4096, 8)]
 

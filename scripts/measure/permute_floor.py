@@ -1,7 +1,7 @@
 """Why permute's row copy sits above its byte floor: the same kernel with its destinations or its
 source changed, beside the GPU's write-only, read-only and copy bandwidths.
 
-Run on a CUDA machine:  python scripts/probe_permute_floor.py [--shapes T,E,H,K ...]
+Run on a CUDA machine:  python scripts/measure/permute_floor.py [--shapes T,E,H,K ...]
 
 Every row is a CUDA-graph replay median (GPU time only) of one Triton kernel that writes each
 token's row to K destination rows, over permute's floor: (T*H read + T*K*H written) * 2 bytes
@@ -13,13 +13,17 @@ at the copy bandwidth of torch's device-to-device copy measured in the same run.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from bench_ops import copy_bandwidth, graph_ms, routing  # python puts this script's folder first on its path
 
 from moe_dispatch.ops import triton_kernels as KT
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for bench_ops
+from bench_ops import copy_bandwidth, graph_ms, routing  # noqa: E402
 
 SHAPES = [(4096, 256, 7168, 8), (16384, 128, 4096, 6), (32768, 64, 4096, 8)]
 
