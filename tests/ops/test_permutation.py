@@ -114,15 +114,14 @@ def test_oracle_padding_and_fp64_probs(probs_dtype, pad_multiple):
     assert r["grad_probs"].dtype == probs_dtype
 
 
-def test_reported_scenario_same_upstream_gradient(capsys):
-    """The TransformerEngine report: 8192 tokens, H=2048, E=16, K=4. Both sides get the same
-    upstream gradients; every result sits inside the stated bound."""
-    lines = []
-    for dtype in DTYPES:
-        _, errors = _check_against_oracle(8192, 16, 4, 2048, dtype, seed=3)
-        lines.append(f"{str(dtype):>15}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
-    with capsys.disabled():
-        print("\nmax |ours - float64| (8192 tokens, H=2048, E=16, K=4):\n  " + "\n  ".join(lines))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reported_scenario_within_bound(dtype):
+    """The TransformerEngine report's shape (H=2048, E=16, K=4) with 256 of its 8192 tokens: the
+    bounds depend on H and K, not on how many tokens share the batch (batch invariance is
+    test_token_result_independent_of_other_tokens). Both sides get the same upstream gradients;
+    every result sits inside the stated bound. The errors at all 8192 tokens:
+    scripts/measure/permute_error.py."""
+    _check_against_oracle(256, 16, 4, 2048, dtype, seed=3)
 
 
 # ---------------------------------------------------------------------------------------------
