@@ -26,6 +26,9 @@ _LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 _DROP_POLICIES = ("probs", "position")
 _ACTIVATIONS = ("gelu", "relu", "swiglu")
 _EXPERT_IMPLS = ("grouped", "sequential")
+# The FP8 formats of ``fp8`` -> their torch dtypes. e4m3 only: the float8 torch._scaled_grouped_mm
+# takes on sm90 (MXFP8's block scales need Blackwell; docs/ops.md).
+FP8_FORMATS = {"e4m3": torch.float8_e4m3fn}
 
 
 # Seeds feed torch.Generator.manual_seed after small offsets (router, shared expert): keep the
@@ -63,6 +66,16 @@ def _optional_positive_number(field: str, value: Any) -> None:
         raise ValueError(f"{field} must be None or a finite number > 0, got {value!r}")
 
 
+def _fp8_format(fp8: Any, hidden_size: int, ffn_hidden_size: Optional[int]) -> None:
+    if fp8 is None:
+        return
+    _choice("fp8", fp8, tuple(FP8_FORMATS))
+    # FP8 GEMMs take 16-byte rows (K and N multiples of 16)
+    for name, size in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
+        if size is not None and size % 16:
+            raise ValueError(f"fp8={fp8!r} needs {name} a multiple of 16 (FP8 GEMM rows of 16 bytes), got {size}")
+
+
 def _dispatcher_kind(kind: Any) -> None:
     if kind not in DISPATCHER_KINDS:
         raise ValueError(f"dispatcher kind must be one of {DISPATCHER_KINDS}, got {kind!r}")
@@ -96,6 +109,8 @@ class DispatchConfig:
             (dispatcher/static.py); at EP > 1 it needs ep_capacity_factor.
         ep_capacity_factor: receive capacity of the static exchange at EP > 1, in units of the
             balanced load (T * topk rows per rank); see static.StaticSizes.
+        fp8: None, or a key of ``FP8_FORMATS``: each token's row travels quantised, with its own
+            fp32 scale (dispatcher/fp8_wire.py); the combine is unchanged.
     """
 
     kind: str
@@ -110,6 +125,7 @@ class DispatchConfig:
     strict_call_order: bool = False
     sync_free: bool = False
     ep_capacity_factor: Optional[float] = None
+    fp8: Optional[str] = None
 
     def __post_init__(self) -> None:
         _dispatcher_kind(self.kind)
@@ -127,6 +143,7 @@ class DispatchConfig:
         _optional_positive_number("ep_capacity_factor", self.ep_capacity_factor)
         if self.sync_free and (self.pad_to_capacity or self.pad_multiple != 1):
             raise ValueError("sync_free=True (the static dispatch) needs pad_to_capacity=False and pad_multiple=1")
+        _fp8_format(self.fp8, self.hidden_size, None)
 
     @classmethod
     def _of_valid(cls, **values: Any) -> "DispatchConfig":
@@ -219,6 +236,13 @@ class MoEConfig:
     every rank when it does not (dispatcher/static.py). At EP 1 the layer is sync-free anyway
     (pad_multiple=1, no pad_to_capacity); the factor is then unused.
 
+    FP8: ``fp8`` None (default) or 'e4m3': each token's row is quantised once, before the dispatch,
+    with its own fp32 scale (a per-token scale: a token's result depends on the token alone); fp8
+    rows, their scales and the fp32 probs travel (about half the bytes of bf16 rows); the expert
+    GEMMs run in FP8 (forward, dgrad, wgrad; `moe_dispatch.experts.fp8`), their outputs in the
+    tokens' dtype (bf16 on CUDA); the combine stays the fp32 weighted sum. The router sees the
+    unquantised tokens. Needs hidden_size and ffn_hidden_size multiples of 16.
+
     Types are strict: bool fields take only True/False, int fields only ints (not bools or
     floats), float fields ints or floats; the Optional fields above take None as described.
     """
@@ -251,6 +275,7 @@ class MoEConfig:
     shared_expert_ffn_hidden_size: Optional[int] = None
     strict_call_order: bool = False
     ep_capacity_factor: Optional[float] = None
+    fp8: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("pre_softmax", "enable_expert_bias", "pad_to_capacity", "probs_in_experts", "strict_call_order"):
@@ -296,6 +321,7 @@ class MoEConfig:
             raise ValueError(f"params_dtype must be a floating torch.dtype, got {self.params_dtype!r}")
         if not is_int(self.init_seed) or not 0 <= self.init_seed < _SEED_LIMIT:
             raise ValueError(f"init_seed must be an int in [0, 2**63), got {self.init_seed!r}")
+        _fp8_format(self.fp8, self.hidden_size, self.ffn_hidden_size)
 
     def _check_groups(self) -> None:
         if self.num_groups is not None:
@@ -342,7 +368,7 @@ class MoEConfig:
                                         capacity_factor=self.capacity_factor if self.pad_to_capacity else None,
                                         pad_to_capacity=self.pad_to_capacity, strict_call_order=self.strict_call_order,
                                         sync_free=self.ep_capacity_factor is not None,
-                                        ep_capacity_factor=self.ep_capacity_factor)
+                                        ep_capacity_factor=self.ep_capacity_factor, fp8=self.fp8)
 
     def replace(self, **changes: Any) -> "MoEConfig":
         """A validated copy with some fields changed (the only way to change a frozen config)."""

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import MoEConfig
-from .dispatcher import build_dispatcher, host_tokens_per_expert
+from .dispatcher import DispatchHandle, build_dispatcher, host_tokens_per_expert, unpack_rows, with_host_counts
 from .distributed.agreement import hidden_states_problem
 from .distributed.comm import group_key, group_size_rank
 from .experts import GroupedMLP, SequentialMLP, layer_seed
@@ -71,9 +71,21 @@ class MoELayer(nn.Module):
             shared_config = config.replace(num_experts=1, topk=1, pre_softmax=True, num_groups=None,
                                            group_topk=None, capacity_factor=None, pad_to_capacity=False,
                                            ffn_hidden_size=config.shared_expert_ffn_hidden_size,
-                                           probs_in_experts=False,
+                                           probs_in_experts=False, fp8=None,  # dense: the tokens' dtype
                                            init_seed=seeded.init_seed + _SHARED_EXPERT_SEED_OFFSET)
             self.shared_expert = experts_cls(shared_config, 1, 0)
+
+    def _fp8_experts(self, expert_input: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, DispatchHandle]:
+        """The experts on the FP8 wire rows [N, W]: (expert_output [n, H], the handle for the combine).
+        Host counts (the FP8 weight gradient pads each expert's rows on the host); a sync-free
+        plan's trailing rows are cut (``with_host_counts``)."""
+        rows, counts, handle = with_host_counts(expert_input, handle)
+        n = rows.shape[0]
+        q, scales = unpack_rows(rows, self.config.hidden_size, self.config.fp8)
+        probs = handle.permuted_probs[:n] if handle.permuted_probs is not None else None
+        out = self.experts(q, counts, probs, offsets=handle.expert_offsets, row_scales=scales,
+                           row_grad_sink=handle.row_grad_sink[:n])
+        return out, handle
 
     @property
     def aux_losses(self) -> dict[str, torch.Tensor]:
@@ -123,7 +135,9 @@ class MoELayer(nn.Module):
         experts_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.experts.parameters())
         expert_input, handle = self.dispatcher.dispatch_rows(None if agreed else tokens, routing_map, probs,
                                                              experts_need_grad=experts_grad)
-        if handle.trailing_rows:  # sync-free: device counts, read only by a GEMM path that needs them
+        if self.config.fp8 is not None:
+            expert_output, handle = self._fp8_experts(expert_input, handle)
+        elif handle.trailing_rows:  # sync-free: device counts, read only by a GEMM path that needs them
             expert_output = self.experts(expert_input, handle.device_expert_rows, handle.permuted_probs,
                                          offsets=handle.expert_offsets, trailing_rows=True)
         else:

@@ -409,7 +409,8 @@ def profile_dispatch(args, world: int, rank: int) -> None:
     from moe_dispatch.dispatcher import functional
     from moe_dispatch.ops import permutation, triton_kernels
 
-    for name in ["prepare", "send_tokens", "finish", "return_to_owners", "owner_sum"]:
+    # functional.dispatch / combine call the stages by these names (dispatcher/stages.py)
+    for name in ["prepare", "send", "finish", "check_expert_output", "return_rows", "owner_sum"]:
         fn = getattr(functional, name)
 
         def wrapped(*a, _fn=fn, _name=name, **k):

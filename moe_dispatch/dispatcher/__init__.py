@@ -20,7 +20,8 @@ from ..config import DispatchConfig
 from ..distributed.agreement import InputProblem, hidden_states_problem
 from .dispatchers import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher
 from .exchange import KINDS
-from .functional import combine, dispatch, dispatch_rows
+from .fp8_wire import pack_rows, unpack_rows, wire_width
+from .functional import combine, dispatch, dispatch_rows, with_host_counts
 from .handle import DispatchHandle, Prepared, Returned, Sent
 from .plan import Plan
 from .stages import (
@@ -37,4 +38,4 @@ from .stages import (
 __all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "DispatchConfig", "DispatchHandle", "InputProblem", "KINDS",
            "Plan", "Prepared", "Returned", "Sent", "build_dispatcher", "check_expert_output", "combine", "device_of",
            "dispatch", "dispatch_rows", "finish", "hidden_states_problem", "host_tokens_per_expert", "owner_sum",
-           "prepare", "return_rows", "send"]
+           "pack_rows", "prepare", "return_rows", "send", "unpack_rows", "wire_width", "with_host_counts"]

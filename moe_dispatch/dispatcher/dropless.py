@@ -22,8 +22,9 @@ from ..distributed.comm import ProcessGroup, to_device
 from ..distributed.identity import StepCounter
 from ..ops import RowIdMap, unpermute
 from ..ops.permutation import make_slots, runs_index
-from .exchange import KINDS, Received, ReturnRoute, return_rows, return_runs, send_back
+from .exchange import KINDS, TAG_BYTES, Received, ReturnRoute, return_rows, return_tables, send_back
 from .expand import Expand, ReturnPath, grad_anchor
+from .fp8_wire import wire_rows
 from .handle import DispatchHandle, Prepared, Returned, Sent
 from .layout import Layout, exchange_sizes
 from .plan import Plan, SourceBlocks
@@ -73,12 +74,13 @@ class DroplessPlan(Plan):
                                 experts_grad=experts_grad)
         steps.advance()
         x = hidden.reshape(-1, hidden.shape[-1])
-        wire = probs.to(cfg.wire_probs_dtype(probs.dtype))
-        plan = make_plan(cfg, group, latch, layout, routing_map, x.dtype, wire.dtype)
-        return Prepared(x, wire, plan, hidden.shape, (hidden, routing_map, probs), experts_grad)
+        wire_probs = probs.to(cfg.wire_probs_dtype(probs.dtype))
+        plan = make_plan(cfg, group, latch, layout, routing_map, x.dtype, wire_probs.dtype)
+        return Prepared(x, wire_probs, plan, hidden.shape, (hidden, routing_map, probs), experts_grad,
+                        wire_rows(x, cfg))
 
     def send(self, prepared: Prepared, with_routing: bool = True) -> Sent:
-        x, probs = prepared.x.detach(), prepared.probs.detach()
+        x, probs = prepared.rows, prepared.probs.detach()
         if self.layout.ep_size == 1:
             recv = Received(x, probs, self.routing_map, (0,))
         else:
@@ -97,12 +99,13 @@ class DroplessPlan(Plan):
         path = ReturnPath(send=send, owner_map=self.owner_map if send is not None else None,
                           send_probs_grad=self.config.probs_in_experts and self.layout.probs_grad,
                           zero_fill=expert_map.has_pad_rows)
-        rows, row_probs = Expand.apply(sent.x, probs_in, sent.recv.hidden, sent.recv.probs, path, expert_map,
+        rows, row_probs, sink = Expand.apply(sent.x, probs_in, sent.recv.hidden, sent.recv.probs, path, expert_map,
                                        self.config.probs_in_experts, anchor)
         offsets = torch.cumsum(expert_map.padded_tokens_per_expert, 0).to(torch.int32)
         owner_map = expert_map if self.owner_map is None else self.owner_map
         return rows, DispatchHandle(plan=self, expert_map=expert_map, owner_map=owner_map, probs=sent.probs,
                                     permuted_probs=row_probs, hidden_shape=sent.hidden_shape, expert_offsets=offsets,
+                                    row_grad_sink=sink,
                                     route=self.route)
 
     def reuse(self, handle: DispatchHandle, hidden: Any, routing_map: Any,
@@ -136,7 +139,8 @@ class DroplessPlan(Plan):
             x = hidden.reshape(T, H)
             x = torch.where(mismatch, torch.full((), float("nan"), dtype=x.dtype, device=x.device), x)
             wire = probs.to(self.probs_dtype)
-        prepared = Prepared(x, wire, self, handle.hidden_shape, (hidden, routing_map, probs))
+        prepared = Prepared(x, wire, self, handle.hidden_shape, (hidden, routing_map, probs), None,
+                            wire_rows(x, self.config))
         return self.finish(self.send(prepared, with_routing=False), handle.expert_map)
 
     def host_counts(self, handle: DispatchHandle) -> torch.Tensor:

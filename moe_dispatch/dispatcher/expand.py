@@ -69,7 +69,10 @@ class Expand(torch.autograd.Function):
     buffer) carry the values; expert_map: the receiver's RowIdMap; probs_in_experts: the experts
     multiply by the returned row probs [N] (else they are returned non-differentiable, for
     inspection); anchor: a leaf that makes the output require grad, or None (the plans' anchors).
-    Returns (rows [N, H], row_probs [N])."""
+    Returns (rows [N, H], row_probs [N], None).
+
+    FP8 wire rows (recv_x [R, W], W != H: quantised bytes, fp8_wire.py): rows [N, W] carry no
+    gradient; the third output, sink [N, H] zeros in x's dtype, does: its gradient is the rows'."""
 
     @staticmethod
     def forward(ctx, x, probs, recv_x, recv_probs, path: ReturnPath, expert_map: RowIdMap,
@@ -79,11 +82,20 @@ class Expand(torch.autograd.Function):
         ctx.path, ctx.expert_map, ctx.x_shape, ctx.probs_dtype = path, expert_map, x.shape, recv_probs.dtype
         if not probs_in_experts:
             ctx.mark_non_differentiable(row_probs)
-        return rows, row_probs
+        ctx.wire = recv_x.shape[1] != x.shape[1]
+        ctx.x_dtype, ctx.x_device = x.dtype, x.device
+        if not ctx.wire:
+            return rows, row_probs, None
+        ctx.mark_non_differentiable(rows)
+        sink = x.new_zeros(()).expand(rows.shape[0], x.shape[1])  # no memory: a stride-0 view
+        return rows, row_probs, sink
 
     @staticmethod
-    def backward(ctx, grad_rows, grad_row_probs):
+    def backward(ctx, grad_rows, grad_row_probs, grad_sink=None):
         refuse_double_backward("Expand")
+        if ctx.wire:
+            grad_rows = grad_sink if grad_sink is not None else torch.zeros(
+                (ctx.expert_map.num_out_tokens, ctx.x_shape[1]), dtype=ctx.x_dtype, device=ctx.x_device)
         path = ctx.path
         if not path.send_probs_grad:
             grad_row_probs = None

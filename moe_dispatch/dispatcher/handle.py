@@ -20,7 +20,8 @@ class Prepared:
     """After ``prepare``: x [T, H] and probs [T, E] in the wire dtype (fp32, fp64 for an fp64
     router; autograd to the caller's), the step's plan, the caller's hidden shape ([T, H] or
     [S, B, H]), and the caller's own (hidden, routing_map, probs) and experts_grad (a sync-free
-    send re-plans from them when a rank had more tokens than the plan)."""
+    send re-plans from them when a rank had more tokens than the plan). ``wire``: the rows as
+    they travel when they are not x itself: [T, W], the FP8 wire rows (fp8_wire.py)."""
 
     x: torch.Tensor
     probs: torch.Tensor
@@ -28,6 +29,12 @@ class Prepared:
     hidden_shape: torch.Size
     inputs: tuple[Any, Any, Any]
     experts_grad: Optional[bool] = None
+    wire: Optional[torch.Tensor] = None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """What ``send`` moves: [T, H] (or the wire rows [T, W]), detached."""
+        return (self.x if self.wire is None else self.wire).detach()
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,9 @@ class DispatchHandle:
         route: the plan's return route (None at EP 1: nothing moves).
         expert_rows: the rows the experts were given, when fewer than N (a sync-free plan's rows
             after the experts' blocks belong to no expert); the combine takes those. None: all N.
+        row_grad_sink: with the FP8 wire (``config.fp8``), [N, H] zeros in the tokens' dtype whose
+            gradient is the expert rows' gradient (the rows are quantised bytes and carry none):
+            the experts' first GEMM takes it as its ``grad_sink``. None otherwise.
 
     ``copy.copy`` and ``copy.deepcopy`` return the handle itself: it is immutable, its group
     cannot be copied, and its probs carry the step's autograd graph, which a copy would cut.
@@ -74,6 +84,7 @@ class DispatchHandle:
     expert_offsets: torch.Tensor
     route: Any = None
     expert_rows: Optional[int] = None
+    row_grad_sink: Optional[torch.Tensor] = None
 
     def __copy__(self) -> "DispatchHandle":
         return self

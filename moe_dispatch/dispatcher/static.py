@@ -33,6 +33,7 @@ from ..distributed.identity import CallId, StepCounter
 from ..ops import RowIdMap, unpermute
 from ..ops.permutation import make_slots
 from .expand import Expand, ReturnPath, grad_anchor
+from .fp8_wire import wire_rows
 from .handle import DispatchHandle, Prepared, Returned, Sent
 from .plan import Plan
 from .static_exchange import ReturnRows, expert_map_and_route, return_exchange, send_tokens
@@ -156,7 +157,7 @@ class StaticPlan(Plan):
         the same, so every rank raises at once when the grad modes differ (before a backward could
         wait for a rank that runs none), and every rank re-plans (one size exchange) and sends
         again when a rank had more tokens than the plan's T."""
-        recv = send_tokens(prepared.x, prepared.probs, self)
+        recv = send_tokens(prepared.rows, prepared.probs.detach(), self)
         if self.layout.ep_size > 1 and recv.words.device.type == "cpu":
             words = recv.words.tolist()
             if grad_modes_differ(words):
@@ -186,12 +187,13 @@ class StaticPlan(Plan):
         send = return_exchange(self, route) if route is not None else None
         path = ReturnPath(send=send, owner_map=self.owner_map if send is not None else None,
                           send_probs_grad=self.config.probs_in_experts, zero_fill=True)
-        rows, row_probs = Expand.apply(sent.x, probs_in, sent.recv.hidden, sent.recv.probs, path, expert_map,
+        rows, row_probs, sink = Expand.apply(sent.x, probs_in, sent.recv.hidden, sent.recv.probs, path, expert_map,
                                        self.config.probs_in_experts, grad_anchor(route is not None, sent.x, probs_in))
         offsets = torch.cumsum(expert_map.padded_tokens_per_expert, 0).to(torch.int32)  # cut to N (static_exchange)
         owner_map = expert_map if self.owner_map is None else self.owner_map
         return rows, DispatchHandle(plan=self, expert_map=expert_map, owner_map=owner_map, probs=sent.probs,
                                     permuted_probs=row_probs, hidden_shape=sent.hidden_shape, expert_offsets=offsets,
+                                    row_grad_sink=sink,
                                     route=route)
 
     def reuse(self, handle: DispatchHandle, hidden: Any, routing_map: Any,
@@ -316,7 +318,7 @@ def _prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, gro
     if steps is not None:
         steps.advance()
     plan = dataclasses.replace(plan, replaced=bool(input_code or grown), num_real=real)
-    return Prepared(x, wire, plan, shape, inputs, experts_grad)
+    return Prepared(x, wire, plan, shape, inputs, experts_grad, wire_rows(x, cfg))
 
 
 def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, call: CallId, x: torch.Tensor,

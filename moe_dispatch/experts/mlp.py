@@ -44,7 +44,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import register_sharded
+from ..config import FP8_FORMATS
 from .activations import activate, scale_rows
+from .fp8 import fp8_expert_gemm
 from .gemm import GemmStrategy, SourceBlocks, expert_gemm, select_gemm
 from .init import WEIGHT1, WEIGHT2, init_expert_weights
 
@@ -86,6 +88,7 @@ class LocalExperts(nn.Module):
         self.ffn_hidden_size = config.ffn_hidden_size
         self.activation = config.activation
         self.probs_in_experts = bool(config.probs_in_experts)
+        self.fp8 = config.fp8  # None, or the FP8 format of the GEMMs (`moe_dispatch.experts.fp8`)
         self.init_seed = config.init_seed
         self.num_local_experts = num_local_experts
         self.local_expert_offset = local_expert_offset
@@ -174,6 +177,8 @@ class LocalExperts(nn.Module):
         offsets: Optional[torch.Tensor] = None,
         trailing_rows: bool = False,
         source_blocks: Optional[SourceBlocks] = None,
+        row_scales: Optional[torch.Tensor] = None,
+        row_grad_sink: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """permuted_tokens [N, H] (expert-major rows), tokens_per_expert [E_local] (int, summing
         to N), permuted_probs [N] or None -> [N, H] in permuted_tokens' dtype. ``offsets``:
@@ -190,7 +195,15 @@ class LocalExperts(nn.Module):
         dispatcher's ``handle.source_blocks``), only while ``source_grads`` is set: each weight's
         gradient is computed per block and appended to ``source_grads[name]`` as [P, E_local, ...]
         in the weight's dtype; ``.grad`` is left alone. Output and input gradient are unchanged.
+
+        FP8 (``config.fp8``): permuted_tokens are fp8 rows [N, H] with ``row_scales`` [N] fp32 (the
+        dispatcher's wire rows, unpacked), ``row_grad_sink`` [N, H] the tensor their gradient goes
+        to (``handle.row_grad_sink``; its dtype is the output's). Both GEMMs run in FP8
+        (`moe_dispatch.experts.fp8.fp8_expert_gemm`); the activation in the output dtype.
         """
+        if self.fp8 is not None:
+            return self._forward_fp8(permuted_tokens, tokens_per_expert, permuted_probs, offsets, row_scales,
+                                     row_grad_sink, trailing_rows or source_blocks is not None)
         x = permuted_tokens
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"permuted_tokens must be [N, {self.hidden_size}], got {tuple(x.shape)}")
@@ -211,6 +224,23 @@ class LocalExperts(nn.Module):
         s2 = select_gemm(act, w2, self.prefer_grouped, self.row_stable)
         return expert_gemm(act, w2, tokens_per_expert, s2, self.row_tile, offsets, trailing_rows, source_blocks,
                            sinks[1])
+
+    def _forward_fp8(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: Optional[torch.Tensor],
+                     offsets: Optional[torch.Tensor], row_scales: Optional[torch.Tensor],
+                     row_grad_sink: Optional[torch.Tensor], unsupported: bool) -> torch.Tensor:
+        if unsupported:
+            raise ValueError("fp8 experts take dropless rows with host counts: trailing_rows and source_blocks "
+                             "(per-source weight gradients, GradientTree) are not supported with fp8")
+        if row_scales is None or row_grad_sink is None:
+            raise ValueError("fp8 experts need row_scales [N] and row_grad_sink [N, H] (the dispatcher's FP8 rows, "
+                             "handle.row_grad_sink)")
+        fp8_dtype, out_dtype = FP8_FORMATS[self.fp8], row_grad_sink.dtype
+        h = fp8_expert_gemm(x, row_scales, self.weight1, tokens_per_expert, offsets, fp8_dtype, out_dtype,
+                            grad_sink=row_grad_sink)
+        act = activate(h, self.activation)
+        if self.probs_in_experts and permuted_probs is not None:
+            act = scale_rows(act, permuted_probs)
+        return fp8_expert_gemm(act, None, self.weight2, tokens_per_expert, offsets, fp8_dtype, out_dtype)
 
     def _sink(self, name: str) -> Callable[[torch.Tensor], None]:
         """Where the per-source gradient of weight ``name`` goes (``source_grads``), cast to its dtype."""

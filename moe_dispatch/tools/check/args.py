@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "ours on the same tokens: with its stock dispatcher (reference rows: PASS or DIFF, "
                              "never a FAIL) and with our dispatcher installed (counted like ours); needs "
                              "megatron-core (0.16.1 through 0.19.2) and CUDA")
+    parser.add_argument("--fp8", nargs="?", const="e4m3", default=None, choices=["e4m3"],
+                        help="the layer in FP8 (MoEConfig(fp8=...)): per-token fp8 rows and scales over the wire, "
+                             "FP8 expert GEMMs; --fp8 alone is e4m3; needs --dtype bf16")
     parser.add_argument("--seed", type=int, default=1234)
     return parser
 
@@ -61,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 def base_config(args: argparse.Namespace, **overrides) -> MoEConfig:
     """The MoEConfig the check's flags describe (``overrides``: further fields, such as the dispatcher)."""
     return MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
-                     router_dtype=args.router_dtype, init_seed=args.seed, **overrides)
+                     router_dtype=args.router_dtype, init_seed=args.seed, fp8=args.fp8, **overrides)
 
 
 def default_backend(args: argparse.Namespace) -> str:
@@ -82,7 +85,7 @@ def under_torchrun() -> bool:
 # The check's flags by the MoEConfig field they set: a config error names the flag.
 _FLAG_OF_FIELD = {"hidden_size": "--hidden", "ffn_hidden_size": "--ffn", "num_experts": "--experts",
                   "topk": "--topk", "router_dtype": "--router-dtype", "init_seed": "--seed",
-                  "dispatcher": "--dispatcher"}
+                  "dispatcher": "--dispatcher", "fp8": "--fp8"}
 
 
 def _config_error_as_flags(message: str) -> str:
@@ -130,6 +133,8 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
     if given and args.truncate_at >= args.tokens:
         fail(f"argument --truncate-at: {args.truncate_at} must be below --tokens {args.tokens}, "
              "or the truncation test zeroes nothing")
+    if args.fp8 is not None and args.dtype != "bf16":  # the FP8 GEMMs' outputs are bf16 on CUDA
+        fail(f"argument --fp8: needs --dtype bf16, got --dtype {args.dtype}")
     if args.topk == 1:  # MoEConfig would ask for pre_softmax, which the check has no flag for
         fail("argument --topk: must be >= 2 (the check's softmax router over one chosen expert gets no gradient)")
     try:

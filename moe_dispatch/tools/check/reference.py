@@ -9,6 +9,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from ...dispatcher import pack_rows, unpack_rows
 from .args import DTYPES
 from .contract import Result, bitwise, check_tokens, gather_results, largest_diff, progress
 
@@ -35,7 +36,13 @@ def expert_outputs(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tenso
     experts = type(layer.experts)(config, config.num_experts, 0).to(x.device)
     rows = [routing_map[:, e].nonzero().flatten() for e in range(config.num_experts)]
     counts = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-    out = experts(x[torch.cat(rows)], counts)
+    routed = x[torch.cat(rows)]
+    if config.fp8 is None:
+        out = experts(routed, counts)
+    else:  # the rows as the dispatch delivers them: quantised per token, with their scales
+        q, scales = unpack_rows(pack_rows(routed, config.fp8), config.hidden_size, config.fp8)
+        sink = torch.zeros((), dtype=x.dtype, device=x.device).expand(routed.shape)
+        out = experts(q, counts, row_scales=scales, row_grad_sink=sink)
     y = torch.zeros((x.shape[0], config.num_experts, x.shape[1]), dtype=out.dtype, device=x.device)
     for e, (r, block) in enumerate(zip(rows, out.split(counts.tolist()))):
         y[r, e] = block

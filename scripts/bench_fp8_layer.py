@@ -1,0 +1,152 @@
+"""The FP8 layer (``MoEConfig(fp8="e4m3")``) beside bf16 in one run, on one GPU (EP 1).
+
+    python scripts/bench_fp8_layer.py [--tokens 8192 --hidden 4096 --ffn 1024 --experts 64 --topk 6]
+
+Prints three tables:
+1. The layer's forward + backward, eager, bf16 and FP8 (median ms of CUDA-event timings), with the
+   FP8 step's bitwise checks beside it: both dispatchers give the same output and input gradient,
+   and so do 64 of its tokens alone.
+2. The row quantisation (``ops.quantize_rows``) of the layer's tokens against its byte floor: each
+   input read once and each output written once, over the device-to-device copy bandwidth
+   measured in the same run.
+3. Where the FP8 step's time goes: torch.profiler's CUDA time per kernel, by category (the GEMMs,
+   zero fills, quantisation, permute/combine, the rest), so the non-GEMM time is itemised.
+The bf16 step is the eager dropless layer; neither step is captured here (the FP8 step reads its
+counts on the host: its weight gradient pads each expert's rows to 16 on the host).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moe_dispatch import MoEConfig, MoELayer
+from moe_dispatch.ops import quantize_rows
+
+DEVICE = torch.device("cuda")
+
+
+def median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def layer_step(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor):
+    layer = MoELayer(config, layer_index=0).to(DEVICE)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        xi = x.detach().requires_grad_()
+        out = layer(xi)
+        out.backward(upstream)
+        layer.zero_grad(set_to_none=True)
+        return out.detach(), xi.grad
+    return layer, step
+
+
+CATEGORIES = [("GEMM", r"gemm|cutlass|nvjet|xmma|sm90_|grouped_mm|scaled_mm|f8f8"),
+              ("quantise", r"quantize"), ("zero fill", r"fill|zero"),
+              ("permute / combine", r"permute|unpermute|slots|gather|scatter|index"),
+              ]
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--ffn", type=int, default=1024)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--topk", type=int, default=6)
+    args = parser.parse_args()
+    T, H = args.tokens, args.hidden
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(DEVICE)
+    upstream = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(DEVICE)
+    base = dict(hidden_size=H, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
+                params_dtype=torch.bfloat16)
+
+    print(f"## The layer, forward + backward, EP 1 ({T} tokens, H {H}, ffn {args.ffn}, E {args.experts}, "
+          f"K {args.topk}, bf16 tokens, eager)\n")
+    print("| layer | ms | bitwise across dispatchers | 64 tokens alone bitwise | median rel. error vs bf16 |")
+    print("|---|---|---|---|---|")
+    ref = None
+    steps = {}
+    for fp8 in (None, "e4m3"):
+        _, step = layer_step(MoEConfig(fp8=fp8, **base), x, upstream)
+        ms = median_ms(step)
+        out, gx = step()
+        steps[fp8] = step
+        _, other = layer_step(MoEConfig(fp8=fp8, dispatcher="allgather", **base), x, upstream)
+        out2, gx2 = other()
+        same_kind = torch.equal(out, out2) and torch.equal(gx, gx2)
+        keep = torch.arange(0, T, T // 64, device=DEVICE)[:64]
+        _, alone = layer_step(MoEConfig(fp8=fp8, **base), x[keep], upstream[keep])
+        out3, gx3 = alone()
+        same_alone = torch.equal(out3, out[keep]) and torch.equal(gx3, gx[keep])
+        if fp8 is None:
+            ref, err = out.float(), "-"
+        else:
+            err = f"{((out.float() - ref).norm(dim=1) / ref.norm(dim=1)).median().item():.3g}"
+        print(f"| {'bf16' if fp8 is None else 'fp8 ' + fp8} | {ms:.3f} | {same_kind} | {same_alone} | {err} |")
+
+    print("\n## Row quantisation (ops.quantize_rows), against its byte floor\n")
+    src = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src), iters=50)
+    bandwidth = 2 * src.numel() * src.element_size() / (copy_ms * 1e-3)  # read + write, bytes/s
+    print(f"device-to-device copy of [{T}, {H}] bf16: {copy_ms:.4f} ms, {bandwidth / 1e12:.2f} TB/s (read + write)\n")
+    print("| rows | ms | floor ms | / floor |\n|---|---|---|---|")
+    for rows in (T, T * args.topk):
+        xr = torch.randn(rows, H, device=DEVICE).to(torch.bfloat16)
+        ms = median_ms(lambda xr=xr: quantize_rows(xr, torch.float8_e4m3fn), iters=50)
+        moved = rows * H * 2 + rows * H + rows * 4  # bf16 in, fp8 out, fp32 scales out
+        floor = moved / bandwidth * 1e3
+        print(f"| {rows} x {H} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} |")
+
+    print("\n## Where the FP8 step's CUDA time goes (torch.profiler, 5 steps, per step)\n")
+    step = steps["e4m3"]
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+        if us <= 0:
+            continue
+        totals[category(event.key)] = totals.get(category(event.key), 0.0) + us / 5
+        kernels[event.key] = kernels.get(event.key, 0.0) + us / 5
+    whole = sum(totals.values())
+    print("| category | ms per step | share |\n|---|---|---|")
+    for label, us in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"| {label} | {us / 1e3:.3f} | {us / whole:.0%} |")
+    print("\n| kernel (top 15) | category | ms per step |\n|---|---|---|")
+    for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"| {name[:90]} | {category(name)} | {us / 1e3:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
