@@ -1,5 +1,7 @@
 """Permutation ops: Triton kernels on CUDA and their pure-torch twins on CPU."""
-from .permutation import RowIdMap, check_device_errors, expert_row_counts, permute, set_backend, sort_chunks, unpermute
+from .custom_ops import set_backend
+from .permutation import RowIdMap, check_device_errors, expert_row_counts, permute, sort_chunks, unpermute
+from .quantize import quantize_rows
 
-__all__ = ["RowIdMap", "check_device_errors", "expert_row_counts", "permute", "set_backend", "sort_chunks",
-           "unpermute"]
+__all__ = ["RowIdMap", "check_device_errors", "expert_row_counts", "permute", "quantize_rows", "set_backend",
+           "sort_chunks", "unpermute"]

@@ -2,9 +2,11 @@
 
 ``permute`` moves each token to one row per expert it is routed to (expert-major, ascending token
 within an expert). ``unpermute`` sums a token's rows back, weighted by its probabilities, in
-ascending expert order in fp32 (fp64 for fp64 probabilities) and rounds once. Results are
-bitwise reproducible and do not depend on other tokens. CUDA tensors run the Triton kernels, CPU
-tensors the torch twin (``set_backend('triton')`` runs the kernels on CPU under TRITON_INTERPRET).
+ascending expert order in fp32 (fp64 for fp64 probabilities) and rounds once. Tokens may be
+float32, float16, bfloat16, float8_e4m3fn or float8_e5m2 (float8 rows carry an optional fp32
+scale per row, ``row_scales``). Results are bitwise reproducible and do not depend on other
+tokens. CUDA tensors run the Triton kernels, CPU tensors the torch twin (``set_backend('triton')``
+runs the kernels on CPU under TRITON_INTERPRET).
 
 Bad input raises ValueError/TypeError naming the argument; the checks that need device data
 (host-supplied sizes against the routing map, finite probs) are described in guard.py: on CPU they
@@ -12,238 +14,17 @@ raise before the op returns, on CUDA they poison the results with NaN and raise 
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from ..numerics.autograd import refuse_double_backward
-from . import guard, torch_twin
-from .torch_twin import round_up
-
-_BACKENDS = ("auto", "torch", "triton")
-_backend = os.environ.get("MOE_DISPATCH_BACKEND", "auto")
-
-
-@contextlib.contextmanager
-def set_backend(name: str) -> Iterator[None]:
-    """Force a backend inside the block: 'auto' (CUDA -> Triton, CPU -> torch), 'torch' or 'triton'."""
-    global _backend
-    if name not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {name!r}")
-    previous, _backend = _backend, name
-    try:
-        yield
-    finally:
-        _backend = previous
-
-
-def _impl(x: torch.Tensor):
-    use_triton = _backend == "triton" or (_backend == "auto" and x.is_cuda)
-    if not use_triton:
-        return torch_twin
-    from . import triton_kernels  # imported lazily: CPU-only users need no Triton
-    return triton_kernels
-
-
-# --------------------------------------------------------------------------------------------
-# Custom ops (tensors and ints only), with fake implementations for torch.compile.
-# --------------------------------------------------------------------------------------------
-@torch.library.custom_op("moe_dispatch::make_slots", mutates_args=())
-def _make_slots_op(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl(routing_map).make_slots(routing_map, pad_multiple)
-
-
-@_make_slots_op.register_fake
-def _(routing_map, pad_multiple):
-    T, E = routing_map.shape
-    return (routing_map.new_empty((T, 2 * E + 1), dtype=torch.int32),
-            routing_map.new_empty((E + 1,), dtype=torch.int64))
-
-
-@torch.library.custom_op("moe_dispatch::make_slots_checked", mutates_args=())
-def _make_slots_checked_op(routing_map: torch.Tensor, pad_multiple: int, probs: Optional[torch.Tensor],
-                           given_counts: Optional[list[int]],
-                           given_max: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl(routing_map).make_slots_checked(routing_map, pad_multiple, probs, given_counts, given_max)
-
-
-@_make_slots_checked_op.register_fake
-def _(routing_map, pad_multiple, probs, given_counts, given_max):
-    T, E = routing_map.shape
-    return (routing_map.new_empty((T, 2 * E + 1), dtype=torch.int32),
-            routing_map.new_empty((E + 1 + guard.STATUS_WORDS,), dtype=torch.int64))
-
-
-@torch.library.custom_op("moe_dispatch::permute_rows", mutates_args=())
-def _permute_op(tokens: torch.Tensor, slots: torch.Tensor, probs: Optional[torch.Tensor],
-                num_out: int, zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl(tokens).permute_rows(tokens, slots, probs, num_out, zero_fill)
-
-
-@_permute_op.register_fake
-def _(tokens, slots, probs, num_out, zero_fill):
-    out_probs = probs.new_empty((num_out,)) if probs is not None else tokens.new_empty((0,), dtype=torch.float32)
-    return tokens.new_empty((num_out, tokens.shape[1])), out_probs
-
-
-@torch.library.custom_op("moe_dispatch::permute_rows_backward", mutates_args=())
-def _permute_bwd_op(grad: torch.Tensor, slots: torch.Tensor, grad_probs: Optional[torch.Tensor],
-                    probs_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl(grad).permute_rows_backward(grad, slots, grad_probs, probs_dtype)
-
-
-@_permute_bwd_op.register_fake
-def _(grad, slots, grad_probs, probs_dtype):
-    T, E = slots.shape[0], (slots.shape[1] - 1) // 2
-    gp = grad.new_empty((T, E) if grad_probs is not None else (0,), dtype=probs_dtype)
-    return grad.new_empty((T, grad.shape[1])), gp
-
-
-def _permute_setup(ctx, inputs, output):
-    tokens, slots, probs, _, _ = inputs
-    ctx.save_for_backward(slots)
-    ctx.has_probs = probs is not None
-    ctx.probs_dtype = probs.dtype if probs is not None else torch.float32
-
-
-def _permute_backward(ctx, grad_out, grad_out_probs):
-    refuse_double_backward("moe_dispatch::permute_rows")
-    (slots,) = ctx.saved_tensors
-    grad_probs = None
-    if ctx.has_probs:
-        grad_probs = grad_out_probs if grad_out_probs is not None else torch.zeros(
-            grad_out.shape[0], dtype=ctx.probs_dtype, device=grad_out.device)
-    grad_tokens, grad_token_probs = _permute_bwd_op(grad_out.contiguous(), slots, grad_probs, ctx.probs_dtype)
-    return grad_tokens, None, (grad_token_probs if ctx.has_probs else None), None, None
-
-
-_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
-
-
-@torch.library.custom_op("moe_dispatch::unpermute_rows", mutates_args=())
-def _unpermute_op(rows: torch.Tensor, slots: torch.Tensor, probs: Optional[torch.Tensor],
-                  has_pad_rows: bool, max_slots: int) -> torch.Tensor:
-    # has_pad_rows and max_slots only matter to the backward: pad rows get an explicit zero
-    # gradient; max_slots sizes its buffer of partial probability gradients.
-    return _impl(rows).unpermute_rows(rows, slots, probs)
-
-
-@_unpermute_op.register_fake
-def _(rows, slots, probs, has_pad_rows, max_slots):
-    return rows.new_empty((slots.shape[0], rows.shape[1]))
-
-
-@torch.library.custom_op("moe_dispatch::unpermute_rows_backward", mutates_args=())
-def _unpermute_bwd_op(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                      probs: Optional[torch.Tensor], zero_fill: bool,
-                      max_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl(rows).unpermute_rows_backward(grad, rows, slots, probs, zero_fill, max_slots)
-
-
-@_unpermute_bwd_op.register_fake
-def _(grad, rows, slots, probs, zero_fill, max_slots):
-    gp = (probs.new_empty(probs.shape) if probs is not None else rows.new_empty((0,), dtype=torch.float32))
-    return rows.new_empty(rows.shape), gp
-
-
-def _unpermute_setup(ctx, inputs, output):
-    rows, slots, probs, has_pad_rows, max_slots = inputs
-    ctx.save_for_backward(rows, slots, probs)
-    ctx.has_pad_rows = has_pad_rows
-    ctx.max_slots = max_slots
-
-
-def _unpermute_backward(ctx, grad_out):
-    refuse_double_backward("moe_dispatch::unpermute_rows")
-    rows, slots, probs = ctx.saved_tensors
-    grad_rows, grad_probs = _unpermute_bwd_op(grad_out.contiguous(), rows, slots, probs, ctx.has_pad_rows,
-                                              ctx.max_slots)
-    return grad_rows, None, grad_probs if probs is not None else None, None, None
-
-
-_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
-
-
-@torch.library.custom_op("moe_dispatch::gather_rows", mutates_args=())
-def _gather_rows_op(x: torch.Tensor, index: torch.Tensor, inverse_index: torch.Tensor) -> torch.Tensor:
-    return _impl(x).gather_rows(x, index)
-
-
-@_gather_rows_op.register_fake
-def _(x, index, inverse_index):
-    return x.new_empty((index.shape[0], x.shape[1]))
-
-
-def _gather_setup(ctx, inputs, output):
-    _, index, inverse_index = inputs
-    ctx.save_for_backward(index, inverse_index)
-
-
-def _gather_backward(ctx, grad):
-    refuse_double_backward("moe_dispatch::gather_rows")
-    index, inverse_index = ctx.saved_tensors
-    # A permutation: the gradient is the inverse gather, no sums involved.
-    return _gather_rows_op(grad.contiguous(), inverse_index, index), None, None
-
-
-_gather_rows_op.register_autograd(_gather_backward, setup_context=_gather_setup)
-
-
-# --------------------------------------------------------------------------------------------
-# Callers go through these: the registered op under torch.compile or when autograd needs its
-# backward; otherwise the backend function directly (the op wrapper's host time per call is
-# measurable, BENCHMARKS.md, and these run several times per dispatch). Same function, same bits.
-# --------------------------------------------------------------------------------------------
-def _direct(*tensors: Optional[torch.Tensor]) -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
-
-
-def make_slots(routing_map: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots int32 [T, 2E+1], stats int64 [E+1]: per-expert counts, then the most experts of a
-    token) for a contiguous bool routing_map [T, E]. Never differentiable."""
-    if _direct():
-        return _impl(routing_map).make_slots(routing_map, pad_multiple)
-    return _make_slots_op(routing_map, pad_multiple)
-
-
-def make_slots_checked(routing_map: torch.Tensor, pad_multiple: int, probs: Optional[torch.Tensor],
-                       given_counts: Optional[list[int]],
-                       given_max: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """make_slots with permute's device-side checks (guard.py): (slots, stats int64
-    [E + 1 + STATUS_WORDS]: make_slots' stats, then the device's status words)."""
-    if _direct():
-        return _impl(routing_map).make_slots_checked(routing_map, pad_multiple, probs, given_counts, given_max)
-    return _make_slots_checked_op(routing_map, pad_multiple, probs, given_counts, given_max)
-
-
-def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: Optional[torch.Tensor], num_out: int,
-                 zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The permute_rows op: tokens [T, H] -> ([num_out, H], row probs [num_out] or a placeholder)."""
-    if _direct(tokens, probs):
-        return _impl(tokens).permute_rows(tokens, slots, probs, num_out, zero_fill)
-    return _permute_op(tokens, slots, probs, num_out, zero_fill)
-
-
-def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: Optional[torch.Tensor], has_pad_rows: bool,
-                   max_slots: int) -> torch.Tensor:
-    """The unpermute_rows op: rows [N, H] -> [T, H] (has_pad_rows and max_slots serve the backward)."""
-    if _direct(rows, probs):
-        return _impl(rows).unpermute_rows(rows, slots, probs)
-    return _unpermute_op(rows, slots, probs, has_pad_rows, max_slots)
-
-
-def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse_index: torch.Tensor) -> torch.Tensor:
-    """x[index] for a permutation ``index`` [M] (``inverse_index`` serves the backward)."""
-    if _direct(x):
-        return _impl(x).gather_rows(x, index)
-    return _gather_rows_op(x, index, inverse_index)
-
+from . import guard
+
+# make_slots: dispatcher/ imports it from here.
+from .custom_ops import gather_rows, make_slots, make_slots_checked, permute_rows, unpermute_rows  # noqa: F401
+from .torch_twin import TOKEN_DTYPES, round_up
 
 # --------------------------------------------------------------------------------------------
 # Public API
@@ -259,8 +40,10 @@ class RowIdMap:
         slots: int32 [T, 2E + 1]. ``slots[t, 0]`` is n_t, the number of experts of token t;
             ``slots[t, 1 + j]`` for j < n_t is the permuted row of its j-th expert (experts in
             ascending id); ``slots[t, 1 + E + j]`` is that expert's id. Unused entries are -1.
-        tokens_per_expert: int64 [E], rows each expert received (without padding), on the device.
-        padded_tokens_per_expert: int64 [E], rows of each expert's block (with padding).
+        expert_rows: int64 [E], the routed (token, expert) rows of each expert, without padding,
+            on the device (what ``permute``'s ``tokens_per_expert=`` keyword gives on the host).
+        padded_expert_rows: int64 [E], the rows of each expert's block, padding included (equal
+            to expert_rows when pad_multiple is 1); the row blocks' sizes a grouped GEMM takes.
         num_out_tokens: N, the number of permuted rows.
         has_pad_rows: True when some permuted rows belong to no token (padding or extra rows).
         max_experts_per_token: an upper bound on n_t (None means E); sizes the backward's buffer
@@ -272,8 +55,8 @@ class RowIdMap:
     """
 
     slots: torch.Tensor
-    tokens_per_expert: torch.Tensor
-    padded_tokens_per_expert: torch.Tensor
+    expert_rows: torch.Tensor
+    padded_expert_rows: torch.Tensor
     num_out_tokens: int
     has_pad_rows: bool
     max_experts_per_token: Optional[int] = None
@@ -285,7 +68,7 @@ class RowIdMap:
             got = f"{slots.dtype} {list(slots.shape)}" if isinstance(slots, torch.Tensor) else type(slots).__name__
             raise ValueError(f"RowIdMap.slots must be an int32 tensor [T, 2E + 1] with E >= 1, got {got}")
         E = self.num_experts
-        for name in ("tokens_per_expert", "padded_tokens_per_expert"):
+        for name in ("expert_rows", "padded_expert_rows"):
             value = getattr(self, name)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != (E,):
                 got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -307,14 +90,42 @@ class RowIdMap:
     def num_experts(self) -> int:
         return (self.slots.shape[1] - 1) // 2
 
+    # The fields' former names, read-only, until dispatcher/ and its tests switch to the new ones.
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        """Former name of ``expert_rows``."""
+        return self.expert_rows
+
+    @property
+    def padded_tokens_per_expert(self) -> torch.Tensor:
+        """Former name of ``padded_expert_rows``."""
+        return self.padded_expert_rows
+
 
 def _check_tokens(name: str, tokens: torch.Tensor) -> None:
     if not isinstance(tokens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tokens).__name__}")
     if tokens.dim() != 2:
         raise ValueError(f"{name} must be 2-D [rows, H], got shape {tuple(tokens.shape)}")
-    if tokens.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {tokens.dtype}")
+    if tokens.dtype not in TOKEN_DTYPES:
+        raise TypeError(f"{name} must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, "
+                        f"got {tokens.dtype}")
+
+
+def _check_row_scales(row_scales: torch.Tensor, rows: int, what: str, device: torch.device) -> torch.Tensor:
+    """row_scales as a contiguous fp32 [rows] tensor, or ValueError/TypeError naming it."""
+    if not isinstance(row_scales, torch.Tensor):
+        raise TypeError(f"row_scales must be a torch.Tensor, got {type(row_scales).__name__}")
+    if row_scales.dtype != torch.float32:
+        raise TypeError(f"row_scales must be float32, got {row_scales.dtype}")
+    if tuple(row_scales.shape) != (rows,):
+        raise ValueError(f"row_scales must have shape [{what}] = [{rows}], got {list(row_scales.shape)}")
+    if row_scales.device != device:
+        raise ValueError(f"row_scales is on {row_scales.device}, expected {device} like the tokens")
+    return row_scales.detach().contiguous()
+
+
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_probs(probs: torch.Tensor, num_tokens: int, num_experts: int, device: torch.device) -> None:
@@ -332,7 +143,7 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _host_counts(tokens_per_expert, num_experts: int) -> list[int]:
+def _host_expert_rows(tokens_per_expert, num_experts: int) -> list[int]:
     values = (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
               else list(tokens_per_expert))
     if len(values) != num_experts:
@@ -349,9 +160,10 @@ def check_device_errors() -> None:
 
 
 def expert_row_counts(routing_map: torch.Tensor, pad_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows per expert without and with padding: ([E] int64, [E] int64), on the map's device."""
-    counts = routing_map.sum(0, dtype=torch.int64)
-    return counts, round_up(counts, pad_multiple)
+    """(expert_rows, padded_expert_rows), each [E] int64 on the map's device: the rows ``permute``
+    gives each expert without and with padding (RowIdMap's fields of those names)."""
+    expert_rows = routing_map.sum(0, dtype=torch.int64)
+    return expert_rows, round_up(expert_rows, pad_multiple)
 
 
 def _poll() -> None:
@@ -368,21 +180,26 @@ def permute(
     pad_multiple: int = 1,
     tokens_per_expert: Optional[Sequence[int]] = None,
     max_experts_per_token: Optional[int] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor], RowIdMap]:
+    row_scales: Optional[torch.Tensor] = None,
+) -> tuple:
     """Copy each token to one row per expert it is routed to.
 
     Args:
-        tokens: [T, H] float32, float16 or bfloat16.
+        tokens: [T, H] float32, float16, bfloat16, float8_e4m3fn or float8_e5m2; rows are bitwise
+            copies (float8 bytes are moved as they are).
         routing_map: [T, E] bool.
         probs: optional [T, E] float32 or float64; permuted with the tokens, dtype kept. Must be
             finite (NaN or inf: ValueError); negative values are accepted.
         num_out_tokens: N, the rows to allocate. Default: the (padded) number of routed pairs.
             Smaller than that raises ValueError; extra rows are zero.
         pad_multiple: pad each expert's block of rows to a multiple of this (pad rows are zero).
-        tokens_per_expert: optional host-side per-expert counts (unpadded, length E) the caller
-            already knows; then no device-to-host synchronisation happens here.
+        tokens_per_expert: optional host-side rows per expert (unpadded, length E: the map's
+            ``expert_rows``) the caller already knows; then no device-to-host synchronisation
+            happens here.
         max_experts_per_token: an upper bound on experts per token (e.g. top-k); with
             tokens_per_expert it sizes a backward buffer (default E). Checked in both cases.
+        row_scales: optional [T] float32, one dequantisation factor per token (e.g. from
+            ``quantize_rows``); copied to each of the token's rows. No gradient flows to it.
 
     Errors: every argument is checked on the host first (ValueError/TypeError naming it). The
     checks that need device data (tokens_per_expert and max_experts_per_token against
@@ -394,8 +211,11 @@ def permute(
     written outside the tensors allocated, whatever the sizes given.
 
     Returns:
+        (permuted_tokens, permuted_probs, row_id_map), and with row_scales
+        (permuted_tokens, permuted_probs, permuted_row_scales, row_id_map):
         permuted_tokens [N, H] in tokens.dtype, expert-major, ascending token within an expert;
-        permuted_probs [N] in probs.dtype (None without probs); the RowIdMap for ``unpermute``.
+        permuted_probs [N] in probs.dtype (None without probs); permuted_row_scales [N] float32
+        (pad and extra rows 0); the RowIdMap for ``unpermute``.
     """
     _poll()
     _check_tokens("tokens", tokens)
@@ -417,21 +237,24 @@ def permute(
         raise ValueError(f"max_experts_per_token must be None or an int >= 0, got {max_experts_per_token!r}")
     if num_out_tokens is not None and (not _is_int(num_out_tokens) or not 0 <= num_out_tokens < INT32_ROWS):
         raise ValueError(f"num_out_tokens must be None or an int in [0, 2^31), got {num_out_tokens!r}")
-    given = _host_counts(tokens_per_expert, E) if tokens_per_expert is not None else None
+    if row_scales is not None:
+        row_scales = _check_row_scales(row_scales, T, "T", tokens.device)
+    given = _host_expert_rows(tokens_per_expert, E) if tokens_per_expert is not None else None
     given_max = None if max_experts_per_token is None else min(max_experts_per_token, E)
 
     slots, stats = make_slots_checked(routing_map.contiguous(), pad_multiple, probs, given, given_max)
-    counts = stats[:E]
-    padded = counts if pad_multiple == 1 else round_up(counts, pad_multiple)  # no kernels when unpadded
+    expert_rows = stats[:E]
+    # No kernels when unpadded.
+    padded_expert_rows = expert_rows if pad_multiple == 1 else round_up(expert_rows, pad_multiple)
     if given is not None:
-        host_counts = given
+        host_expert_rows = given
         most = E if given_max is None else given_max
     else:
         host_stats = stats.tolist()  # the one host synchronisation: sizes decide allocation
         guard.check_snapshot(host_stats, E, None, given_max)
-        host_counts, most = host_stats[:E], host_stats[E]
-    routed = sum(host_counts)
-    needed = sum(round_up(c, pad_multiple) for c in host_counts)
+        host_expert_rows, most = host_stats[:E], host_stats[E]
+    routed = sum(host_expert_rows)
+    needed = sum(round_up(c, pad_multiple) for c in host_expert_rows)
     if num_out_tokens is None:
         num_out_tokens = needed
     elif num_out_tokens < needed:
@@ -441,11 +264,12 @@ def permute(
         raise ValueError(f"the routing map needs {num_out_tokens} rows, more than the 2^31 - 1 that int32 "
                          f"row ids address (split the batch)")
     has_pad_rows = num_out_tokens > routed
-    permuted, permuted_probs = permute_rows(tokens, slots, probs, num_out_tokens, has_pad_rows)
+    permuted, permuted_probs, *permuted_scales = permute_rows(tokens, slots, probs, num_out_tokens, has_pad_rows,
+                                                              row_scales)
     if given is not None and stats.is_cuda and not torch.compiler.is_compiling():
         guard.queue(stats, E, given, given_max)  # after the copy is queued: the check never delays it
-    row_id_map = RowIdMap(slots, counts, padded, num_out_tokens, has_pad_rows, most)
-    return permuted, (permuted_probs if probs is not None else None), row_id_map
+    row_id_map = RowIdMap(slots, expert_rows, padded_expert_rows, num_out_tokens, has_pad_rows, most)
+    return (permuted, (permuted_probs if probs is not None else None), *permuted_scales, row_id_map)
 
 
 def unpermute(
@@ -454,18 +278,29 @@ def unpermute(
     probs: Optional[torch.Tensor] = None,
     *,
     restore_shape: Optional[Sequence[int]] = None,
+    row_scales: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """out[t] = sum over experts e of t, ascending, of (probs[t, e] or 1) * permuted_tokens[row(t, e)].
+    """out[t] = sum over experts e of t, ascending, of (probs[t, e] or 1) * (s_r * permuted_tokens[r]),
+    r = row(t, e), s_r = row_scales[r] (1 without row_scales).
 
-    Products and the running sum are fp32 (fp64 for fp64 probs), rounded once to
-    permuted_tokens.dtype. No atomics; a token's result depends only on its own rows.
+    Rows are widened to fp32 and multiplied by their scale in fp32; products and the running sum
+    are fp32 (fp64 for fp64 probs), rounded once to out_dtype (a float8 output saturates to its
+    largest finite value first). No atomics; a token's result depends only on its own rows. The
+    backward gives gradients of each tensor's own dtype (rows: permuted_tokens.dtype), computed
+    in fp32 and rounded once.
 
     Args:
-        permuted_tokens: [N, H] float32, float16 or bfloat16 (N = row_id_map.num_out_tokens).
+        permuted_tokens: [N, H] float32, float16, bfloat16, float8_e4m3fn or float8_e5m2
+            (N = row_id_map.num_out_tokens).
         row_id_map: from ``permute``.
         probs: optional [T, E] float32 or float64 (T, E of the map); must be finite (NaN or inf:
             ValueError, raised on CUDA as permute's device checks are); negative values are accepted.
         restore_shape: optional shape for the output (e.g. [S, B, H]); T*H elements.
+        row_scales: optional [N] float32, the dequantisation factor of each permuted row (e.g. the
+            ``permuted_row_scales`` of ``permute``). No gradient flows to it.
+        out_dtype: the output dtype: permuted_tokens.dtype (the default, as TransformerEngine
+            does), float32, bfloat16 or float16.
 
     What is checked about the map: its type and fields (at construction), T and E against probs,
     N against permuted_tokens, T * H against restore_shape, the device. Not detectable: a map from
@@ -473,7 +308,7 @@ def unpermute(
     wrong without an error.
 
     Returns:
-        [T, H] (or restore_shape) in permuted_tokens.dtype. Tokens routed nowhere give zero rows.
+        [T, H] (or restore_shape) in out_dtype. Tokens routed nowhere give zero rows.
     """
     _poll()
     _check_tokens("permuted_tokens", permuted_tokens)
@@ -486,6 +321,11 @@ def unpermute(
         raise ValueError(f"permuted_tokens is on {permuted_tokens.device}, row_id_map on {row_id_map.slots.device}")
     if probs is not None:
         _check_probs(probs, row_id_map.num_tokens, row_id_map.num_experts, permuted_tokens.device)
+    if row_scales is not None:
+        row_scales = _check_row_scales(row_scales, permuted_tokens.shape[0], "N", permuted_tokens.device)
+    if out_dtype is not None and out_dtype != permuted_tokens.dtype and out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be permuted_tokens.dtype ({permuted_tokens.dtype}), float32, bfloat16 or "
+                        f"float16, got {out_dtype}")
     if restore_shape is not None:
         shape = [int(d) for d in restore_shape]
         want = row_id_map.num_tokens * permuted_tokens.shape[1]
@@ -494,7 +334,7 @@ def unpermute(
                              f"{permuted_tokens.shape[1]} elements with H last (T from row_id_map)")
     most = row_id_map.max_experts_per_token
     out = unpermute_rows(permuted_tokens, row_id_map.slots, probs, row_id_map.has_pad_rows,
-                         row_id_map.num_experts if most is None else most)
+                         row_id_map.num_experts if most is None else most, row_scales, out_dtype)
     if restore_shape is not None:
         out = out.reshape(restore_shape)
     return out

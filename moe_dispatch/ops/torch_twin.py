@@ -2,6 +2,10 @@
 computes. Same ``slots`` layout, same arithmetic in the same order, so fp32 results are bitwise
 equal to the kernels'. Sums over a token's experts are a fixed-order loop over slots (ascending
 expert id) into an fp32 (fp64 for fp64 probabilities) accumulator, never scatter_add.
+
+Float8 rows (float8_e4m3fn, float8_e5m2) are copied as bytes and computed on in fp32; a result
+rounded to float8 is first saturated to the format's largest finite value (NaN stays NaN), as
+the GPU's ``cvt.rn.satfinite`` does, then rounded to nearest even (``round_to``).
 """
 from __future__ import annotations
 
@@ -23,6 +27,24 @@ MAX_BLOCK_H = 1024
 def block_h(hidden: int) -> int:
     """The H-chunk width used by every kernel (and by the twin's H reduction) for this H."""
     return max(16, min(MAX_BLOCK_H, 1 << (max(hidden, 1) - 1).bit_length()))
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+TOKEN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of a float8 dtype (448 for e4m3fn, 57344 for e5m2); 0 for others."""
+    return float(torch.finfo(dtype).max) if dtype in FP8_DTYPES else 0.0
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (fp32) rounded once to dtype, to nearest even. For float8, values beyond the largest finite
+    value saturate to it first (NaN stays NaN): torch's own cast would give NaN or inf there."""
+    top = fp8_max(dtype)
+    if top:
+        x = torch.where(x > top, top, torch.where(x < -top, -top, x))
+    return x.to(dtype)
 
 
 def round_up(count, multiple: int):
@@ -96,20 +118,29 @@ def _slot(slots: torch.Tensor, j: int, num_rows: int) -> tuple[torch.Tensor, tor
     return valid, row.clamp(0, max(num_rows - 1, 0)), expert_valid, expert.clamp(0, E - 1)
 
 
+def _placeholder(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
 def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None,
-                 num_out: int, zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """out[row(t, e)] = tokens[t]; out_probs[row(t, e)] = probs[t, e]. Other rows are zero."""
+                 num_out: int, zero_fill: bool,
+                 row_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out[row(t, e)] = tokens[t] (bytes copied); out_probs[row(t, e)] = probs[t, e];
+    out_scales[row(t, e)] = row_scales[t] (fp32 [T] -> [num_out]). Other rows are zero. Absent
+    probs or row_scales give a [0] fp32 placeholder."""
     H = tokens.shape[1]
     out = tokens.new_zeros((num_out, H))
-    out_probs = (probs.new_zeros((num_out,)) if probs is not None
-                 else torch.empty(0, dtype=torch.float32, device=tokens.device))
+    out_probs = probs.new_zeros((num_out,)) if probs is not None else _placeholder(tokens.device)
+    out_scales = row_scales.new_zeros((num_out,)) if row_scales is not None else _placeholder(tokens.device)
     arange_t = torch.arange(slots.shape[0], device=tokens.device)
     for j in range(_max_slots(slots)):
         valid, row, expert_valid, expert = _slot(slots, j, num_out)
         out[row[valid]] = tokens[valid]
         if probs is not None:
             out_probs[row[expert_valid]] = probs[arange_t[expert_valid], expert[expert_valid]]
-    return out, out_probs
+        if row_scales is not None:
+            out_scales[row[valid]] = row_scales[valid]
+    return out, out_probs, out_scales
 
 
 def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: torch.Tensor | None,
@@ -127,7 +158,7 @@ def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: t
         if grad_probs is not None:
             picked = expert_valid
             grad_token_probs[arange_t[picked], expert[picked]] = grad_probs[row[picked]].to(probs_dtype)
-    return acc.to(grad.dtype), grad_token_probs
+    return round_to(acc, grad.dtype), grad_token_probs
 
 
 def _acc_dtype(probs: torch.Tensor | None) -> torch.dtype:
@@ -166,8 +197,19 @@ def check_probs_finite(probs: torch.Tensor, op: str) -> None:
         guard.fail([guard.probs_message(op)])
 
 
-def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
-    """out[t] = sum over slots j (ascending expert) of probs[t, e_j] * rows[row_j], fp32, rounded once.
+def _row_values(rows: torch.Tensor, row: torch.Tensor, row_scales: torch.Tensor | None,
+                acc_dtype: torch.dtype) -> torch.Tensor:
+    """rows[row] in fp32, times row_scales[row] (fp32) when given, then in the accumulator dtype."""
+    y = rows[row].to(torch.float32)
+    if row_scales is not None:
+        y = y * row_scales[row][:, None]
+    return y.to(acc_dtype)
+
+
+def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None,
+                   row_scales: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """out[t] = sum over slots j (ascending expert) of probs[t, e_j] * (row_scales[row_j] * rows[row_j]),
+    fp32, rounded once to out_dtype (default rows.dtype). rows [N, H], row_scales [N] fp32.
     Raises ValueError for NaN or inf in probs."""
     if probs is not None:
         check_probs_finite(probs, "unpermute")
@@ -178,7 +220,7 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
     fma = probs is not None and acc_dtype == torch.float32 and NUMERICS["unpermute_fma"]
     for j in range(_max_slots(slots)):
         valid, row, expert_valid, expert = _slot(slots, j, rows.shape[0])
-        term = rows[row].to(acc_dtype)
+        term = _row_values(rows, row, row_scales, acc_dtype)
         if probs is not None:
             p = torch.where(expert_valid, probs[arange_t, expert].to(acc_dtype), 0.0)
             if fma:
@@ -186,7 +228,7 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
                 continue
             term = p[:, None] * term
         acc = acc + torch.where(valid[:, None], term, 0.0)
-    return acc.to(torch.float32).to(rows.dtype)
+    return round_to(acc.to(torch.float32), out_dtype or rows.dtype)
 
 
 def halving_sum(x: torch.Tensor) -> torch.Tensor:
@@ -211,11 +253,12 @@ def blocked_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                            probs: torch.Tensor | None, zero_fill: bool,
-                            max_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """grad_rows[row_j] = grad[t] * p_j (fp32, rounded once); grad_probs[t, e_j] = <rows[row_j], grad[t]>.
-    A token with more than max_slots_bound(max_slots, E) experts gets a NaN probs-gradient row (the
-    kernel keeps partial sums for that many slots only)."""
+                            probs: torch.Tensor | None, zero_fill: bool, max_slots: int,
+                            row_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad [T, H] (any token dtype) -> grad_rows [N, H] in rows.dtype: grad[t] * p_j, then times
+    row_scales[row_j] (fp32), rounded once; grad_probs[t, e_j] = <rows[row_j] * row_scales[row_j],
+    grad[t]>. A token with more than max_slots_bound(max_slots, E) experts gets a NaN
+    probs-gradient row (the kernel keeps partial sums for that many slots only)."""
     T = slots.shape[0]
     E = _num_experts(slots)
     acc_dtype = _acc_dtype(probs)
@@ -226,14 +269,17 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
     for j in range(_max_slots(slots)):
         valid, row, expert_valid, expert = _slot(slots, j, rows.shape[0])
         t, row_v = arange_t[valid], row[valid]
+        scale = row_scales[row_v][:, None] if row_scales is not None else None
         if probs is None:
-            grad_rows[row_v] = grad[t].to(rows.dtype)
+            g32 = grad[t].to(torch.float32)
+            grad_rows[row_v] = round_to(g32 if scale is None else g32 * scale, rows.dtype)
             continue
-        g = grad[t].to(acc_dtype)
+        g = grad[t].to(torch.float32).to(acc_dtype)
         p = torch.where(expert_valid, probs[arange_t, expert].to(acc_dtype), 0.0)[valid]
-        grad_rows[row_v] = (g * p[:, None]).to(torch.float32).to(rows.dtype)
+        g_row = (g * p[:, None]).to(torch.float32)
+        grad_rows[row_v] = round_to(g_row if scale is None else g_row * scale, rows.dtype)
         picked = expert_valid[valid]
-        dots = blocked_dot(rows[row_v].to(acc_dtype), g).to(probs.dtype)
+        dots = blocked_dot(_row_values(rows, row_v, row_scales, acc_dtype), g).to(probs.dtype)
         grad_probs[t[picked], expert[valid][picked]] = dots[picked]
     if probs is not None:
         grad_probs[_counts(slots) > max_slots_bound(max_slots, E)] = float("nan")
@@ -243,3 +289,27 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x [N, H], index [M] -> x[index] [M, H]."""
     return x.index_select(0, index)
+
+
+# Row-wise float8 quantisation (ops/quantize.py). The kernel computes the same fp32 operations.
+AMAX_FLOOR = 2.0 ** -64  # rows with a smaller amax (zero rows included) get scale 1
+
+
+def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] fp32/bf16/fp16 -> (q [T, H] fp8_dtype, scales [T] fp32), q * scale ~ x, per row:
+    amax = max |x| (exact), scale = amax / M and inv = M / amax (two correctly rounded fp32
+    divisions, M = fp8_max), q = round_to(x * inv) (one fp32 multiply; saturate, nearest even).
+    amax < AMAX_FLOOR: scale = inv = 1. A row holding inf or NaN: scale NaN, q zeros."""
+    T, H = x.shape
+    x32 = x.to(torch.float32)
+    if H == 0:
+        return torch.empty((T, 0), dtype=fp8_dtype, device=x.device), torch.ones(T, device=x.device)
+    amax = x32.abs().amax(1)
+    finite = torch.isfinite(x32).all(1)
+    small = amax < AMAX_FLOOR
+    top = torch.full_like(amax, fp8_max(fp8_dtype))
+    # Tensor / tensor: torch may turn a division by a scalar into a multiply by its reciprocal.
+    scale = torch.where(small, 1.0, torch.div(amax, top))
+    inv = torch.where(small, 1.0, torch.div(top, amax))
+    q = torch.where(finite[:, None], x32 * inv[:, None], 0.0)
+    return round_to(q, fp8_dtype), torch.where(finite, scale, float("nan"))

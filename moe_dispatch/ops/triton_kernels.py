@@ -15,7 +15,10 @@ Rules that make results exact and reproducible:
 - sums over a token's experts run in slot order (ascending expert id) in an fp32 (fp64 for fp64
   probabilities) accumulator and are rounded once;
 - launches pass ``enable_fp_fusion=False`` so ``acc + p * y`` is a multiply then an add, exactly
-  as the torch twin computes it, rather than an FMA.
+  as the torch twin computes it, rather than an FMA;
+- float8 rows are copied as bytes (permute) or widened to fp32 (the sums); a float8 result is
+  saturated to the format's largest finite value, then rounded to nearest even (``_round_out``),
+  as torch_twin.round_to does.
 
 Rules that keep every access in bounds whatever the input (host sizes, hand-made slots):
 - every row read or written is masked against the rows of its tensor ([0, N)), every expert id
@@ -28,28 +31,30 @@ import torch
 import triton
 import triton.language as tl
 
-from . import guard
-from .torch_twin import NUMERICS, block_h, max_slots_bound
+from . import guard, torch_twin
+from .torch_twin import FP8_DTYPES, NUMERICS, block_h, fp8_max, max_slots_bound
 
-# Launch tuning. None of these changes a result: each program owns whole (token, H-chunk)
-# elements. LAUNCH["token_major"]: consecutive programs take consecutive tokens of one H-chunk
-# (True) or the H-chunks of one token (False, whole rows stream together). "warps" overrides the
-# warp count. "rows_per_store": rows the permute kernel writes per 2-D store (1 = one row at a
-# time). "permute_store_cache": the PTX cache hint of the permute kernel's row stores ("" =
-# write-back, ".cs" = streaming: faster for this write-heavy copy; the unpermute backward's row
-# stores were slower with it, so the other kernels keep write-back; BENCHMARKS.md).
-# "map_chunks", "map_block_t", "map_warps": make_slots' token chunks (about that many programs),
-# tokens per tile (None: 4096 / E rounded to a power of two, at most 128) and warps (None:
-# Triton's default). scripts/tune_ops.py sweeps them.
+# Launch settings. None of these changes a result: each program owns whole (token, H-chunk)
+# elements, and sums run in slot order whatever the grouping. The defaults are the fastest
+# settings measured on H200 (BENCHMARKS.md, "Launch defaults", with the commands; scripts/tune_ops.py
+# sweeps them).
+# "token_major": consecutive programs take consecutive tokens of one H-chunk (True) or the
+# H-chunks of one token (False: whole rows stream together). "warps" overrides the warp count.
+# "rows_per_store": rows the permute kernel writes per 2-D store (1 = one row at a time).
+# "permute_store_cache": the PTX cache hint of the permute kernel's row stores ("" = write-back,
+# ".cs" = streaming; the permute kernel only writes what it copies, so it has no use for the
+# rows in cache). "map_chunks", "map_block_t", "map_warps": make_slots' token chunks (about that
+# many programs), tokens per tile (None: 4096 / E rounded to a power of two, at most 128) and
+# warps (None: Triton's default).
 # "slots_per_step" (unpermute, permute's backward) and "unpermute_bwd_slots_per_step" (the
 # unpermute backward, both routes): slots per unrolled step of the kernel's loop over a token's
 # slots. A step's row loads are issued together; the sums still run slot by slot in slot order (a
 # slot past n_t leaves them as they are), so no value changes.
-# "probs_grad_warps": warps of the probs gradient's last kernel (_probs_grad_kernel; tiny per-token
-# work, so fewer warps let more tokens' programs run at once).
-# An alternative route (same bits; scripts/bench_ops.py times it beside the default):
-# "unpermute_bwd_per_token": the unpermute backward as one program per token (_unpermute_bwd_token_kernel)
-# instead of one per (token, H-chunk) plus the probs-gradient launch.
+# "probs_grad_warps": warps of the probs gradient's last kernel (_probs_grad_kernel: a few sums
+# per token, so few warps each let more tokens' programs run at once).
+# "unpermute_bwd_per_token": the unpermute backward's other route (same kernel, same bits): one
+# program per token walking its H-chunks, instead of one per (token, H-chunk) plus the
+# probs-gradient launch.
 LAUNCH: dict = {"token_major": False, "warps": None, "rows_per_store": 8, "permute_store_cache": ".cs",
                 "map_chunks": 128, "map_block_t": None, "map_warps": None, "slots_per_step": 4,
                 "unpermute_bwd_slots_per_step": 2, "probs_grad_warps": 1, "unpermute_bwd_per_token": False}
@@ -112,6 +117,58 @@ def _row_in(row, N, H):
 
 def _launch_opts() -> dict:
     return {"enable_fp_fusion": False}
+
+
+@triton.jit
+def _fp8_grid(x, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """x (fp32, |x| at most the format's largest value) rounded to nearest even onto the grid of a
+    float8 format with MANT mantissa bits and smallest normal exponent EMIN, in fp32 arithmetic:
+    adding and subtracting c = 2^(u + 23) rounds |x| at the grid's ulp 2^u there (u = max(e, EMIN)
+    - MANT for |x| in [2^e, 2^(e+1)); subnormals included)."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN), 15)  # 15: a NaN's exponent stays in range
+    c = ((e - MANT + 150) << 23).to(tl.float32, bitcast=True)
+    r = (tl.abs(x) + c) - c
+    # x's sign bit put back as a bit: -r is 0 - r, which would turn a negative zero positive.
+    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_byte(x, MANT: tl.constexpr, EMIN: tl.constexpr, SUB_UNITS: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """The float8 byte of x (fp32, |x| at most the format's largest value, or NaN), rounded to
+    nearest even, built with integer arithmetic (no float8 cast: the interpreter's casts truncate
+    and know no NaN). SUB_UNITS = 2^(MANT - EMIN), subnormal steps per unit; MIN_NORMAL = 2^EMIN."""
+    r = _fp8_grid(x, MANT, EMIN)
+    bits = r.to(tl.int32, bitcast=True)
+    a = tl.abs(r)
+    small = a < MIN_NORMAL  # False for NaN
+    subnormal = (tl.where(small, a, 0.0) * SUB_UNITS).to(tl.int32)  # exact: a multiple of the subnormal step
+    normal = ((bits & 0x7FFFFFFF) >> (23 - MANT)) - ((126 + EMIN) << MANT)  # rebias the exponent
+    code = tl.where(small, subnormal, normal)
+    code = tl.where(a == a, code, 0x7F)  # NaN: exponent and mantissa all ones in both formats
+    return (code | ((bits >> 24) & 0x80)).to(tl.uint8)
+
+
+@triton.jit
+def _round_out(x, out_ptr, FP8_MAX: tl.constexpr):
+    """x (fp32) rounded once to out_ptr's dtype. FP8_MAX > 0 (a float8 output, 448 e4m3fn or 57344
+    e5m2; out_ptr then points at its bytes): saturated to +-FP8_MAX (NaN kept), then rounded to
+    nearest even, so the bytes equal torch_twin.round_to's on the GPU and under the interpreter."""
+    if FP8_MAX > 0:
+        x = tl.where(x > FP8_MAX, FP8_MAX, tl.where(x < -FP8_MAX, -FP8_MAX, x))
+        if FP8_MAX == 448.0:
+            return _fp8_byte(x, 3, -6, 512.0, 0.015625)
+        else:
+            return _fp8_byte(x, 2, -14, 65536.0, 0.00006103515625)
+    return x.to(out_ptr.dtype.element_ty)
+
+
+def _bytes_of(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(x viewed as bytes, the byte of a NaN) for float8 x, which the copy kernels move unconverted
+    and the others write through _round_out; (x, 0) otherwise."""
+    if x.dtype in FP8_DTYPES:
+        return x.view(torch.uint8), 0x7F  # exponent and mantissa all ones: NaN in both formats
+    return x, 0
 
 
 def _probs_args(probs: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
@@ -309,17 +366,22 @@ def make_slots_checked(routing_map: torch.Tensor, pad_multiple: int, probs: torc
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _permute_kernel(
-    tokens_ptr, slots_ptr, probs_ptr, out_ptr, out_probs_ptr, status_ptr,
+    tokens_ptr, slots_ptr, probs_ptr, scales_ptr, out_ptr, out_probs_ptr, out_scales_ptr, status_ptr,
     T, H, E, N, stride_tt, stride_th, stride_pt, stride_pe,
-    HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr, BLOCK_K: tl.constexpr,
-    STORE_CM: tl.constexpr,
+    HAS_PROBS: tl.constexpr, HAS_SCALES: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
+    BLOCK_K: tl.constexpr, STORE_CM: tl.constexpr, NAN_BITS: tl.constexpr,
 ):
     """Program (t, c): copy token t's H-chunk c to its n_t rows, BLOCK_K rows per 2-D store (a
-    pure copy: no value depends on how the stores are grouped). Rows outside [0, N) are skipped."""
+    pure copy: no value depends on how the stores are grouped). Rows outside [0, N) are skipped.
+    NAN_BITS > 0: the tokens are float8 viewed as bytes, copied as they are (NAN_BITS once poisoned).
+    HAS_SCALES: the programs of chunk 0 also copy row_scales[t] (fp32) to the token's rows."""
     t, pid_h, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
     poisoned = _poisoned(status_ptr)
-    x = tl.load(tokens_ptr + t * stride_tt + offs_h * stride_th, mask=mask_h)
-    x = tl.where(poisoned, float("nan"), x.to(tl.float32)).to(x.dtype)
+    raw = tl.load(tokens_ptr + t * stride_tt + offs_h * stride_th, mask=mask_h)
+    if NAN_BITS > 0:
+        x = tl.where(poisoned, NAN_BITS, raw).to(raw.dtype)
+    else:
+        x = tl.where(poisoned, float("nan"), raw.to(tl.float32)).to(raw.dtype)
     offs_k = tl.arange(0, BLOCK_K)
     for j0 in range(0, n, BLOCK_K):
         rows = tl.load(slot_row + 1 + j0 + offs_k, mask=j0 + offs_k < n, other=-1).to(tl.int64)
@@ -332,31 +394,39 @@ def _permute_kernel(
                 ok = mask_k & (e >= 0) & (e < E)
                 p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=ok)
                 tl.store(out_probs_ptr + rows, tl.where(poisoned, float("nan"), p), mask=ok)
+        if HAS_SCALES:
+            if pid_h == 0:
+                s = tl.load(scales_ptr + t) + tl.zeros([BLOCK_K], dtype=tl.float32)
+                tl.store(out_scales_ptr + rows, tl.where(poisoned, float("nan"), s), mask=mask_k)
 
 
 def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None,
-                 num_out: int, zero_fill: bool, block: int | None = None,
-                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher. tokens [T, H], probs [T, E] -> (out [num_out, H], out_probs [num_out] or [0])."""
+                 num_out: int, zero_fill: bool, block: int | None = None, num_warps: int | None = None, *,
+                 row_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launcher. tokens [T, H] (any token dtype, float8 included), probs [T, E], row_scales [T] fp32
+    contiguous -> (out [num_out, H] in tokens.dtype, out_probs [num_out], out_scales [num_out] fp32);
+    an absent probs or row_scales gives a [0] fp32 placeholder."""
     T, H = tokens.shape
     E = (slots.shape[1] - 1) // 2
     alloc = torch.zeros if zero_fill else torch.empty
     out = alloc((num_out, H), dtype=tokens.dtype, device=tokens.device)
-    if probs is None:
-        out_probs = torch.empty(0, dtype=torch.float32, device=tokens.device)
-    else:
-        out_probs = alloc((num_out,), dtype=probs.dtype, device=tokens.device)
+    out_probs = alloc((num_out if probs is not None else 0,), dtype=torch.float32 if probs is None else probs.dtype,
+                      device=tokens.device)
+    out_scales = alloc((num_out if row_scales is not None else 0,), dtype=torch.float32, device=tokens.device)
     if T == 0 or H == 0:
-        return out, out_probs
+        return out, out_probs, out_scales
     bh = block or block_h(H)  # a copy: the block size does not change any value
     p, *p_strides = _probs_args(probs, out_probs)
+    src, nan_bits = _bytes_of(tokens)
+    dst, _ = _bytes_of(out)
     _permute_kernel[_row_grid(T, H, bh)](
-        tokens, slots, p, out, out_probs, guard.status(tokens.device), T, H, E, num_out,
-        tokens.stride(0), tokens.stride(1), *p_strides,
-        HAS_PROBS=probs is not None, BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"],
-        BLOCK_K=LAUNCH["rows_per_store"], STORE_CM=LAUNCH["permute_store_cache"],
-        num_warps=num_warps or _num_warps(bh), **_launch_opts())
-    return out, out_probs
+        src, slots, p, row_scales if row_scales is not None else out_scales, dst, out_probs, out_scales,
+        guard.status(tokens.device), T, H, E, num_out, src.stride(0), src.stride(1), *p_strides,
+        HAS_PROBS=probs is not None, HAS_SCALES=row_scales is not None, BLOCK_H=bh,
+        TOKEN_MAJOR=LAUNCH["token_major"], BLOCK_K=LAUNCH["rows_per_store"],
+        STORE_CM=LAUNCH["permute_store_cache"], NAN_BITS=nan_bits, num_warps=num_warps or _num_warps(bh),
+        **_launch_opts())
+    return out, out_probs, out_scales
 
 
 @triton.jit
@@ -364,6 +434,7 @@ def _permute_bwd_kernel(
     grad_ptr, slots_ptr, grad_probs_ptr, grad_tokens_ptr, grad_token_probs_ptr, status_ptr,
     T, H, E, N, stride_gn, stride_gh,
     HAS_PROBS: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr, SLOTS_PER_STEP: tl.constexpr,
+    OUT_FP8_MAX: tl.constexpr,
 ):
     t, pid_h, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
     poisoned = _poisoned(status_ptr)
@@ -382,7 +453,7 @@ def _permute_bwd_kernel(
                     g = tl.load(grad_probs_ptr + row, mask=ok, other=0.0)
                     tl.store(grad_token_probs_ptr + t * E + e, tl.where(poisoned, float("nan"), g), mask=ok)
     acc = tl.where(poisoned, float("nan"), acc)
-    tl.store(grad_tokens_ptr + t * H + offs_h, acc.to(grad_tokens_ptr.dtype.element_ty), mask=mask_h)
+    tl.store(grad_tokens_ptr + t * H + offs_h, _round_out(acc, grad_tokens_ptr, OUT_FP8_MAX), mask=mask_h)
 
 
 def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: torch.Tensor | None,
@@ -401,10 +472,11 @@ def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: t
     bh = block or block_h(H)  # sums over a token's rows per element: the block size changes no value
     gp = grad_probs.to(probs_dtype).contiguous() if grad_probs is not None else grad_token_probs
     _permute_bwd_kernel[_row_grid(T, H, bh)](
-        grad, slots, gp, grad_tokens, grad_token_probs, guard.status(grad.device), T, H, E, N,
+        grad, slots, gp, _bytes_of(grad_tokens)[0], grad_token_probs, guard.status(grad.device), T, H, E, N,
         grad.stride(0), grad.stride(1),
         HAS_PROBS=grad_probs is not None, BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"],
-        SLOTS_PER_STEP=LAUNCH["slots_per_step"], num_warps=_num_warps(bh), **_launch_opts())
+        SLOTS_PER_STEP=LAUNCH["slots_per_step"], OUT_FP8_MAX=fp8_max(grad.dtype), num_warps=_num_warps(bh),
+        **_launch_opts())
     return grad_tokens, grad_token_probs
 
 
@@ -412,15 +484,25 @@ def permute_rows_backward(grad: torch.Tensor, slots: torch.Tensor, grad_probs: t
 # Unpermute: fixed-order weighted sum of a token's rows; backward gives row and prob gradients.
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _row_scale(scales_ptr, row, N, HAS_SCALES: tl.constexpr):
+    """row_scales[row] (fp32) for a row in [0, N), 0 outside; 1 without scales."""
+    if HAS_SCALES:
+        return tl.load(scales_ptr + row, mask=(row >= 0) & (row < N), other=0.0)
+    return 1.0
+
+
+@triton.jit
 def _unpermute_kernel(
-    rows_ptr, slots_ptr, probs_ptr, out_ptr, status_ptr,
+    rows_ptr, slots_ptr, probs_ptr, scales_ptr, out_ptr, status_ptr,
     T, H, E, N, stride_rn, stride_rh, stride_pt, stride_pe,
-    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
-    BLOCK_E: tl.constexpr, PROBS_WORD: tl.constexpr, FMA: tl.constexpr, SLOTS_PER_STEP: tl.constexpr,
+    HAS_PROBS: tl.constexpr, HAS_SCALES: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOKEN_MAJOR: tl.constexpr, BLOCK_E: tl.constexpr, PROBS_WORD: tl.constexpr, FMA: tl.constexpr,
+    SLOTS_PER_STEP: tl.constexpr, OUT_FP8_MAX: tl.constexpr,
 ):
-    """Program (t, c): out[t, chunk c] (FMA: torch_twin.NUMERICS["unpermute_fma"]). With probs, the
-    programs of chunk 0 also check token t's whole probs row and set the status word PROBS_WORD on
-    a NaN or inf (a plain store of 1)."""
+    """Program (t, c): out[t, chunk c] (FMA: torch_twin.NUMERICS["unpermute_fma"]). A row is widened
+    to fp32 and, with HAS_SCALES, multiplied by its row scale in fp32 before the weighted sum. With
+    probs, the programs of chunk 0 also check token t's whole probs row and set the status word
+    PROBS_WORD on a NaN or inf (a plain store of 1)."""
     t, pid_h, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
     acc_ty = tl.float64 if ACC_FP64 else tl.float32
     acc = tl.zeros([BLOCK_H], dtype=acc_ty)
@@ -436,7 +518,10 @@ def _unpermute_kernel(
             j = j0 + step
             live, row = _slot(slot_row, j, n)
             y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=offs_h < _row_in(row, N, H),
-                        other=0.0).to(acc_ty)
+                        other=0.0).to(tl.float32)
+            if HAS_SCALES:
+                y = y * _row_scale(scales_ptr, row, N, HAS_SCALES)
+            y = y.to(acc_ty)
             if HAS_PROBS:
                 e = tl.load(slot_row + 1 + E + j, mask=live, other=-1)
                 p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=(e >= 0) & (e < E),
@@ -450,31 +535,37 @@ def _unpermute_kernel(
             acc = tl.where(live, summed, acc)
     # fp64 results go through fp32 as torch's own fp64 -> half conversion does (same on CPU and GPU).
     out = tl.where(_poisoned(status_ptr), float("nan"), acc.to(tl.float32))
-    tl.store(out_ptr + t * H + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask_h)
+    tl.store(out_ptr + t * H + offs_h, _round_out(out, out_ptr, OUT_FP8_MAX), mask=mask_h)
 
 
 def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor | None,
-                   block: int | None = None) -> torch.Tensor:
-    """Launcher. rows [N, H], probs [T, E] -> out [T, H] in rows.dtype. On CPU (the interpreter),
-    NaN or inf in probs raises at once; on CUDA it sets the status (guard.py)."""
+                   block: int | None = None, *, row_scales: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Launcher. rows [N, H] (any token dtype), probs [T, E], row_scales [N] fp32 contiguous ->
+    out [T, H] in out_dtype (default rows.dtype). On CPU (the interpreter), NaN or inf in probs
+    raises at once; on CUDA it sets the status (guard.py)."""
     T = slots.shape[0]
     E = (slots.shape[1] - 1) // 2
     N, H = rows.shape
-    out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
+    out_dtype = out_dtype or rows.dtype
+    out = torch.empty((T, H), dtype=out_dtype, device=rows.device)
     if T == 0 or H == 0:
         return out
-    # Per-element sums over a token's rows: the block size changes no value. 2048 with 4 warps ran
-    # faster than 1024 (scripts/tune_ops.py; BENCHMARKS.md).
+    # Per-element sums over a token's rows: the block size changes no value (BENCHMARKS.md,
+    # "Launch defaults": the block that measured fastest).
     bh = block or max(16, min(2048, triton.next_power_of_2(H)))
     p, *p_strides = _probs_args(probs, out)
     status = guard.status(rows.device)
     _unpermute_kernel[_row_grid(T, H, bh)](
-        rows, slots, p, out, status, T, H, E, N, rows.stride(0), rows.stride(1), *p_strides,
-        HAS_PROBS=probs is not None, ACC_FP64=probs is not None and probs.dtype == torch.float64,
+        rows, slots, p, row_scales if row_scales is not None else out, _bytes_of(out)[0], status, T, H, E, N,
+        rows.stride(0), rows.stride(1), *p_strides,
+        HAS_PROBS=probs is not None, HAS_SCALES=row_scales is not None,
+        ACC_FP64=probs is not None and probs.dtype == torch.float64,
         BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], BLOCK_E=triton.next_power_of_2(E),
         PROBS_WORD=guard.PROBS_UNPERMUTE,
         FMA=probs is not None and probs.dtype == torch.float32 and NUMERICS["unpermute_fma"],
-        SLOTS_PER_STEP=LAUNCH["slots_per_step"], num_warps=LAUNCH["warps"] or 4, **_launch_opts())
+        SLOTS_PER_STEP=LAUNCH["slots_per_step"], OUT_FP8_MAX=fp8_max(out_dtype), num_warps=LAUNCH["warps"] or 4,
+        **_launch_opts())
     if probs is not None and rows.device.type == "cpu":
         words = status.tolist()
         guard.fail(guard.problems([], 0, words, None, None))
@@ -482,51 +573,125 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
 
 
 @triton.jit
-def _unpermute_bwd_kernel(
-    grad_ptr, rows_ptr, slots_ptr, probs_ptr, grad_rows_ptr, partial_ptr, status_ptr,
-    T, H, E, N, max_slots, num_chunks, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
-    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
-    SLOTS_PER_STEP: tl.constexpr,
-):
-    """Program (t, c): rows' gradient g * p over H-chunk c, and the chunk's partial dot
-    <y_row, g> per slot into partial[t, j, c] (summed in chunk order by _probs_grad_kernel);
-    slots j >= max_slots have no partial (their token's probs gradient is NaN there).
+def _store_probs_grad(dots, slot_row, n, max_slots, bad, grad_probs_ptr, t, E,
+                      BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
+    """grad_probs[t, e_j] = dots[j] for the token's slots j, 0 for the experts t is not routed to:
+    the whole dense row (no separate zero-fill pass over [T, E]); a NaN row when ``bad``."""
+    offs_j = tl.arange(0, BLOCK_J)
+    e = tl.load(slot_row + 1 + E + offs_j, mask=offs_j < n, other=-1)
+    for e0 in range(0, E, BLOCK_E):
+        offs_e = e0 + tl.arange(0, BLOCK_E)
+        # Each expert id appears at most once among a token's slots: a select (x + 0s; only the
+        # sign of a zero gradient may differ from the twin's, which compares equal).
+        hit = e[:, None] == offs_e[None, :]
+        picked = tl.max(tl.where(hit, 1, 0), axis=0) > 0
+        value = tl.sum(tl.where(hit, dots[:, None], 0.0), axis=0)
+        value = tl.where(picked, value, 0.0)
+        value = tl.where(bad, float("nan"), value)
+        tl.store(grad_probs_ptr + t * E + offs_e, value.to(grad_probs_ptr.dtype.element_ty), mask=offs_e < E)
 
-    The in-chunk sum is tl.sum: its order is fixed for a compiled kernel (so results are
-    deterministic and independent of T and of other tokens) but it is not the twin's order, so
-    the probability gradient matches the twin within rounding, not bitwise. A halving tree that
-    the twin could reproduce was several times slower (BENCHMARKS.md)."""
-    t, c, offs_h, mask_h, slot_row, n = _token_slots(slots_ptr, T, H, E, BLOCK_H, TOKEN_MAJOR)
-    poisoned = _poisoned(status_ptr)
+
+@triton.jit
+def _unpermute_bwd_chunk(
+    grad_ptr, rows_ptr, slots_ptr, probs_ptr, scales_ptr, grad_rows_ptr, partial_ptr,
+    t, c, slot_row, n, poisoned, dots, H, E, N, max_slots, num_chunks,
+    stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
+    HAS_PROBS: tl.constexpr, HAS_SCALES: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_J: tl.constexpr, SLOTS_PER_STEP: tl.constexpr, OUT_FP8_MAX: tl.constexpr, STORE_PARTIAL: tl.constexpr,
+):
+    """Token t's H-chunk c: rows' gradient g * p (times the row scale) and, per slot j, the chunk's
+    dot <row_scale * y_row, g>: stored to partial[t, j, c] (STORE_PARTIAL), else added to dots[j]
+    (returned). Slots j >= max_slots keep no partial (their token's probs gradient is NaN)."""
     acc_ty = tl.float64 if ACC_FP64 else tl.float32
-    g = tl.load(grad_ptr + t * stride_gt + offs_h * stride_gh, mask=mask_h, other=0.0)
-    g = tl.where(poisoned, float("nan"), g.to(tl.float32)).to(g.dtype)
+    offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
+    g = tl.load(grad_ptr + t * stride_gt + offs_h * stride_gh, mask=offs_h < H, other=0.0)
+    g = tl.where(poisoned, float("nan"), g.to(tl.float32))
+    offs_j = tl.arange(0, BLOCK_J)
     for j0 in range(0, n, SLOTS_PER_STEP):
         for step in tl.static_range(SLOTS_PER_STEP):
             j = j0 + step
             live, row = _slot(slot_row, j, n)
             mask_row = offs_h < _row_in(row, N, H)
+            s = _row_scale(scales_ptr, row, N, HAS_SCALES)
             if HAS_PROBS:
                 e = tl.load(slot_row + 1 + E + j, mask=live, other=-1)
                 p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=(e >= 0) & (e < E),
                             other=0.0).to(acc_ty)
                 g_acc = g.to(acc_ty)
-                y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_row, other=0.0).to(acc_ty)
-                tl.store(grad_rows_ptr + row * H + offs_h,
-                         (g_acc * p).to(tl.float32).to(grad_rows_ptr.dtype.element_ty), mask=mask_row)
-                at = tl.arange(0, 1)
-                tl.store(partial_ptr + (t * max_slots + j) * num_chunks + c + at,
-                         tl.sum(y * g_acc, axis=0) + tl.zeros([1], acc_ty), mask=live & ((at + j) < max_slots))
+                y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_row, other=0.0).to(tl.float32)
+                if HAS_SCALES:
+                    y = y * s
+                y = y.to(acc_ty)
+                g_row = (g_acc * p).to(tl.float32)
+                if HAS_SCALES:
+                    g_row = g_row * s
+                tl.store(grad_rows_ptr + row * H + offs_h, _round_out(g_row, grad_rows_ptr, OUT_FP8_MAX),
+                         mask=mask_row)
+                if STORE_PARTIAL:
+                    at = tl.arange(0, 1)
+                    tl.store(partial_ptr + (t * max_slots + j) * num_chunks + c + at,
+                             tl.sum(y * g_acc, axis=0) + tl.zeros([1], acc_ty), mask=live & ((at + j) < max_slots))
+                else:
+                    dots = tl.where((offs_j == j) & live, dots + tl.sum(y * g_acc, axis=0), dots)
             else:
-                tl.store(grad_rows_ptr + row * H + offs_h, g.to(grad_rows_ptr.dtype.element_ty), mask=mask_row)
+                g_row = g
+                if HAS_SCALES:
+                    g_row = g * s
+                tl.store(grad_rows_ptr + row * H + offs_h, _round_out(g_row, grad_rows_ptr, OUT_FP8_MAX),
+                         mask=mask_row)
+    return dots
+
+
+@triton.jit
+def _unpermute_bwd_kernel(
+    grad_ptr, rows_ptr, slots_ptr, probs_ptr, scales_ptr, grad_rows_ptr, partial_ptr, grad_probs_ptr, status_ptr,
+    T, H, E, N, max_slots, num_chunks, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
+    HAS_PROBS: tl.constexpr, HAS_SCALES: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOKEN_MAJOR: tl.constexpr, SLOTS_PER_STEP: tl.constexpr, PER_TOKEN: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_E: tl.constexpr, OUT_FP8_MAX: tl.constexpr,
+):
+    """The unpermute backward, both routes (one body, _unpermute_bwd_chunk, so the same bits):
+    - default: program (t, c) does H-chunk c and stores its per-slot partial dots, which
+      _probs_grad_kernel sums in chunk order;
+    - PER_TOKEN (LAUNCH["unpermute_bwd_per_token"]): program t walks its H-chunks in order, adding
+      each chunk's dot to a running sum from 0 (the same additions in the same order), and writes
+      the probs gradient itself (no partial buffer, no second launch).
+
+    The in-chunk sum is tl.sum: its order is fixed for a compiled kernel (so results are
+    deterministic and independent of T and of other tokens) but it is not the twin's order, so
+    the probability gradient matches the twin within rounding, not bitwise (why not a tree the
+    twin reproduces: BENCHMARKS.md, "Tuning tried and not kept")."""
+    if PER_TOKEN:
+        t = tl.program_id(0).to(tl.int64)
+    else:
+        t, c = _token_and_chunk(T, H, BLOCK_H, TOKEN_MAJOR)
+    slot_row = slots_ptr + t * (2 * E + 1)
+    n = tl.minimum(tl.maximum(tl.load(slot_row), 0), E)  # clamped as _token_slots does
+    poisoned = _poisoned(status_ptr)
+    dots = tl.zeros([BLOCK_J], dtype=tl.float64 if ACC_FP64 else tl.float32)
+    if PER_TOKEN:
+        for c in range(0, tl.cdiv(H, BLOCK_H)):
+            dots = _unpermute_bwd_chunk(grad_ptr, rows_ptr, slots_ptr, probs_ptr, scales_ptr, grad_rows_ptr,
+                                        partial_ptr, t, c, slot_row, n, poisoned, dots, H, E, N, max_slots, num_chunks,
+                                        stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
+                                        HAS_PROBS, HAS_SCALES, ACC_FP64, BLOCK_H, BLOCK_J, SLOTS_PER_STEP,
+                                        OUT_FP8_MAX, False)
+        if HAS_PROBS:
+            _store_probs_grad(dots, slot_row, n, max_slots, poisoned | (n > max_slots), grad_probs_ptr, t, E,
+                              BLOCK_J, BLOCK_E)
+    else:
+        _unpermute_bwd_chunk(grad_ptr, rows_ptr, slots_ptr, probs_ptr, scales_ptr, grad_rows_ptr, partial_ptr,
+                             t, c, slot_row, n, poisoned, dots, H, E, N, max_slots, num_chunks,
+                             stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
+                             HAS_PROBS, HAS_SCALES, ACC_FP64, BLOCK_H, BLOCK_J, SLOTS_PER_STEP, OUT_FP8_MAX, True)
 
 
 @triton.jit
 def _probs_grad_kernel(partial_ptr, slots_ptr, grad_probs_ptr, status_ptr, E, max_slots, num_chunks,
                        BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
     """grad_probs[t, e_j] = sum over chunks c, in order, of partial[t, j, c]; 0 for the experts t
-    is not routed to. Writes the whole dense row (no separate zero-fill pass over [T, E]). A token
-    with more than max_slots experts (a max_experts_per_token too small) gets a NaN row."""
+    is not routed to. A token with more than max_slots experts (a max_experts_per_token too small)
+    gets a NaN row."""
     t = tl.program_id(0).to(tl.int64)
     slot_row = slots_ptr + t * (2 * E + 1)
     n = tl.minimum(tl.maximum(tl.load(slot_row), 0), E)
@@ -535,81 +700,19 @@ def _probs_grad_kernel(partial_ptr, slots_ptr, grad_probs_ptr, status_ptr, E, ma
     acc = tl.zeros([BLOCK_J], dtype=partial_ptr.dtype.element_ty)
     for c in range(0, num_chunks):
         acc += tl.load(partial_ptr + (t * max_slots + offs_j) * num_chunks + c, mask=mask_j, other=0.0)
-    e = tl.load(slot_row + 1 + E + offs_j, mask=offs_j < n, other=-1)
-    bad = _poisoned(status_ptr) | (n > max_slots)
-    for e0 in range(0, E, BLOCK_E):
-        offs_e = e0 + tl.arange(0, BLOCK_E)
-        # Each expert id appears at most once among a token's slots: a select (x + 0s; only the
-        # sign of a zero gradient may differ from the twin's, which compares equal).
-        hit = e[:, None] == offs_e[None, :]
-        picked = tl.max(tl.where(hit, 1, 0), axis=0) > 0
-        value = tl.sum(tl.where(hit, acc[:, None], 0.0), axis=0)
-        value = tl.where(picked, value, 0.0)
-        value = tl.where(bad, float("nan"), value)
-        tl.store(grad_probs_ptr + t * E + offs_e, value.to(grad_probs_ptr.dtype.element_ty), mask=offs_e < E)
-
-
-@triton.jit
-def _unpermute_bwd_token_kernel(
-    grad_ptr, rows_ptr, slots_ptr, probs_ptr, grad_rows_ptr, grad_probs_ptr, status_ptr,
-    T, H, E, N, max_slots, stride_gt, stride_gh, stride_rn, stride_rh, stride_pt, stride_pe,
-    HAS_PROBS: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
-    BLOCK_E: tl.constexpr, SLOTS_PER_STEP: tl.constexpr,
-):
-    """LAUNCH["unpermute_bwd_per_token"]: one program per token walks its H-chunks in order, so the
-    per-slot dots stay in registers and the probs gradient is written here (no partial buffer, no
-    second launch). Same arithmetic in the same order as _unpermute_bwd_kernel followed by
-    _probs_grad_kernel (per chunk the same tl.sum over BLOCK_H, chunk sums added in chunk order
-    starting from 0), hence the same bits."""
-    t = tl.program_id(0).to(tl.int64)
-    slot_row = slots_ptr + t * (2 * E + 1)
-    n = tl.minimum(tl.maximum(tl.load(slot_row), 0), E)
-    poisoned = _poisoned(status_ptr)
-    acc_ty = tl.float64 if ACC_FP64 else tl.float32
-    offs_j = tl.arange(0, BLOCK_J)
-    dots = tl.zeros([BLOCK_J], dtype=acc_ty)
-    for c in range(0, tl.cdiv(H, BLOCK_H)):
-        offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask_h = offs_h < H
-        g = tl.load(grad_ptr + t * stride_gt + offs_h * stride_gh, mask=mask_h, other=0.0)
-        g = tl.where(poisoned, float("nan"), g.to(tl.float32)).to(g.dtype)
-        for j0 in range(0, n, SLOTS_PER_STEP):
-            for step in tl.static_range(SLOTS_PER_STEP):
-                j = j0 + step
-                live, row = _slot(slot_row, j, n)
-                mask_row = offs_h < _row_in(row, N, H)
-                if HAS_PROBS:
-                    e = tl.load(slot_row + 1 + E + j, mask=live, other=-1)
-                    p = tl.load(probs_ptr + t * stride_pt + e * stride_pe, mask=(e >= 0) & (e < E),
-                                other=0.0).to(acc_ty)
-                    g_acc = g.to(acc_ty)
-                    y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=mask_row,
-                                other=0.0).to(acc_ty)
-                    tl.store(grad_rows_ptr + row * H + offs_h,
-                             (g_acc * p).to(tl.float32).to(grad_rows_ptr.dtype.element_ty), mask=mask_row)
-                    dots = tl.where((offs_j == j) & live, dots + tl.sum(y * g_acc, axis=0), dots)
-                else:
-                    tl.store(grad_rows_ptr + row * H + offs_h, g.to(grad_rows_ptr.dtype.element_ty), mask=mask_row)
-    if HAS_PROBS:
-        e = tl.load(slot_row + 1 + E + offs_j, mask=offs_j < n, other=-1)
-        bad = poisoned | (n > max_slots)
-        for e0 in range(0, E, BLOCK_E):
-            offs_e = e0 + tl.arange(0, BLOCK_E)
-            hit = e[:, None] == offs_e[None, :]
-            picked = tl.max(tl.where(hit, 1, 0), axis=0) > 0
-            value = tl.sum(tl.where(hit, dots[:, None], 0.0), axis=0)
-            value = tl.where(picked, value, 0.0)
-            value = tl.where(bad, float("nan"), value)
-            tl.store(grad_probs_ptr + t * E + offs_e, value.to(grad_probs_ptr.dtype.element_ty), mask=offs_e < E)
+    _store_probs_grad(acc, slot_row, n, max_slots, _poisoned(status_ptr) | (n > max_slots), grad_probs_ptr, t, E,
+                      BLOCK_J, BLOCK_E)
 
 
 def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
                             probs: torch.Tensor | None, zero_fill: bool, max_slots: int,
-                            block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher. grad [T, H], rows [N, H], probs [T, E] -> (grad_rows [N, H], grad_probs [T, E] or [0]).
-    max_slots bounds n_t (the most experts of any token). block: the H-chunk of the probs
-    gradient's partial sums (default block_h(H), the twin's); another block changes how the
-    probs gradient rounds (not the rows' gradient), so only scripts/tune_ops.py passes one."""
+                            block: int | None = None, *,
+                            row_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher. grad [T, H] (any token dtype), rows [N, H], probs [T, E], row_scales [N] fp32
+    contiguous -> (grad_rows [N, H] in rows.dtype, grad_probs [T, E] or [0]). max_slots bounds n_t
+    (the most experts of any token). block: the H-chunk of the probs gradient's partial sums
+    (default block_h(H), the twin's); another block changes how the probs gradient rounds (not the
+    rows' gradient), so only scripts/tune_ops.py passes one."""
     T = slots.shape[0]
     E = (slots.shape[1] - 1) // 2
     N, H = rows.shape
@@ -618,7 +721,7 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
     if probs is None:
         grad_probs = torch.empty(0, dtype=torch.float32, device=rows.device)
     else:
-        # Probabilities of slots nobody chose get a zero gradient (written by _probs_grad_kernel).
+        # Probabilities of slots nobody chose get a zero gradient (written by _store_probs_grad).
         grad_probs = torch.empty((T, E), dtype=probs.dtype, device=rows.device)
     if T == 0 or H == 0:
         return grad_rows, grad_probs.zero_()
@@ -628,26 +731,22 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
     acc_dtype = torch.float64 if probs is not None and probs.dtype == torch.float64 else torch.float32
     p, *p_strides = _probs_args(probs, grad_probs)
     status = guard.status(rows.device)
-    if LAUNCH["unpermute_bwd_per_token"]:
-        _unpermute_bwd_token_kernel[(T,)](
-            grad, rows, slots, p, grad_rows, grad_probs, status, T, H, E, N, max_slots,
-            grad.stride(0), grad.stride(1), rows.stride(0), rows.stride(1), *p_strides,
-            HAS_PROBS=probs is not None, ACC_FP64=acc_dtype == torch.float64, BLOCK_H=bh,
-            BLOCK_J=triton.next_power_of_2(max_slots), BLOCK_E=min(256, triton.next_power_of_2(E)),
-            SLOTS_PER_STEP=LAUNCH["unpermute_bwd_slots_per_step"], num_warps=_num_warps(bh), **_launch_opts())
-        return grad_rows, grad_probs
-    partial = torch.empty((T, max_slots, num_chunks) if probs is not None else (0,), dtype=acc_dtype,
-                          device=rows.device)
-    _unpermute_bwd_kernel[_row_grid(T, H, bh)](
-        grad, rows, slots, p, grad_rows, partial, status, T, H, E, N, max_slots, num_chunks,
+    per_token = LAUNCH["unpermute_bwd_per_token"]
+    partial = torch.empty((T, max_slots, num_chunks) if probs is not None and not per_token else (0,),
+                          dtype=acc_dtype, device=rows.device)
+    block_j, block_e = triton.next_power_of_2(max_slots), min(256, triton.next_power_of_2(E))
+    _unpermute_bwd_kernel[(T,) if per_token else _row_grid(T, H, bh)](
+        grad, rows, slots, p, row_scales if row_scales is not None else grad_probs, _bytes_of(grad_rows)[0], partial,
+        grad_probs,
+        status, T, H, E, N, max_slots, num_chunks,
         grad.stride(0), grad.stride(1), rows.stride(0), rows.stride(1), *p_strides,
-        HAS_PROBS=probs is not None, ACC_FP64=acc_dtype == torch.float64,
+        HAS_PROBS=probs is not None, HAS_SCALES=row_scales is not None, ACC_FP64=acc_dtype == torch.float64,
         BLOCK_H=bh, TOKEN_MAJOR=LAUNCH["token_major"], SLOTS_PER_STEP=LAUNCH["unpermute_bwd_slots_per_step"],
+        PER_TOKEN=per_token, BLOCK_J=block_j, BLOCK_E=block_e, OUT_FP8_MAX=fp8_max(rows.dtype),
         num_warps=_num_warps(bh), **_launch_opts())
-    if probs is not None:
+    if probs is not None and not per_token:
         _probs_grad_kernel[(T,)](partial, slots, grad_probs, status, E, max_slots, num_chunks,
-                                 BLOCK_J=triton.next_power_of_2(max_slots),
-                                 BLOCK_E=min(256, triton.next_power_of_2(E)), num_warps=LAUNCH["probs_grad_warps"],
+                                 BLOCK_J=block_j, BLOCK_E=block_e, num_warps=LAUNCH["probs_grad_warps"],
                                  **_launch_opts())
     return grad_rows, grad_probs
 
@@ -677,3 +776,84 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, block: int | None = None) 
     _gather_rows_kernel[_row_grid(M, H, bh)](x, index, out, M, N, H, x.stride(0), x.stride(1), BLOCK_H=bh,
                                              TOKEN_MAJOR=LAUNCH["token_major"], num_warps=_num_warps(bh))
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Row-wise float8 quantisation (ops/quantize.py): the same fp32 operations as the twin.
+# --------------------------------------------------------------------------------------------
+# "quantize_elements": elements per program (whole rows of H <= it load once; longer rows are
+# read twice, in chunks of it); "quantize_warps". Neither changes a value: a row's amax is a max
+# (exact in any order) and every element is quantised alone.
+LAUNCH.update({"quantize_elements": 8192, "quantize_warps": 8})
+
+
+@triton.jit
+def _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H: tl.constexpr):
+    """(x [BLOCK_T, BLOCK_H] fp32 of columns h0.., max |x| over its finite entries, 1 where a row
+    holds inf or NaN) for the rows offs_t."""
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask = mask_t[:, None] & (offs_h < H)[None, :]
+    x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :] * stride_xh, mask=mask,
+                other=0.0).to(tl.float32)
+    a = tl.abs(x)
+    finite = a < float("inf")  # False for NaN too
+    return x, tl.max(tl.where(finite, a, 0.0), axis=1), tl.max(tl.where(finite, 0, 1), axis=1)
+
+
+@triton.jit
+def _store_quantized(x, inv, bad, q_ptr, offs_t, mask_t, h0, H, FP8_MAX: tl.constexpr, BLOCK_H: tl.constexpr):
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask = mask_t[:, None] & (offs_h < H)[None, :]
+    q = tl.where((bad == 0)[:, None], x * inv[:, None], 0.0)
+    tl.store(q_ptr + offs_t[:, None] * H + offs_h[None, :], _round_out(q, q_ptr, FP8_MAX), mask=mask)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scales_ptr, T, H, stride_xt, stride_xh, FP8_MAX: tl.constexpr,
+                          AMAX_FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                          ONE_PASS: tl.constexpr):
+    """Rows [pid * BLOCK_T, +BLOCK_T): amax over the row, scale = div_rn(amax, FP8_MAX),
+    inv = div_rn(FP8_MAX, amax) (both 1 below AMAX_FLOOR), q = _round_out(x * inv); a row holding
+    inf or NaN gets scale NaN and q zeros (torch_twin.quantize_rows). ONE_PASS: the row fits one
+    block (BLOCK_H >= H) and is read once; otherwise twice, in blocks."""
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    if ONE_PASS:
+        x, amax, bad = _row_amax(x_ptr, offs_t, mask_t, 0, H, stride_xt, stride_xh, BLOCK_H)
+    else:
+        amax = tl.zeros([BLOCK_T], dtype=tl.float32)
+        bad = tl.zeros([BLOCK_T], dtype=tl.int32)
+        for h0 in range(0, H, BLOCK_H):
+            _, block_amax, block_bad = _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
+            amax = tl.maximum(amax, block_amax)  # a max: exact, in any order
+            bad = tl.maximum(bad, block_bad)
+    top = tl.full([BLOCK_T], FP8_MAX, tl.float32)
+    small = amax < AMAX_FLOOR
+    scale = tl.where(small, 1.0, tl.math.div_rn(amax, top))
+    inv = tl.where(small, 1.0, tl.math.div_rn(top, tl.where(small, 1.0, amax)))
+    tl.store(scales_ptr + offs_t, tl.where(bad == 0, scale, float("nan")), mask=mask_t)
+    if ONE_PASS:
+        _store_quantized(x, inv, bad, q_ptr, offs_t, mask_t, 0, H, FP8_MAX, BLOCK_H)
+    else:
+        for h0 in range(0, H, BLOCK_H):
+            x, _, _ = _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
+            _store_quantized(x, inv, bad, q_ptr, offs_t, mask_t, h0, H, FP8_MAX, BLOCK_H)
+
+
+def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher. x [T, H] fp32/bf16/fp16 -> (q [T, H] fp8_dtype, scales [T] fp32); torch_twin.quantize_rows
+    states the arithmetic."""
+    T, H = x.shape
+    q = torch.empty((T, H), dtype=fp8_dtype, device=x.device)
+    scales = torch.empty(T, dtype=torch.float32, device=x.device)
+    if T == 0 or H == 0:
+        return q, scales.fill_(1.0)
+    elements = LAUNCH["quantize_elements"]
+    one_pass = H <= elements
+    block_h = triton.next_power_of_2(H) if one_pass else elements
+    block_t = max(1, elements // block_h)
+    _quantize_rows_kernel[(triton.cdiv(T, block_t),)](
+        x, _bytes_of(q)[0], scales, T, H, x.stride(0), x.stride(1), FP8_MAX=fp8_max(fp8_dtype),
+        AMAX_FLOOR=torch_twin.AMAX_FLOOR,
+        BLOCK_T=block_t, BLOCK_H=block_h, ONE_PASS=one_pass, num_warps=LAUNCH["quantize_warps"], **_launch_opts())
+    return q, scales

@@ -21,9 +21,10 @@ POINTERS = {
     "status_ptr": "*i32", "counts_ptr": "*i32", "chunk_max_ptr": "*i32", "out_ptr": "*bf16",
     "out_probs_ptr": "*fp32", "grad_ptr": "*bf16", "grad_probs_ptr": "*fp32", "grad_tokens_ptr": "*bf16",
     "grad_token_probs_ptr": "*fp32", "rows_ptr": "*bf16", "grad_rows_ptr": "*bf16", "partial_ptr": "*fp32",
-    "x_ptr": "*bf16", "index_ptr": "*i64",
+    "x_ptr": "*bf16", "index_ptr": "*i64", "scales_ptr": "*fp32", "out_scales_ptr": "*fp32", "q_ptr": "*u8",
 }
 WIDE = {"given_hash": "i64"}
+E4M3, E5M2 = 448.0, 57344.0  # the float8 formats' largest values: the kernels' OUT_FP8_MAX / FP8_MAX
 
 
 def variants():
@@ -33,21 +34,42 @@ def variants():
     for snap, check in ((False, False), (True, True)):
         yield K._slots_kernel, dict(common, BLOCK_T=64, BLOCK_C=32, SNAPSHOT=snap, CHECK_SIZES=check), {}
     for has_probs in (True, False):
-        yield K._permute_kernel, dict(HAS_PROBS=has_probs, BLOCK_H=1024, TOKEN_MAJOR=False, BLOCK_K=8,
-                                      STORE_CM=".cs"), {}
-        yield K._permute_bwd_kernel, dict(HAS_PROBS=has_probs, BLOCK_H=1024, TOKEN_MAJOR=True, SLOTS_PER_STEP=4), {}
+        yield K._permute_kernel, dict(HAS_PROBS=has_probs, HAS_SCALES=False, BLOCK_H=1024, TOKEN_MAJOR=False,
+                                      BLOCK_K=8, STORE_CM=".cs", NAN_BITS=0), {}
+        yield K._permute_bwd_kernel, dict(HAS_PROBS=has_probs, BLOCK_H=1024, TOKEN_MAJOR=True, SLOTS_PER_STEP=4,
+                                          OUT_FP8_MAX=0.0), {}
+    # float8 tokens move as bytes, with their scales; float8 results are written as bytes (_round_out).
+    yield K._permute_kernel, dict(HAS_PROBS=True, HAS_SCALES=True, BLOCK_H=1024, TOKEN_MAJOR=False, BLOCK_K=8,
+                                  STORE_CM=".cs", NAN_BITS=0x7F), {"tokens_ptr": "*u8", "out_ptr": "*u8"}
+    for fp8, ty in ((E4M3, "*fp8e4nv"), (E5M2, "*fp8e5")):
+        yield K._permute_bwd_kernel, dict(HAS_PROBS=True, BLOCK_H=1024, TOKEN_MAJOR=False, SLOTS_PER_STEP=4,
+                                          OUT_FP8_MAX=fp8), {"grad_ptr": ty, "grad_tokens_ptr": "*u8"}
     for has_probs, fp64, fma in ((True, False, False), (True, False, True), (True, True, False), (False, False, False)):
         probs = {"probs_ptr": "*fp64", "partial_ptr": "*fp64", "grad_probs_ptr": "*fp64"} if fp64 else {}
-        yield K._unpermute_kernel, dict(HAS_PROBS=has_probs, ACC_FP64=fp64, BLOCK_H=2048, TOKEN_MAJOR=False,
-                                        BLOCK_E=64, PROBS_WORD=2, FMA=fma, SLOTS_PER_STEP=4), probs
+        yield K._unpermute_kernel, dict(HAS_PROBS=has_probs, HAS_SCALES=False, ACC_FP64=fp64, BLOCK_H=2048,
+                                        TOKEN_MAJOR=False, BLOCK_E=64, PROBS_WORD=2, FMA=fma, SLOTS_PER_STEP=4,
+                                        OUT_FP8_MAX=0.0), probs
         if fma:
             continue
-        yield K._unpermute_bwd_kernel, dict(HAS_PROBS=has_probs, ACC_FP64=fp64, BLOCK_H=1024,
-                                            TOKEN_MAJOR=False, SLOTS_PER_STEP=2), probs
-        yield K._unpermute_bwd_token_kernel, dict(HAS_PROBS=has_probs, ACC_FP64=fp64, BLOCK_H=1024, BLOCK_J=8,
-                                                  BLOCK_E=64, SLOTS_PER_STEP=2), probs
+        for per_token in (False, True):
+            yield K._unpermute_bwd_kernel, dict(HAS_PROBS=has_probs, HAS_SCALES=False, ACC_FP64=fp64, BLOCK_H=1024,
+                                                TOKEN_MAJOR=False, SLOTS_PER_STEP=2, PER_TOKEN=per_token, BLOCK_J=8,
+                                                BLOCK_E=64, OUT_FP8_MAX=0.0), probs
+    # float8 rows with their scales: out in float8 (both formats), bf16 or fp32.
+    for fp8, ty, out in ((E4M3, "*fp8e4nv", "*u8"), (E5M2, "*fp8e5", "*u8"), (0.0, "*fp8e4nv", "*fp32")):
+        yield K._unpermute_kernel, dict(HAS_PROBS=True, HAS_SCALES=True, ACC_FP64=False, BLOCK_H=2048,
+                                        TOKEN_MAJOR=False, BLOCK_E=64, PROBS_WORD=2, FMA=False, SLOTS_PER_STEP=4,
+                                        OUT_FP8_MAX=fp8), {"rows_ptr": ty, "out_ptr": out}
+    for has_probs, per_token in ((True, False), (True, True), (False, False)):
+        yield K._unpermute_bwd_kernel, dict(HAS_PROBS=has_probs, HAS_SCALES=True, ACC_FP64=False, BLOCK_H=1024,
+                                            TOKEN_MAJOR=False, SLOTS_PER_STEP=2, PER_TOKEN=per_token, BLOCK_J=8,
+                                            BLOCK_E=64, OUT_FP8_MAX=E4M3),\
+            {"grad_ptr": "*fp32", "rows_ptr": "*fp8e4nv", "grad_rows_ptr": "*u8"}
     yield K._probs_grad_kernel, dict(BLOCK_J=8, BLOCK_E=64), {}
     yield K._gather_rows_kernel, dict(BLOCK_H=1024, TOKEN_MAJOR=False), {}
+    for fp8, x, one_pass in ((E4M3, "*bf16", True), (E5M2, "*fp32", False)):
+        yield K._quantize_rows_kernel, dict(FP8_MAX=fp8, AMAX_FLOOR=2.0 ** -64, BLOCK_T=2, BLOCK_H=4096,
+                                            ONE_PASS=one_pass), {"x_ptr": x}
 
 
 def main() -> int:

@@ -180,7 +180,7 @@ def test_status_poisons_every_kernel():
                 K.unpermute_rows_backward(g, y, slots, probs, False, 3))
     finally:
         status.zero_()
-    (rows, row_probs), out, (grad_tokens, grad_token_probs), (grad_rows, grad_probs) = outs
+    (rows, row_probs, _), out, (grad_tokens, grad_token_probs), (grad_rows, grad_probs) = outs
     assert rows.isnan().all() and row_probs.isnan().all() and out[routing_map.any(1)].isnan().all()
     assert grad_tokens.isnan().all() and grad_token_probs[routing_map].isnan().all()
     assert grad_rows.isnan().all() and grad_probs.isnan().all()
@@ -368,16 +368,16 @@ def test_row_id_map_misuse_is_reported():
 @pytest.mark.parametrize("change,match", [
     (dict(slots=torch.zeros(3, 4, dtype=torch.int32)), "RowIdMap.slots"),
     (dict(slots=torch.zeros(3, 5, dtype=torch.int64)), "RowIdMap.slots"),
-    (dict(tokens_per_expert=torch.zeros(3)), "RowIdMap.tokens_per_expert"),
-    (dict(padded_tokens_per_expert=[1, 2]), "RowIdMap.padded_tokens_per_expert"),
+    (dict(expert_rows=torch.zeros(3)), "RowIdMap.expert_rows"),
+    (dict(padded_expert_rows=[1, 2]), "RowIdMap.padded_expert_rows"),
     (dict(num_out_tokens=-1), "RowIdMap.num_out_tokens"),
     (dict(num_out_tokens=2 ** 31), "RowIdMap.num_out_tokens"),
     (dict(num_out_tokens=4.0), "RowIdMap.num_out_tokens"),
     (dict(max_experts_per_token=3), "RowIdMap.max_experts_per_token"),
 ])
 def test_row_id_map_fields_are_checked(change, match):
-    fields = dict(slots=torch.full((3, 5), -1, dtype=torch.int32), tokens_per_expert=torch.zeros(2),
-                  padded_tokens_per_expert=torch.zeros(2), num_out_tokens=4, has_pad_rows=True,
+    fields = dict(slots=torch.full((3, 5), -1, dtype=torch.int32), expert_rows=torch.zeros(2),
+                  padded_expert_rows=torch.zeros(2), num_out_tokens=4, has_pad_rows=True,
                   max_experts_per_token=2)
     RowIdMap(**fields)
     RowIdMap(*fields.values())  # positional, as the dispatchers build it

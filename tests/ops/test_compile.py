@@ -22,4 +22,4 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "ops" / "compile_sm90.py")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("ok ") >= 19, proc.stdout  # compile_sm90.variants() yields 19
+    assert proc.stdout.count("ok ") >= 30, proc.stdout  # compile_sm90.variants() yields 30

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_dispatch.ops import expert_row_counts, permute, set_backend, sort_chunks, unpermute
-from moe_dispatch.ops import permutation as permutation_module
+from moe_dispatch.ops import custom_ops, expert_row_counts, permute, set_backend, sort_chunks, unpermute
 from tests.ops.oracle import U32, assert_within, expected_rows, half_ulp, random_routing, reference_unpermute
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -179,7 +178,7 @@ def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_pe
         tuned = _run(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs)
         slots, N = reference["row_id_map"].slots, reference["permuted"].shape[0]
         for block in (16, 32):
-            rows, _ = K.permute_rows(tokens, slots, probs, N, False, block, warps)
+            rows, _, _ = K.permute_rows(tokens, slots, probs, N, False, block, warps)
             assert torch.equal(rows, reference["permuted"])
             assert torch.equal(K.unpermute_rows(y[:N], slots, probs, block), K.unpermute_rows(y[:N], slots, probs))
             assert torch.equal(K.permute_rows_backward(g_perm[:N], slots, None, torch.float32, block)[0],
@@ -219,7 +218,7 @@ def test_triton_interpreter_matches_torch_twin(monkeypatch, dtype, probs_dtype, 
             assert torch.equal(a[key], b[key]), key
         else:
             assert _ulp_close(a[key], b[key], dtype), key
-    assert torch.equal(a["row_id_map"].tokens_per_expert, b["row_id_map"].tokens_per_expert)
+    assert torch.equal(a["row_id_map"].expert_rows, b["row_id_map"].expert_rows)
 
 
 def test_triton_interpreter_without_probs_and_sort_chunks():
@@ -256,7 +255,7 @@ def test_token_result_independent_of_other_tokens(backend):
     def expert(rows_in: torch.Tensor, rmap) -> torch.Tensor:
         # A row-stable stand-in for the experts: elementwise in the row, depends on its expert.
         # Only correctly rounded ops: vectorised transcendentals differ between SIMD and tail lanes.
-        expert_of_row = torch.repeat_interleave(torch.arange(E), rmap.padded_tokens_per_expert.cpu(),
+        expert_of_row = torch.repeat_interleave(torch.arange(E), rmap.padded_expert_rows.cpu(),
                                                 output_size=rows_in.shape[0])
         return (rows_in.float() * (1 + expert_of_row[:, None]) + 0.25).to(rows_in.dtype)
 
@@ -325,8 +324,10 @@ def test_padding_counts_exposed():
     routing_map = torch.tensor([[1, 0, 1], [1, 0, 0], [1, 0, 1]], dtype=torch.bool)
     tokens = torch.randn(3, 16)
     permuted, _, rmap = permute(tokens, routing_map, pad_multiple=4)
-    assert rmap.tokens_per_expert.tolist() == [3, 0, 2]
-    assert rmap.padded_tokens_per_expert.tolist() == [4, 0, 4]
+    assert rmap.expert_rows.tolist() == [3, 0, 2]
+    assert rmap.padded_expert_rows.tolist() == [4, 0, 4]
+    # The former names, read-only until dispatcher/ switches.
+    assert rmap.tokens_per_expert is rmap.expert_rows and rmap.padded_tokens_per_expert is rmap.padded_expert_rows
     assert permuted.shape[0] == rmap.num_out_tokens == 8
     assert torch.equal(permuted[3], torch.zeros(16)) and torch.equal(permuted[6:], torch.zeros(2, 16))
     out = unpermute(permuted, rmap)
@@ -390,14 +391,25 @@ def test_sort_chunks_round_trip_and_gradient():
 
 def test_custom_ops_pass_opcheck():
     routing_map, tokens, probs, y, g_out, _, _ = _case(9, 4, 2, 16, torch.float32)
-    slots, stats = permutation_module._make_slots_op(routing_map, 1)
+    slots, stats = custom_ops._make_slots_op(routing_map, 1)
     N = int(stats[:-1].sum())
-    torch.library.opcheck(permutation_module._make_slots_op, (routing_map, 1))
-    torch.library.opcheck(permutation_module._permute_op, (tokens.requires_grad_(), slots, probs, N, False))
-    torch.library.opcheck(permutation_module._unpermute_op, (y[:N].requires_grad_(), slots, probs, False, 2))
+    torch.library.opcheck(custom_ops._make_slots_op, (routing_map, 1))
+    torch.library.opcheck(custom_ops._permute_op, (tokens.requires_grad_(), slots, probs, N, False))
+    torch.library.opcheck(custom_ops._permute_op, (tokens, slots, probs, N, False, torch.rand(9)))
+    # torch's schema check and aot check compare and sum tensors, which float8 lacks on CPU: the
+    # fake and autograd-registration checks, and the whole set where the outputs are fp32.
+    fp8_out = ("test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(custom_ops._permute_op, (tokens.to(torch.float8_e4m3fn), slots, None, N, True,
+                                                   torch.rand(9)), test_utils=fp8_out)
+    for rows, row_scales, out_dtype in ((y[:N], None, None), (y[:N], torch.rand(N), torch.bfloat16),
+                                        (y[:N].to(torch.float8_e5m2), torch.rand(N), torch.float32)):
+        checks = fp8_out + (() if rows.dtype == torch.float8_e5m2 else ("test_schema", "test_aot_dispatch_dynamic"))
+        torch.library.opcheck(custom_ops._unpermute_op,
+                              (rows.requires_grad_(), slots, probs, False, 2, row_scales, out_dtype),
+                              test_utils=checks)
     idx = torch.tensor([2, 0, 1])
-    torch.library.opcheck(permutation_module._gather_rows_op, (torch.randn(3, 4, requires_grad=True), idx,
-                                                                torch.tensor([1, 2, 0])))
+    torch.library.opcheck(custom_ops._gather_rows_op, (torch.randn(3, 4, requires_grad=True), idx,
+                                                        torch.tensor([1, 2, 0])))
 
 
 def test_torch_compile_traces_the_ops():

@@ -1,0 +1,64 @@
+"""Row-wise float8 quantisation: one fp32 scale per token, so a token's bytes depend on the token alone.
+
+A per-tensor scale (a max over the whole batch) makes every token's quantised value depend on the
+other tokens of the batch; a per-row scale does not, so FP8 tokens stay batch invariant.
+
+The arithmetic, per row t of x (stated by torch_twin.quantize_rows; the Triton kernel computes the
+same fp32 operations, so the two are bitwise equal; M is the format's largest value, 448 for
+float8_e4m3fn, 57344 for float8_e5m2):
+
+- amax = max |x[t, h]| (exact in any order);
+- scale = amax / M and inv = M / amax, two correctly rounded fp32 divisions;
+- q[t, h] = x[t, h] * inv (one fp32 multiply), saturated to [-M, M], rounded to nearest even;
+- zero rows, and rows with amax < 2^-64 (where M / amax could overflow): scale = 1, and q is
+  x rounded as it is (zeros: float8's smallest step is 2^-9, 2^-16 for e5m2);
+- a row holding inf or NaN: scale NaN and q zeros, so the dequantised row q * scale is NaN.
+
+q * scale approximates x to the format's precision (q[t] reaches +-M at the row's amax). Block
+scales (MXFP8: one power-of-two scale per 32 elements) need Blackwell's scaled GEMMs; they are
+not implemented (docs/ops.md says where the code is ready for them).
+"""
+from __future__ import annotations
+
+import torch
+
+from .custom_ops import _direct, _impl
+from .torch_twin import FP8_DTYPES
+
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@torch.library.custom_op("moe_dispatch::quantize_rows", mutates_args=())
+def _quantize_rows_op(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(x).quantize_rows(x, fp8_dtype)
+
+
+@_quantize_rows_op.register_fake
+def _(x, fp8_dtype):
+    return x.new_empty(tuple(x.shape), dtype=fp8_dtype), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise each row of x to float8 with its own scale.
+
+    Args:
+        x: [T, H] float32, bfloat16 or float16 (any strides).
+        fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+
+    Returns:
+        (q [T, H] fp8_dtype, contiguous; scales [T] float32), q[t] * scales[t] ~ x[t]; see the
+        module docstring for the exact arithmetic, zero rows and non-finite rows. Pass the scales
+        as ``row_scales`` to ``permute`` and on to ``unpermute``. No gradient flows through it.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if fp8_dtype not in FP8_DTYPES:
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+    x = x.detach()
+    if _direct():
+        return _impl(x).quantize_rows(x, fp8_dtype)
+    return _quantize_rows_op(x, fp8_dtype)
