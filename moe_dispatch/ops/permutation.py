@@ -20,11 +20,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..numerics.rounding import is_int, round_up
 from . import guard
 
 # make_slots: dispatcher/ imports it from here.
 from .custom_ops import gather_rows, make_slots, make_slots_checked, permute_rows, unpermute_rows  # noqa: F401
-from .torch_twin import TOKEN_DTYPES, round_up
+from .torch_twin import TOKEN_DTYPES
 
 # --------------------------------------------------------------------------------------------
 # Public API
@@ -139,16 +140,12 @@ def _check_probs(probs: torch.Tensor, num_tokens: int, num_experts: int, device:
         raise ValueError(f"probs is on {probs.device}, expected {device} like the tokens")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _host_expert_rows(tokens_per_expert, num_experts: int) -> list[int]:
     values = (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
               else list(tokens_per_expert))
     if len(values) != num_experts:
         raise ValueError(f"tokens_per_expert must have E = {num_experts} entries, got {len(values)}")
-    if not all(_is_int(c) and c >= 0 for c in values):
+    if not all(is_int(c) and c >= 0 for c in values):
         raise ValueError(f"tokens_per_expert must hold ints >= 0, got {values}")
     return values
 
@@ -231,11 +228,11 @@ def permute(
         raise ValueError("routing_map must have at least one expert column")
     if probs is not None:
         _check_probs(probs, T, E, tokens.device)
-    if not _is_int(pad_multiple) or pad_multiple < 1:
+    if not is_int(pad_multiple) or pad_multiple < 1:
         raise ValueError(f"pad_multiple must be an int >= 1, got {pad_multiple!r}")
-    if max_experts_per_token is not None and (not _is_int(max_experts_per_token) or max_experts_per_token < 0):
+    if max_experts_per_token is not None and (not is_int(max_experts_per_token) or max_experts_per_token < 0):
         raise ValueError(f"max_experts_per_token must be None or an int >= 0, got {max_experts_per_token!r}")
-    if num_out_tokens is not None and (not _is_int(num_out_tokens) or not 0 <= num_out_tokens < INT32_ROWS):
+    if num_out_tokens is not None and (not is_int(num_out_tokens) or not 0 <= num_out_tokens < INT32_ROWS):
         raise ValueError(f"num_out_tokens must be None or an int in [0, 2^31), got {num_out_tokens!r}")
     if row_scales is not None:
         row_scales = _check_row_scales(row_scales, T, "T", tokens.device)

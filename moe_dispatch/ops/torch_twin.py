@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+# round_up: dispatcher/layout.py and exchange.py import it from here, until they take it from numerics.
+from ..numerics.rounding import round_up
 from . import guard
 
 # Numerics choices that change values (the same on both backends, so the contract holds with
@@ -45,11 +47,6 @@ def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if top:
         x = torch.where(x > top, top, torch.where(x < -top, -top, x))
     return x.to(dtype)
-
-
-def round_up(count, multiple: int):
-    """count rounded up to a multiple of `multiple` (an int or an integer tensor)."""
-    return (count + multiple - 1) // multiple * multiple
 
 
 def _num_experts(slots: torch.Tensor) -> int:
