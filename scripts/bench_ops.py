@@ -2,17 +2,21 @@
 
 Run on a CUDA machine:  python scripts/bench_ops.py [--shapes T,E,H,K ...] [--no-megatron]
                         python scripts/bench_ops.py --sweep bandwidth.svg   (bandwidth against size)
+                        python scripts/bench_ops.py --fp8   (quantize_rows and float8 rows, E=64, K=6)
 
 Each pass is timed with triton.testing.do_bench (median). The floor of a pass is the bytes it
 must move (every input read once, every output written once) over the device-to-device copy
 bandwidth measured in the same run (bytes read plus written). The alternative route of
 moe_dispatch/ops/triton_kernels.py's LAUNCH ("per-token route": unpermute_bwd_per_token; same
 bits) is timed beside the default in the same run. The backward passes are timed through the
-registered custom ops (torch.ops.moe_dispatch.*).
+registered custom ops (torch.ops.moe_dispatch.*). With --fp8: quantize_rows (bf16 -> e4m3) over its
+byte floor beside the twin's eager torch code on the same GPU and a sweep of its LAUNCH settings, and
+permute / unpermute of e4m3 rows with their row scales, all as CUDA-graph medians.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 import torch
@@ -277,7 +281,7 @@ def host_overhead() -> list[tuple[str, float]]:
     tokens = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
     routing_map, probs = routing(T, E, K_)
     _, _, rmap = permute(tokens, routing_map, probs)
-    counts = rmap.tokens_per_expert.tolist()
+    counts = rmap.expert_rows.tolist()
     y = torch.randn((T * K_, H), device="cuda", dtype=torch.bfloat16)
     calls = {
         "triton launch: unpermute_rows": lambda: K.unpermute_rows(y, rmap.slots, probs),
@@ -290,14 +294,62 @@ def host_overhead() -> list[tuple[str, float]]:
     return time_host_calls(calls)
 
 
+FP8_SHAPES = [(8192, 4096), (49152, 4096), (16384, 7168)]
+
+
+def fp8_passes(T: int, H: int, E: int = 64, K: int = 6) -> dict:
+    """{name: (callable, bytes it must move)} for quantize_rows and the float8 permute / unpermute."""
+    from moe_dispatch.ops import quantize_rows
+    from moe_dispatch.ops import torch_twin as TW
+
+    e4m3 = torch.float8_e4m3fn
+    x = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
+    quantize_bytes = T * H * 2 + T * H + 4 * T  # bf16 in, fp8 and one fp32 scale a row out
+    calls = {"quantize_rows": (lambda: quantize_rows(x, e4m3), quantize_bytes),
+             "quantize_rows' twin, eager torch": (lambda: TW.quantize_rows(x, e4m3), quantize_bytes)}
+    for elements, warps in itertools.product([2048, 4096, 8192, 16384], [4, 8, 16]):
+        calls[f"quantize_rows, {elements} elements, {warps} warps"] = (
+            with_launch(lambda: quantize_rows(x, e4m3), quantize_elements=elements, quantize_warps=warps),
+            quantize_bytes)
+    routing_map, probs = routing(T, E, K)
+    counts, N = routing_map.sum(0).tolist(), T * K
+    q, scales = quantize_rows(x, e4m3)
+    _, _, row_scales, rmap = permute(q, routing_map, probs, row_scales=scales)
+    y = torch.randn((N, H), device="cuda").to(e4m3)
+    map_bytes = T * E * (1 + 4) + N * 4  # routing map, probs, permuted probs
+    calls["permute e4m3 + scales, counts known"] = (
+        lambda: permute(q, routing_map, probs, tokens_per_expert=counts, max_experts_per_token=K, row_scales=scales),
+        T * H + N * H + 4 * (T + N) + map_bytes)
+    calls["unpermute e4m3 rows + scales -> bf16"] = (
+        lambda: unpermute(y, rmap, probs, row_scales=row_scales, out_dtype=torch.bfloat16),
+        N * H + 4 * N + T * H * 2 + T * E * 4)
+    return calls
+
+
+def run_fp8(bw: float) -> None:
+    print("| T, H (E=64, K=6) | pass | graph (ms) | floor (ms) | graph/floor |\n|---|---|---|---|---|")
+    for T, H in FP8_SHAPES:
+        for name, (fn, nbytes) in fp8_passes(T, H).items():
+            ms, floor_ms = bench_graph(fn), nbytes / bw * 1e3
+            print(f"| {T}, {H} | {name} | {ms:.4f} | {floor_ms:.4f} | {ms / floor_ms:.2f}x |", flush=True)
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=None, help="T,E,H,K tuples")
     parser.add_argument("--no-megatron", action="store_true")
     parser.add_argument("--sweep", metavar="SVG", help="only sweep T at E=64, H=4096, K=8 and plot bandwidth to SVG")
+    parser.add_argument("--fp8", action="store_true", help="only quantize_rows and the float8 rows' passes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_ops.py needs a CUDA device")
+    if args.fp8:
+        bw = copy_bandwidth()
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+              f"copy bandwidth (read + write) {bw / 1e12:.2f} TB/s; CUDA-graph medians")
+        run_fp8(bw)
+        return
     if args.sweep:
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
               "achieved TB/s (bytes each pass must move / CUDA-graph median)")

@@ -35,9 +35,8 @@ from . import guard, torch_twin
 from .torch_twin import FP8_DTYPES, NUMERICS, block_h, fp8_max, max_slots_bound
 
 # Launch settings. None of these changes a result: each program owns whole (token, H-chunk)
-# elements, and sums run in slot order whatever the grouping. The defaults are the fastest
-# settings measured on H200 (BENCHMARKS.md, "Launch defaults", with the commands; scripts/tune_ops.py
-# sweeps them).
+# elements, and sums run in slot order whatever the grouping. BENCHMARKS.md, "Launch defaults",
+# names the measurement (and its command) behind each default; scripts/tune_ops.py sweeps them.
 # "token_major": consecutive programs take consecutive tokens of one H-chunk (True) or the
 # H-chunks of one token (False: whole rows stream together). "warps" overrides the warp count.
 # "rows_per_store": rows the permute kernel writes per 2-D store (1 = one row at a time).
@@ -551,8 +550,8 @@ def unpermute_rows(rows: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
     out = torch.empty((T, H), dtype=out_dtype, device=rows.device)
     if T == 0 or H == 0:
         return out
-    # Per-element sums over a token's rows: the block size changes no value (BENCHMARKS.md,
-    # "Launch defaults": the block that measured fastest).
+    # Per-element sums over a token's rows: the block size changes no value, so it is the one
+    # BENCHMARKS.md's "Launch defaults" found fastest, not the twin's block_h(H).
     bh = block or max(16, min(2048, triton.next_power_of_2(H)))
     p, *p_strides = _probs_args(probs, out)
     status = guard.status(rows.device)
