@@ -191,7 +191,9 @@ def test_cuda_invariant_and_close_to_twin(prequant):
     assert torch.equal(got[0][sl], alone[0]) and torch.equal(got[1][sl], alone[1])
     assert torch.equal(got[2][3], alone[2][3])
     twin = _run(x, w, counts, g, prequant)
-    for gpu, cpu in zip(got, twin):
+    for name, gpu, cpu in zip(("out", "dx", "dw"), got, twin):
         gpu, cpu = gpu.cpu().double(), cpu.double()
         scale = cpu.abs().amax(dim=-1, keepdim=True)
-        assert bool(((gpu - cpu).abs() <= 2.0 ** -7 * cpu.abs() + 2.0 ** -12 * scale).all())
+        bound = 2.0 ** -6 * cpu.abs() + 2.0 ** -12 * scale  # two bf16 ulps, plus the fp32 sums' share
+        excess = ((gpu - cpu).abs() / bound).max().item()
+        assert excess <= 1, f"{name}: the CUDA path is {excess:.3g}x the bound away from the twin"
