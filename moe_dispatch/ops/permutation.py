@@ -178,7 +178,8 @@ def permute(
     tokens_per_expert: Optional[Sequence[int]] = None,
     max_experts_per_token: Optional[int] = None,
     row_scales: Optional[torch.Tensor] = None,
-) -> tuple:
+) -> tuple[torch.Tensor, Optional[torch.Tensor], RowIdMap] | tuple[torch.Tensor, Optional[torch.Tensor],
+                                                                   torch.Tensor, RowIdMap]:
     """Copy each token to one row per expert it is routed to.
 
     Args:

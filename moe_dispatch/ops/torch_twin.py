@@ -4,8 +4,9 @@ equal to the kernels'. Sums over a token's experts are a fixed-order loop over s
 expert id) into an fp32 (fp64 for fp64 probabilities) accumulator, never scatter_add.
 
 Float8 rows (float8_e4m3fn, float8_e5m2) are copied as bytes and computed on in fp32; a result
-rounded to float8 is first saturated to the format's largest finite value (NaN stays NaN), as
-the GPU's ``cvt.rn.satfinite`` does, then rounded to nearest even (``round_to``).
+rounded to float8 is first saturated to the format's largest finite value (NaN stays NaN), then
+rounded to nearest even by torch's cast (``round_to``); the kernels build the same bytes with
+integer arithmetic (triton_kernels._round_out).
 """
 from __future__ import annotations
 

@@ -187,6 +187,28 @@ def test_status_poisons_every_kernel():
     assert not clean[0][0].isnan().any() and not clean[3][1].isnan().any()
 
 
+def test_status_poisons_float8_results():
+    """The same for float8 rows and results (written as bytes): NaN bytes, NaN row scales."""
+    from moe_dispatch.ops import triton_kernels as K
+
+    routing_map, tokens, probs = _case()
+    fp8 = torch.float8_e4m3fn
+    slots, stats = K.make_slots(routing_map, 1)
+    N = int(stats[:-1].sum())
+    q, y, g = tokens.to(fp8), torch.randn(N, tokens.shape[1]).to(fp8), torch.randn_like(tokens).to(fp8)
+    status = guard.status(torch.device("cpu"))
+    try:
+        status[guard.SIZES] = 1
+        rows, _, row_scales = K.permute_rows(q, slots, probs, N, False, row_scales=torch.ones(tokens.shape[0]))
+        out = K.unpermute_rows(y, slots, None, row_scales=torch.ones(N))  # with probs the CPU raises at once
+        grad_tokens, _ = K.permute_rows_backward(y, slots, None, torch.float32)
+        grad_rows, _ = K.unpermute_rows_backward(g, y, slots, probs, False, 3, row_scales=torch.ones(N))
+    finally:
+        status.zero_()
+    assert rows.float().isnan().all() and row_scales.isnan().all() and out[routing_map.any(1)].float().isnan().all()
+    assert grad_tokens.float().isnan().all() and grad_rows.float().isnan().all()
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels stay inside their buffers whatever the slots say (what compute-sanitizer checks on
 # CUDA): every buffer the launchers allocate gets sentinel rows after it that must survive.

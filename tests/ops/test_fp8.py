@@ -118,9 +118,10 @@ def test_permute_copies_every_byte(dtype):
     (torch.float8_e4m3fn, torch.bfloat16, False), (torch.float8_e5m2, None, True),
     (torch.float8_e5m2, torch.bfloat16, True)], ids=str)
 def test_triton_interpreter_matches_torch_twin(monkeypatch, dtype, out_dtype, per_token):
-    """Bitwise, float8 results included: the kernels round to float8 in fp32 arithmetic, so the
-    interpreter's truncating casts never decide a float8 value (bf16 output: within one ulp, the
-    interpreter truncates there). The probs gradient's in-chunk order differs (within rounding)."""
+    """Bitwise, float8 results included: the kernels build each float8 byte with integer
+    arithmetic, so the interpreter's truncating casts never decide a float8 value (a bf16 output:
+    within one ulp, the interpreter truncates there). The probs gradient's in-chunk sum order
+    differs (within rounding)."""
     from moe_dispatch.ops import triton_kernels as K
 
     monkeypatch.setitem(K.LAUNCH, "unpermute_bwd_per_token", per_token)
