@@ -5,8 +5,8 @@ expert id) into an fp32 (fp64 for fp64 probabilities) accumulator, never scatter
 
 Float8 rows (float8_e4m3fn, float8_e5m2) are copied as bytes and computed on in fp32; a result
 rounded to float8 is first saturated to the format's largest finite value (NaN stays NaN), then
-rounded to nearest even by torch's cast (``round_to``); the kernels build the same bytes with
-integer arithmetic (triton_kernels._round_out).
+rounded to nearest even by torch's cast (``round_to``); the kernels give the same bytes
+(triton_kernels._round_out).
 """
 from __future__ import annotations
 

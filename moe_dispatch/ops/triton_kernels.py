@@ -148,17 +148,30 @@ def _fp8_byte(x, MANT: tl.constexpr, EMIN: tl.constexpr, SUB_UNITS: tl.constexpr
     return (code | ((bits >> 24) & 0x80)).to(tl.uint8)
 
 
+# Under TRITON_INTERPRET=1 (read as Triton reads it) the interpreter's float8 casts truncate and
+# know no NaN, so _round_out builds float8 bytes with integer arithmetic there. A compiled kernel
+# casts instead: cvt.rn.satfinite (saturate, round to nearest even, NaN kept) gives the same bytes
+# in one instruction per two elements, where the integer route's ~30 instructions an element made
+# quantize_rows ALU-bound (BENCHMARKS.md, "The quantisation kernel against its byte floor").
+_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+
 @triton.jit
 def _round_out(x, out_ptr, FP8_MAX: tl.constexpr):
     """x (fp32) rounded once to out_ptr's dtype. FP8_MAX > 0 (a float8 output, 448 e4m3fn or 57344
     e5m2; out_ptr then points at its bytes): saturated to +-FP8_MAX (NaN kept), then rounded to
     nearest even, so the bytes equal torch_twin.round_to's on the GPU and under the interpreter."""
     if FP8_MAX > 0:
-        x = tl.where(x > FP8_MAX, FP8_MAX, tl.where(x < -FP8_MAX, -FP8_MAX, x))
-        if FP8_MAX == 448.0:
-            return _fp8_byte(x, 3, -6, 512.0, 0.015625)
+        if _INTERPRETED:
+            x = tl.where(x > FP8_MAX, FP8_MAX, tl.where(x < -FP8_MAX, -FP8_MAX, x))
+            if FP8_MAX == 448.0:
+                return _fp8_byte(x, 3, -6, 512.0, 0.015625)
+            else:
+                return _fp8_byte(x, 2, -14, 65536.0, 0.00006103515625)
+        elif FP8_MAX == 448.0:
+            return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
-            return _fp8_byte(x, 2, -14, 65536.0, 0.00006103515625)
+            return x.to(tl.float8e5).to(tl.uint8, bitcast=True)
     return x.to(out_ptr.dtype.element_ty)
 
 

@@ -11,6 +11,9 @@ from moe_dispatch.ops import torch_twin as TW
 from tests.ops.oracle import U32, assert_within, expected_rows, half_ulp, random_routing, reference_unpermute
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+# The kernels' float8 rounding has two routes: integer-built bytes under the interpreter, the
+# hardware's saturating cast when compiled; each is checked against torch's cast on its device.
+KERNEL_DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -118,8 +121,8 @@ def test_permute_copies_every_byte(dtype):
     (torch.float8_e4m3fn, torch.bfloat16, False), (torch.float8_e5m2, None, True),
     (torch.float8_e5m2, torch.bfloat16, True)], ids=str)
 def test_triton_interpreter_matches_torch_twin(monkeypatch, dtype, out_dtype, per_token):
-    """Bitwise, float8 results included: the kernels build each float8 byte with integer
-    arithmetic, so the interpreter's truncating casts never decide a float8 value (a bf16 output:
+    """Bitwise, float8 results included: under the interpreter the kernels build each float8 byte
+    with integer arithmetic, so its truncating casts never decide a float8 value (a bf16 output:
     within one ulp, the interpreter truncates there). The probs gradient's in-chunk sum order
     differs (within rounding)."""
     from moe_dispatch.ops import triton_kernels as K
@@ -143,34 +146,38 @@ def test_triton_interpreter_matches_torch_twin(monkeypatch, dtype, out_dtype, pe
     assert float((a["grad_probs"] - b["grad_probs"]).abs().max()) <= 2 * H * U32 * scale
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's masked lanes
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", FP8, ids=str)
-def test_float8_output_saturates_and_keeps_nan(dtype):
-    """A float8 result beyond the format's largest value saturates to it (torch's own cast would
-    give NaN or inf); NaN (here from a NaN row scale, as quantize_rows gives a non-finite row)
-    stays NaN. Alike on both backends."""
+def test_float8_output_saturates_and_keeps_nan(dtype, device):
+    """A float8 result beyond the format's largest value, infinity included, saturates to it
+    (torch's own cast would give NaN or inf); NaN (here from a NaN row scale, as quantize_rows
+    gives a non-finite row) stays NaN. The kernels alike with the twin."""
     top = float(torch.finfo(dtype).max)
     routing_map = torch.tensor([[True, True], [True, True], [True, False]])
     # Rows 0-2: expert 0's tokens 0, 1, 2; rows 3-4: expert 1's tokens 0, 1.
     rows = torch.tensor([[top, -top, 1.0], [top, -top, 1.0], [top, -top, 2.0], [top, -top, 1.0],
                          [top, -top, 1.0]]).to(dtype)
-    row_scales = torch.tensor([1.0, float("nan"), 1.0, 1.0, 1.0])
+    row_scales = torch.tensor([1.0, float("nan"), float("inf"), 1.0, 1.0])
     outs = []
-    for backend in ("torch", "triton"):
+    for backend, where in (("torch", "cpu"), ("triton", device)):
         with set_backend(backend):
-            _, _, rmap = permute(torch.zeros(3, 3, dtype=dtype), routing_map)
-            outs.append(unpermute(rows, rmap, row_scales=row_scales))
+            _, _, rmap = permute(torch.zeros(3, 3, dtype=dtype, device=where), routing_map.to(where))
+            outs.append(unpermute(rows.to(where), rmap, row_scales=row_scales.to(where)).cpu())
     assert _same_bits(*outs)
     out = outs[0].float()
-    assert out[0].tolist() == [top, -top, 2.0] and out[2].tolist() == [top, -top, 2.0]
+    assert out[0].tolist() == [top, -top, 2.0] and out[2].tolist() == [top, -top, top]
     assert bool(out[1].isnan().all())
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", FP8, ids=str)
-def test_kernel_float8_rounding_equals_torch_on_random_bits(dtype):
-    """The kernels' float8 rounding (_round_out: round to nearest even, the byte built with integer
-    arithmetic) against torch's cast, bitwise, on random fp32 bit patterns of every exponent up to
-    the format's largest value (subnormals and fp32 subnormals included) and the ties: through
-    quantize_rows on rows whose amax is that largest value, where inv = 1 and q = round(x)."""
+def test_kernel_float8_rounding_equals_torch_on_random_bits(dtype, device):
+    """The kernels' float8 rounding (_round_out: round to nearest even; integer-built bytes under
+    the interpreter, the saturating cast on CUDA) against torch's cast, bitwise, on random fp32
+    bit patterns of every exponent up to the format's largest value (subnormals and fp32
+    subnormals included) and the ties: through quantize_rows on rows whose amax is that largest
+    value, where inv = 1 and q = round(x)."""
     top = float(torch.finfo(dtype).max)
     step = float(torch.finfo(dtype).smallest_normal) * float(torch.finfo(dtype).eps)  # the subnormal step
     gen = torch.Generator().manual_seed(10)
@@ -183,7 +190,7 @@ def test_kernel_float8_rounding_equals_torch_on_random_bits(dtype):
     x = torch.cat([x, x.new_zeros(-x.numel() % 511)]).view(-1, 511)
     x = torch.cat([torch.full((x.shape[0], 1), top), x], dim=1)  # amax = top: scale and inv exactly 1
     with set_backend("triton"):
-        q, scales = quantize_rows(x, dtype)
+        q, scales = (t.cpu() for t in quantize_rows(x.to(device), dtype))
     assert bool((scales == 1).all())
     assert torch.equal(_bits(q), _bits(x.to(dtype)))
 
