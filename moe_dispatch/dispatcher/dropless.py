@@ -28,6 +28,7 @@ from .fp8_wire import wire_rows
 from .handle import DispatchHandle, Prepared, Returned, Sent
 from .layout import Layout, exchange_sizes
 from .plan import Plan, SourceBlocks
+from .static_words import status_rows
 
 Runs = tuple[torch.Tensor, torch.Tensor, int]  # (shifts, lengths) on the device, total positions
 
@@ -188,14 +189,16 @@ def _expert_runs(layout: Layout, order: tuple[int, ...]) -> tuple[list[int], lis
     return shifts, lengths
 
 
-def _owner_runs(layout: Layout) -> tuple[list[int], list[int]]:
-    """Run e (this rank's pairs with global expert e) -> its block in the owner buffer."""
+def _owner_runs(layout: Layout, status: int) -> tuple[list[int], list[int]]:
+    """Run e (this rank's pairs with global expert e) -> its block in the owner buffer, where each
+    other expert rank's segment is followed by ``status`` rows (the return exchange's)."""
     El, me = layout.num_local_experts, layout.rank
     start, at = {}, 0
     for d in (me, *[d for d in range(layout.ep_size) if d != me]):
         for e in range(d * El, (d + 1) * El):
             start[e] = at
             at += layout.owner_blocks[e]
+        at += status if d != me else 0
     shifts, lengths, dense = [], [], 0
     for e in range(layout.num_experts):
         shifts.append(start[e] - dense)
@@ -241,23 +244,27 @@ def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, layou
     at_padded = add(list(layout.tokens_per_local_expert)) if padded_needed else None
     at_owner = at_route = None
     if P > 1:
-        owner = _owner_runs(layout)
+        status = status_rows(cfg.hidden_size * hidden_dtype.itemsize, TAG_BYTES)
+        owner = _owner_runs(layout, status)
         at_owner = (add(owner[0]), add(owner[1]), add(list(layout.owner_blocks)))
-        ret = return_runs(layout)
-        at_route = (add(ret[0]), add(ret[1]))
+        ret = return_tables(layout, status)
+        at_route = tuple(add(part) for part in ret)
     dev = to_device(table, device) if table else None
     expert_runs = (dev[at_expert[0]], dev[at_expert[1]], sum(expert[1])) if at_expert else None
     owner_map = route = None
     if P > 1:
         owner_runs = (dev[at_owner[0]], dev[at_owner[1]], sum(owner[1]))
-        M = sum(layout.owner_blocks)
+        M = sum(layout.owner_blocks) + status * (P - 1)
         owner_map = _row_map(routing_map, owner_runs, dev[at_owner[2]], M, sum(layout.counts[me]),
                              layout.max_experts_per_token[me])
-        send = tuple(0 if d == me else layout.return_send_splits[d] for d in range(P))
-        recv = tuple(0 if d == me else layout.return_recv_splits[d] for d in range(P))
-        route = ReturnRoute(runs_index(dev[at_route[0]], dev[at_route[1]], sum(ret[1])),
-                            layout.return_send_splits[me], send, recv, sum(layout.tokens_per_local_expert), group,
-                            latch, layout.call, cfg.strict_call_order)
+        send = tuple(0 if d == me else layout.return_send_splits[d] + status for d in range(P))
+        recv = tuple(0 if d == me else layout.return_recv_splits[d] + status for d in range(P))
+        N = sum(layout.tokens_per_local_expert)
+        index = runs_index(dev[at_route[0]], dev[at_route[1]], sum(ret[1]))
+        route = ReturnRoute(index=index, gather=index.clamp(max=max(N - 1, 0)), n_self=layout.return_send_splits[me],
+                            send_splits=send, recv_splits=recv, num_rows=N, send_status=dev[at_route[2]],
+                            recv_status=dev[at_route[3]], group=group, latch=latch, call=layout.call,
+                            strict=cfg.strict_call_order)
     return DroplessPlan(config=cfg, group=group, latch=latch, layout=layout, routing_map=routing_map,
                         hidden_dtype=hidden_dtype, probs_dtype=probs_dtype, owner_map=owner_map, route=route,
                         expert_runs=expert_runs, expert_padded=dev[at_padded] if at_padded else None,

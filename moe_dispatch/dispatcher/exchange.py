@@ -20,10 +20,11 @@ buffer); the owner's own rows are copied into the head of the owner's buffer, ne
 collective. The kernels that produce these rows are the experts' GEMMs, so the reorder cannot be
 folded into a kernel of ours; a zero-copy alternative would be one send per (expert, destination)
 block. Mirror (``_ReturnRows.backward``): the owner's gradient rows go back the same way.
-Each return exchange first compares the handle's call across the group (``agreement.check_call``,
-one 8-byte all-gather): rows of another call (a micro-batch combined out of order on some rank)
-become NaN and the error is raised on every rank at the next size exchange; with
-``strict_call_order`` it is raised at once, before any row moves.
+Each return exchange is one all-to-all: every chunk to another rank ends with status rows that
+carry the handle's call tag, so every rank receives every other rank's call (chunks without rows
+too). Rows of another call (a micro-batch combined out of order on some rank) become NaN, and the
+error is raised on every rank at the next size exchange; with ``strict_call_order`` a host-side
+all-gather of the tags first (``agreement.check_call``) raises at once, before any row moves.
 """
 from __future__ import annotations
 
@@ -33,11 +34,18 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from ..config import DISPATCHER_KINDS
-from ..distributed.agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, ErrorLatch, check_call
+from ..distributed.agreement import (
+    COMBINE_BACKWARD_CALL,
+    COMBINE_CALL,
+    ErrorLatch,
+    check_call,
+    latch_call_mismatch,
+)
 from ..distributed.comm import ProcessGroup, all_gather_rows, all_to_all_rows
 from ..distributed.identity import CallId
 from ..numerics.autograd import refuse_double_backward
 from ..ops.torch_twin import round_up
+from .static_words import read_status_at, write_status_at
 
 if TYPE_CHECKING:
     from .layout import Layout
@@ -228,89 +236,144 @@ if set(KINDS) != set(DISPATCHER_KINDS):
 
 
 # ---- the return exchange ------------------------------------------------------------------------
+TAG_BYTES = 8  # the call tag (int64) in each chunk's status rows
+
+
 @dataclass(frozen=True)
 class ReturnRoute:
-    """Receiver-layout rows -> their owners.
+    """Receiver-layout rows -> their owners. Each chunk to another rank ends with S status rows
+    (``status_rows(H * itemsize, TAG_BYTES)``: a row of any return format holds as many bytes) that
+    carry the sender's call tag, so every rank receives every other rank's, even without rows.
 
     Attributes:
         index: int64 [n_self + sum(send_splits)] on the device: receiver-layout rows, first this
-            rank's own (expert-major), then the other owners' (destination-major, expert-minor).
+            rank's own (expert-major), then the chunks to the other owners (destination-major,
+            expert-minor, then the chunk's status rows, whose entries are N: a dummy row).
+        gather: index clamped into [0, N) (status positions copy some row, then are overwritten).
         n_self: rows this rank keeps (its own tokens' rows on its own experts).
-        send_splits / recv_splits: [P] rows sent to / received from each rank (0 for itself).
+        send_splits / recv_splits: [P] rows sent to / received from each rank, status rows
+            included (0 for itself).
         num_rows: N, rows of the receiver layout (padding included).
+        send_status / recv_status: int64 [(P - 1) * S] on the device, the status rows' positions
+            in the chunks sent / received (after the n_self rows).
         group: the EP process group.
-        latch: the group's ErrorLatch; call: the dispatch's call, compared across the group before
-            each exchange (``agreement.check_call``); strict: compare it on the host
-            (``DispatchConfig.strict_call_order``).
+        latch: the group's ErrorLatch; call: the dispatch's call, carried in the status rows and
+            compared by every receiver (``agreement.latch_call_mismatch``); strict: compare it on
+            the host first (``agreement.check_call``, ``DispatchConfig.strict_call_order``).
     """
 
     index: torch.Tensor
+    gather: torch.Tensor
     n_self: int
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
     num_rows: int
+    send_status: torch.Tensor
+    recv_status: torch.Tensor
     group: ProcessGroup
     latch: ErrorLatch
     call: CallId
     strict: bool
 
-    def check_call(self, code: int, device: torch.device) -> Optional[torch.Tensor]:
-        """agreement.check_call for this route's exchange ``code``: None, or a device bool that
-        is True when another rank is in another call (then the received rows must become NaN)."""
-        return check_call(self.group, self.latch, self.call, code, self.strict, device)
+    @property
+    def exchanges(self) -> bool:
+        return len(self.send_splits) > 1  # False: a one-rank route (nothing crosses the wire)
+
+    def before(self, code: int, device: torch.device) -> None:
+        """strict_call_order: raise on every rank before the exchange ``code`` (RETURN_CHECKS) of
+        another call's rows."""
+        if self.strict:
+            check_call(self.group, self.call, code, device)
+
+    def write_call(self, send: torch.Tensor, status: torch.Tensor) -> None:
+        """The handle's call tag into the status rows ``status`` of the chunks in send."""
+        tag = torch.full((1,), self.call.tag, dtype=torch.int64, device=send.device)  # a fill: no copy
+        write_status_at(send, status, len(self.send_splits) - 1, tag)
+
+    def senders_differ(self, recv: torch.Tensor, status: torch.Tensor, code: int) -> torch.Tensor:
+        """The senders' call tags from the status rows ``status`` of the chunks in recv, compared
+        with the handle's: a device bool, True when another call's rows arrived (latched)."""
+        tags = read_status_at(recv, status, len(self.send_splits) - 1, 1, torch.int64)[:, 0]
+        return latch_call_mismatch(self.latch, self.call, code, tags)
 
 
-def return_runs(layout: "Layout") -> tuple[list[int], list[int]]:
-    """(shifts, lengths) of ReturnRoute.index as runs: position i of run r is row i + shifts[r]."""
+def return_tables(layout: "Layout", status: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(shifts, lengths) of ReturnRoute.index as runs (position i of run r is row i + shifts[r];
+    a status position is a run of its own, to row N), and the positions of the status rows
+    (``status`` per chunk) in the chunks sent and received."""
     P, El, me = layout.ep_size, layout.num_local_experts, layout.rank
+    N = sum(layout.tokens_per_local_expert)
     shifts, lengths, out = [], [], 0
+    send_status, recv_status, received = [], [], 0
     for d in [me] + [d for d in range(P) if d != me]:
         for e in range(El):
             shifts.append(layout.block_starts[e][d] - out)
             lengths.append(layout.local_blocks[d][e])
             out += layout.local_blocks[d][e]
-    return shifts, lengths
+        if d != me:
+            received += layout.return_recv_splits[d]
+            for _ in range(status):
+                shifts.append(N - out)
+                lengths.append(1)
+                send_status.append(out - layout.return_send_splits[me])
+                recv_status.append(received)
+                out += 1
+                received += 1
+    return shifts, lengths, send_status, recv_status
+
+
+def _nan_if(bad: Optional[torch.Tensor], *parts: Optional[torch.Tensor]) -> None:
+    if bad is not None:  # another call's rows: the whole exchange's rows become NaN
+        for part in parts:
+            if part is not None:
+                part.masked_fill_(bad, float("nan"))
 
 
 def send_back(rows: torch.Tensor, row_probs: Optional[torch.Tensor], route: ReturnRoute,
               code: int = COMBINE_CALL) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """rows [N, H] (receiver layout), row_probs [N] or None -> the owner's buffer [M, H] (and
-    [M]), segments (own experts, then the other expert ranks ascending). No autograd. ``code``:
-    which exchange this is (``agreement.RETURN_CHECKS``: the combine, or the dispatch's backward)."""
+    [M]), segments (own experts, then the other expert ranks ascending, each followed by its status
+    rows, which no token references). No autograd. ``code``: which exchange this is
+    (``agreement.RETURN_CHECKS``: the combine, or the dispatch's backward)."""
     fmt = RowFormat(rows.shape[1], rows.dtype, 1, row_probs.dtype if row_probs is not None else None, False)
     probs2 = row_probs[:, None] if row_probs is not None else None
-    n_self, send_n = route.n_self, sum(route.send_splits)
+    n_self = route.n_self
     out = fmt.empty(n_self + sum(route.recv_splits), rows.device)
-    bad = route.check_call(code, rows.device) if len(route.send_splits) > 1 else None
+    bad = None
+    if route.exchanges:
+        route.before(code, rows.device)
     fmt.pack(out[:n_self], rows, probs2, None, route.index[:n_self])
-    if len(route.send_splits) > 1:
-        send = fmt.empty(send_n, rows.device)
-        fmt.pack(send, rows, probs2, None, route.index[n_self:])
+    if route.exchanges:
+        send = fmt.empty(sum(route.send_splits), rows.device)
+        if rows.shape[0]:  # else only status rows go out
+            fmt.pack(send, rows, probs2, None, route.gather[n_self:])
+        route.write_call(send, route.send_status)
         all_to_all_rows(send, route.recv_splits, route.send_splits, route.group, out=out[n_self:])
+        bad = route.senders_differ(out[n_self:], route.recv_status, code)
     hidden, probs, _ = fmt.views(out)
-    if bad is not None:  # another call's rows: the whole step's rows become NaN
-        for part in (hidden, probs):
-            if part is not None:
-                part.masked_fill_(bad, float("nan"))
+    _nan_if(bad, hidden, probs)
     return hidden, (probs[:, 0] if probs is not None else None)
 
 
 def send_forth(grad: torch.Tensor, route: ReturnRoute) -> torch.Tensor:
     """Mirror of send_back: the owner's rows [M, H] -> receiver layout [N, H] (pad rows 0)."""
     grad = grad.contiguous()
-    n_self = route.n_self
+    n_self, N = route.n_self, route.num_rows
     # Rows outside the index (the experts' tail padding) get a zero gradient; without any, every
-    # row is written below and needs no fill.
-    alloc = grad.new_empty if route.index.shape[0] == route.num_rows else grad.new_zeros
-    out = alloc((route.num_rows, grad.shape[1]))
+    # row is written below and needs no fill. Row N: the status rows' dummy.
+    covered = route.index.shape[0] - route.send_status.shape[0] == N
+    out = (grad.new_empty if covered else grad.new_zeros)((N + 1, grad.shape[1]))
     bad = None
-    if len(route.send_splits) > 1:
-        bad = route.check_call(COMBINE_BACKWARD_CALL, grad.device)
-        recv = all_to_all_rows(grad[n_self:], route.send_splits, route.recv_splits, route.group)
+    if route.exchanges:
+        route.before(COMBINE_BACKWARD_CALL, grad.device)
+        send = grad[n_self:].clone()  # with the status rows: autograd's gradient is not ours to write
+        route.write_call(send, route.recv_status)
+        recv = all_to_all_rows(send, route.send_splits, route.recv_splits, route.group)
+        bad = route.senders_differ(recv, route.send_status, COMBINE_BACKWARD_CALL)
         out.index_copy_(0, route.index[n_self:], recv)
     out.index_copy_(0, route.index[:n_self], grad[:n_self])
-    if bad is not None:  # another call's gradient rows: every row of this backward becomes NaN
-        out.masked_fill_(bad, float("nan"))
+    out = out[:N]
+    _nan_if(bad, out)
     return out
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ..distributed.agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, ErrorLatch, check_call
+from ..distributed.agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, check_call
 from ..distributed.comm import ProcessGroup, all_gather_rows, all_to_all_rows
 from ..distributed.identity import CallId
 from ..numerics.autograd import refuse_double_backward
@@ -46,7 +46,7 @@ class StaticRoute:
         num_rows: N.
         words: int32 [NUM_WORDS], this rank's words with everything it received (sent back), and
             the handle's call in the W_CALL slots (every return exchange compares it).
-        latch, call, strict: for ``strict_call_order``'s host-side ``agreement.check_call``.
+        call, strict: for ``strict_call_order``'s host-side ``agreement.check_call``.
     """
 
     index: torch.Tensor
@@ -56,7 +56,6 @@ class StaticRoute:
     num_rows: int
     words: torch.Tensor
     group: ProcessGroup
-    latch: ErrorLatch
     call: CallId
     strict: bool
 
@@ -64,7 +63,7 @@ class StaticRoute:
         """strict_call_order: raise on every rank before a return exchange of another call's rows
         (one host synchronisation); otherwise the status rows compare the calls (fold_call)."""
         if self.strict:
-            check_call(self.group, self.latch, self.call, code, True, device)
+            check_call(self.group, self.call, code, device)
 
 
 @torch.no_grad()
@@ -161,7 +160,7 @@ def expert_map_and_route(plan: StaticPlan, recv: Received, hidden_size: int,
     words[W_RETURN] = torch.maximum(words[W_RETURN], cnt.sum(1).max().to(torch.int32))
     words[W_CALL:W_CALL + 4] = plan.words[W_CALL:W_CALL + 4]
     route = StaticRoute(index=index, gather=index.clamp(max=N - 1), chunk=chunk, valid=valid, num_rows=N,
-                        words=words, group=plan.group, latch=plan.latch, call=plan.call,
+                        words=words, group=plan.group, call=plan.call,
                         strict=plan.config.strict_call_order)
     return expert_map, route
 

@@ -59,9 +59,9 @@ ORDER_CODE = {COMBINE_CALL: 3, COMBINE_BACKWARD_CALL: 2, DISPATCH_BACKWARD_CALL:
 _STATUS_BYTES = NUM_WORDS * 4
 
 
-def status_rows(row_bytes: int) -> int:
-    """Rows that hold the status bytes in a buffer of ``row_bytes``-byte rows."""
-    return -(-_STATUS_BYTES // row_bytes)
+def status_rows(row_bytes: int, status_bytes: int = _STATUS_BYTES) -> int:
+    """Rows that hold ``status_bytes`` (default: the check words') in a buffer of ``row_bytes``-byte rows."""
+    return -(-status_bytes // row_bytes)
 
 
 def _row_bytes(buf: torch.Tensor) -> int:
@@ -78,6 +78,26 @@ def read_status(buf: torch.Tensor, chunks: int, chunk_rows: int, valid_rows: int
     """The max over the chunks of their status words: int32 [NUM_WORDS]."""
     raw = buf.view(torch.uint8).view(chunks, chunk_rows, -1)[:, valid_rows:].reshape(chunks, -1)
     return raw[:, :_STATUS_BYTES].contiguous().view(torch.int32).amax(0)
+
+
+def _byte_rows(buf: torch.Tensor) -> torch.Tensor:
+    return buf.view(torch.uint8).view(buf.shape[0], -1)
+
+
+def write_status_at(buf: torch.Tensor, rows: torch.Tensor, chunks: int, words: torch.Tensor) -> None:
+    """Chunks of uneven sizes (the dropless return exchange): words (any dtype, [W]) at the start
+    of each chunk's status rows, zeros after them. rows: int64 [chunks * S], each chunk's S
+    consecutive status rows of buf [n, ...], chunk after chunk."""
+    raw = _byte_rows(buf)
+    content = raw.new_zeros((chunks, rows.shape[0] // chunks * raw.shape[1]))
+    content[:, :words.numel() * words.element_size()] = words.reshape(-1).view(torch.uint8)
+    raw.index_copy_(0, rows, content.view(rows.shape[0], raw.shape[1]))
+
+
+def read_status_at(buf: torch.Tensor, rows: torch.Tensor, chunks: int, words: int, dtype: torch.dtype) -> torch.Tensor:
+    """What write_status_at wrote: each chunk's first ``words`` words of ``dtype``, [chunks, words]."""
+    raw = _byte_rows(buf).index_select(0, rows).view(chunks, -1)
+    return raw[:, :words * dtype.itemsize].contiguous().view(dtype)
 
 
 # ---- call identity ------------------------------------------------------------------------------

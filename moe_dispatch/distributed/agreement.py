@@ -8,10 +8,10 @@ leave the others waiting in a collective. Three ways, each one fixed-size exchan
 - ``InputProblem`` (e.g. from ``hidden_states_problem``): a problem one rank finds in its input
   travels in the dispatcher's size exchange instead of the data (``_Dispatcher.raise_together``).
 - ``ErrorLatch``: an error found after the size exchange (``combine`` given the wrong rows, a
-  reused handle whose routing differs, another call's rows in a return exchange: ``check_call``)
-  cannot raise at once without stranding the other ranks in the step's next collective. It is
-  latched, and travels in the next size exchange on the same group, where every rank raises it;
-  meanwhile the flagged step's results are NaN.
+  reused handle whose routing differs, another call's rows in a return exchange:
+  ``latch_call_mismatch``) cannot raise at once without stranding the other ranks in the step's
+  next collective. It is latched, and travels in the next size exchange on the same group, where
+  every rank raises it; meanwhile the flagged step's results are NaN.
 Ranks in different calls (layers called in another order: ``identity``) are named as such
 (``order_problem``), before any field that differs between the two layers.
 """
@@ -309,27 +309,28 @@ def agree_config(cfg: DispatchConfig, group: ProcessGroup, device: torch.device,
 
 
 # ---- the call of a return exchange --------------------------------------------------------------
-def check_call(group: ProcessGroup, latch: ErrorLatch, call: CallId, code: int, strict: bool,
-               device: torch.device) -> Optional[torch.Tensor]:
-    """Before a return exchange (``code``: a key of RETURN_CHECKS) of the handle of ``call``: one
-    all-gather of every rank's call tag (8 bytes each), so that rows of different calls (another
-    micro-batch's handle on some rank) are never taken for this call's.
+def check_call(group: ProcessGroup, call: CallId, code: int, device: torch.device) -> None:
+    """``strict_call_order``, before a return exchange (``code``: a key of RETURN_CHECKS) of the
+    handle of ``call``: one all-gather of every rank's call tag (8 bytes each), read on the host (a
+    synchronisation); raises the same ValueError on every rank, naming each rank's call, before any
+    row moves. Without it the return exchanges carry the tag in their status rows
+    (``latch_call_mismatch``), and rows of another call become NaN."""
+    seen = read_host(all_gather_rows(torch.full((1,), call.tag, dtype=torch.int64, device=device), group))
+    if len(set(seen)) > 1:
+        calls = [str(CallId.from_tag(t)) for t in seen]
+        raise ValueError(f"the {RETURN_CHECKS[code]} on the EP group pairs rows of different calls: "
+                         f"{differ(seen, shown=calls)} (micro-batches combined or backpropagated in another "
+                         f"order on some rank?); no row was exchanged")
 
-    strict: read the tags on the host (a synchronisation) and raise the same ValueError on every
-    rank, naming each rank's call, before any row moves. Otherwise (no synchronisation): returns a
-    device bool, True on every rank when the calls differ, for the caller to make the rows it
-    receives NaN; the error is latched on ``latch`` and raised on every rank by the next size
-    exchange on the group. If the calls' split sizes differ too, the exchange itself fails first
-    (gloo aborts the process; NCCL hangs): only strict mode is safe then (README)."""
-    tags = all_gather_rows(torch.full((1,), call.tag, dtype=torch.int64, device=device), group)
-    if strict:
-        seen = read_host(tags)
-        if len(set(seen)) > 1:
-            calls = [str(CallId.from_tag(t)) for t in seen]
-            raise ValueError(f"the {RETURN_CHECKS[code]} on the EP group pairs rows of different calls: "
-                             f"{differ(seen, shown=calls)} (micro-batches combined or backpropagated in another "
-                             f"order on some rank?); no row was exchanged")
-        return None
+
+def latch_call_mismatch(latch: ErrorLatch, call: CallId, code: int, tags: torch.Tensor) -> torch.Tensor:
+    """After a return exchange (``code``: a key of RETURN_CHECKS) of the handle of ``call``: the
+    other ranks' call tags it carried (int64 [P - 1] on the device, one per sender) -> a device
+    bool (no synchronisation), True when one differs from ``call``: the caller makes the rows it
+    received NaN. Every rank receives every other rank's tag, so every rank finds a difference.
+    The error is latched on ``latch`` and raised on every rank by the next size exchange on the
+    group. If the calls' split sizes differ too, the exchange itself fails first (gloo aborts the
+    process; NCCL hangs): only strict mode (``check_call`` first) is safe then (README)."""
     differs = tags != call.tag
     bad = differs.any()
     latch.set(bad.long() * code, call.tag, tags[differs.long().argmax()])

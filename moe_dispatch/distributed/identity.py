@@ -16,7 +16,9 @@ every call carries a ``CallId`` (layer, step), equal on every rank for the same 
   equal, and a layer works again after an error.
 
 The size exchange compares both (``dispatcher.layout``); the return exchanges (combine, and the
-backward's) compare the handle's tag across the group (``agreement.check_call``).
+backward's) carry the handle's tag in their status rows, and every receiver compares the
+senders' tags with its own (``agreement.latch_call_mismatch``; ``agreement.check_call`` first,
+on the host, under ``strict_call_order``).
 """
 from __future__ import annotations
 

@@ -55,13 +55,14 @@ def layer_order_cases(rank: int) -> dict:
 
 
 # ---- micro-batches combined or backpropagated in another order ----------------------------------
-def _microbatches(cfg, group, rank: int, combine_order, backward_order=None) -> dict:
+def _microbatches(cfg, group, rank: int, combine_order, backward_order=None, allowed=None) -> dict:
     """Two micro-batches dispatched in order; combined in ``combine_order`` (and backpropagated in
-    ``backward_order``) on this rank. Identity experts times 2."""
+    ``backward_order``) on this rank. Identity experts times 2. ``allowed``: the experts the tokens
+    route to, and then both micro-batches have the same routing (the same split sizes)."""
     d = AllToAllDispatcher(cfg, group)
     steps = []
     for mb in range(2):
-        data = batch(torch.float32, seed=10 * mb + rank, n=12)
+        data = batch(torch.float32, seed=10 * (mb if allowed is None else 0) + rank, n=12, allowed=allowed)
         x, probs = data["x"].requires_grad_(), data["probs"].requires_grad_()
         rows, _, handle = d.dispatch(x, data["rmap"], probs)
         steps.append(dict(x=x, probs=probs, rows=rows, handle=handle))
@@ -94,6 +95,8 @@ def microbatch_cases(rank: int) -> dict:
     out = {"reference": _round_trip(config(), group, rank), "reference_capacity": _round_trip(capacity, group, rank)}
     out["capacity_combine"] = _microbatches(capacity, group, rank, swapped)
     out["capacity_backward"] = _microbatches(capacity, group, rank, (0, 1), swapped)
+    # dropless, only rank 0's experts: rank 1's experts get no rows, its chunks only status rows
+    out["empty_combine"] = _microbatches(config(), group, rank, swapped, allowed=range(4))
     strict = config(strict_call_order=True)
     out["strict_combine"] = _microbatches(strict, group, rank, swapped)
     out["strict_backward"] = _microbatches(strict, group, rank, (0, 1), swapped)

@@ -53,6 +53,18 @@ def test_microbatches_combined_in_another_order_pad_to_capacity(ranks):
                 "forward 0", "forward 1", "on EP rank 0", "on EP rank 1")
 
 
+def test_microbatches_combined_in_another_order_without_rows(ranks):
+    """Rank 1's experts receive no rows: the calls still meet in the combine's status rows, so
+    every rank's output is NaN and the next dispatch raises on every rank."""
+    cases = [rank["microbatches"]["empty_combine"] for rank in ranks]
+    for r, case in enumerate(cases):
+        for mb in (0, 1):
+            assert case[f"combine{mb}"][0] == "ok", (r, case[f"combine{mb}"])
+            assert case[f"nan{mb}"], f"rank {r}: micro-batch {mb}'s output is not NaN"
+    _same_error([case["next"] for case in cases], "the previous combine on this group paired rows of different calls",
+                "on EP rank 0", "on EP rank 1")
+
+
 def test_microbatches_backpropagated_in_another_order_pad_to_capacity(ranks):
     cases = [rank["microbatches"]["capacity_backward"] for rank in ranks]
     for r, case in enumerate(cases):

@@ -90,8 +90,10 @@ def _expand():
 def _return_rows():
     # One rank's route (nothing crosses the wire): the function itself, without a process group.
     rows = _leaf(6, 8)
-    route = ReturnRoute(torch.tensor([5, 4, 3, 2, 1, 0]), 6, (0,), (0,), 6, None, ErrorLatch(),
-                        CallId(FUNCTIONAL_LAYER, 0), strict=False)
+    index, none = torch.tensor([5, 4, 3, 2, 1, 0]), torch.zeros(0, dtype=torch.int64)
+    route = ReturnRoute(index=index, gather=index, n_self=6, send_splits=(0,), recv_splits=(0,), num_rows=6,
+                        send_status=none, recv_status=none, group=None, latch=ErrorLatch(),
+                        call=CallId(FUNCTIONAL_LAYER, 0), strict=False)
     return return_rows(rows, route), (rows,)
 
 
