@@ -1,0 +1,329 @@
+"""GradientTree: every gradient reduced by one fixed binary tree over the step's micro-batches.
+
+One optimizer step covers L = W x A micro-batches (W ranks in ``group``, A micro-batches each); the
+rank of group rank r runs global micro-batch r*A + a at its a-th micro-step. Each micro-batch's
+gradient of every parameter is a function of that micro-batch alone (a leaf), and the leaves are
+summed by the tree ((m0 + m1) + (m2 + m3)) + ... over the global index, in fp32 (fp64 for fp64
+weights), then divided by L. Where a node is computed changes with the layout, its value does not:
+
+- inside a rank, a stack of log2(A) partials over the micro-steps (a binary counter);
+- the routed experts at EP P: one backward mixes P sources (the P ranks of the EP group, P
+  different micro-batches), so their weight gradient is computed per (local expert, source)
+  block (``LocalExperts.source_grads``) and each source's partials stack separately; after the
+  last micro-step the P subtrees of an EP group are paired locally;
+- across ranks by recursive doubling: at step k group rank r adds the partial of rank r xor 2^k.
+  The two partners hold the two halves of one tree node, and a + b is the same bits as b + a, so
+  both hold the node. The experts join at step log2(P), where the partner holds the same experts.
+
+So parameters, their gradients and the clipped norm are bitwise the same for every layout with the
+same L (world size, EP size, expert-data-parallel size, A), given that each leaf is: the layer's
+per-token contract (dropless), micro-batches of equal size, and row-stable expert GEMMs (docs/parallel.md
+has the promise and its limits).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..experts import LocalExperts
+from ..numerics.fixed_order import tree_sum
+from ..router import TopKRouter
+from .comm import all_gather_rows
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _pairwise(x: torch.Tensor) -> torch.Tensor:
+    """[2^k, ...] -> [...]: ((x0 + x1) + (x2 + x3)) + ..., adjacent pairs level by level."""
+    while x.shape[0] > 1:
+        x = x[0::2] + x[1::2]
+    return x[0]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _Entry:
+    """One trained parameter: its partials (a stack of (level, tensor)) and where it joins the
+    cross-rank tree (``start``: the first doubling step; log2(P) for experts sharded over P ranks)."""
+
+    def __init__(self, param: nn.Parameter, experts: Optional[LocalExperts], name: str, start: int) -> None:
+        self.param, self.experts, self.name, self.start = param, experts, name, start
+        self.stack: List[Tuple[int, torch.Tensor]] = []
+
+    def push(self, leaf: torch.Tensor) -> None:
+        self.stack.append((0, leaf))
+        while len(self.stack) >= 2 and self.stack[-1][0] == self.stack[-2][0]:
+            level, right = self.stack.pop()
+            _, left = self.stack.pop()
+            self.stack.append((level + 1, left.add_(right)))
+
+
+class GradientTree:
+    """Layout-invariant gradient accumulation, reduction and clipping (module docstring)::
+
+        tree = GradientTree(model, micro_batches=A, group=None)
+        for a in range(A):
+            loss_fn(model(x[a])).backward()     # loss: the mean over this micro-batch's tokens
+            tree.add_micro_batch()
+        tree.reduce()                           # every .grad = the mean over the L micro-batches
+        norm = tree.clip_grad_norm_(max_norm)
+        optimizer.step(); optimizer.zero_grad()
+
+    ``group``: the ranks whose data differ (None: the world; a single process without
+    torch.distributed). Each `MoELayer`'s EP group must be a contiguous block of ``group``
+    (group ranks g*P .. g*P+P-1, in order); the ranks with the same EP rank hold the same experts.
+    The size of ``group`` and ``micro_batches`` must be powers of two. Collective over ``group``:
+    every rank builds it at the same point (one small all-gather agrees on the layout). From then
+    on the sharded experts' weights get no ``.grad`` from backward: their per-source gradients
+    wait in ``LocalExperts.source_grads`` for `add_micro_batch`. Do not wrap the model in
+    DistributedDataParallel or FSDP: the tree does their reduction.
+    """
+
+    def __init__(self, model: nn.Module, micro_batches: int, group: Optional[dist.ProcessGroup] = None) -> None:
+        if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or not _power_of_two(micro_batches):
+            raise ValueError(f"micro_batches must be a power of two >= 1 (1, 2, 4, ...), got {micro_batches!r}")
+        distributed = dist.is_available() and dist.is_initialized()
+        if group is not None and not distributed:
+            raise ValueError("group given, but torch.distributed is not initialised")
+        self.group = (group or dist.group.WORLD) if distributed else None
+        self.world = dist.get_world_size(self.group) if distributed else 1
+        self.rank = dist.get_rank(self.group) if distributed else 0
+        if self.rank < 0:
+            raise ValueError("group: this rank is not in it (every rank of group builds the GradientTree)")
+        if not _power_of_two(self.world):
+            raise ValueError(f"group: its size must be a power of two (1, 2, 4, ...), got {self.world} ranks")
+        self.micro_batches = micro_batches
+        self.model = model
+        # The checks look at the layers' parts (routers, experts): MoELayer imports this module.
+        for name, module in model.named_modules():
+            if isinstance(module, TopKRouter):
+                self._check_router(name, module)
+        self._entries: List[_Entry] = []
+        seen: set = set()
+        sharded_experts = []
+        for name, module in model.named_modules():
+            sharded = isinstance(module, LocalExperts) and module.ep_group is not None
+            if sharded:
+                self._check_experts(name, module)
+                sharded_experts.append(module)
+            for pname, p in module.named_parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    start = int(math.log2(dist.get_world_size(module.ep_group))) if sharded else 0
+                    self._entries.append(_Entry(p, module if sharded else None, pname, start))
+        # the cross-rank exchange packs prefixes: the entries that join at step k come first
+        self._entries.sort(key=lambda e: e.start)
+        self._pieces = self._norm_pieces(model)
+        if self.world > 1:
+            self._agree()
+        for experts in sharded_experts:
+            experts.source_grads = {}
+        self._added = 0
+        self._reduced = False
+        self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()  # the .grad tensors reduce() wrote
+
+    # ---- checks (local, alike on every rank: before any collective) ----------------------------
+    def _check_router(self, name: str, router: TopKRouter) -> None:
+        cfg = router.config
+        if cfg.load_balancing_type == "global_aux_loss" and cfg.aux_loss_coeff > 0:
+            raise ValueError(
+                f"model.{name}: load_balancing_type='global_aux_loss' averages the token counts over every forward "
+                "a rank has run since its last reset (and over global_loss_group), so a micro-batch's loss depends "
+                "on which other micro-batches ran on that rank before it: no layout-invariant gradient exists. "
+                "Use 'aux_loss' or 'seq_aux_loss' (per micro-batch)"
+            )
+        if router.loss_group is not None or router.global_loss_group is not None:
+            raise ValueError(f"model.{name}: a router loss group sums token counts over other ranks' tokens; "
+                             "GradientTree needs each micro-batch's loss to be its own")
+        if router.ep_ranks and cfg.dispatch_config().sync_free:
+            raise ValueError(
+                f"model.{name}: the sync-free dispatch (ep_capacity_factor={cfg.ep_capacity_factor} at EP "
+                f"{len(router.ep_ranks)}) gives no per-source blocks (DispatchHandle.source_blocks is None), so the "
+                "experts' weight gradient cannot be split by micro-batch; use the dropless dispatch "
+                "(ep_capacity_factor=None)"
+            )
+
+    def _check_experts(self, name: str, experts: LocalExperts) -> None:
+        P = dist.get_world_size(experts.ep_group)
+        first = self.rank // P * P
+        ranks = dist.get_process_group_ranks(self.group)
+        block = ranks[first:first + P]
+        ep_ranks = dist.get_process_group_ranks(experts.ep_group)
+        if self.world % P or ep_ranks != block:
+            raise ValueError(
+                f"model.{name}: its EP group (global ranks {ep_ranks}) must be the block of group ranks "
+                f"{first}..{first + P - 1} (global ranks {block}, in that order): GradientTree needs the EP groups "
+                "to be contiguous blocks of group"
+            )
+
+    def _agree(self) -> None:
+        """ValueError on every rank unless every rank has the same micro_batches and parameter layout."""
+        digest = 0
+        for e in self._entries:
+            for v in (*e.param.shape, e.start, len(e.param.shape)):
+                digest = (digest * 1000003 + int(v)) % (2**61 - 1)
+        mine = torch.tensor([self.micro_batches, len(self._entries), digest], dtype=torch.int64,
+                            device=self._device())
+        rows = all_gather_rows(mine, self.group).view(self.world, 3).tolist()
+        if any(row != rows[0] for row in rows):
+            raise ValueError(f"GradientTree: the ranks of group differ in (micro_batches, trained parameters, "
+                             f"their layout digest): {rows}; every rank must build it alike")
+
+    def _device(self) -> torch.device:
+        return self._entries[0].param.device if self._entries else torch.device("cpu")
+
+    # ---- accumulation and reduction ------------------------------------------------------------
+    def add_micro_batch(self) -> None:
+        """Take this micro-batch's gradients (each ``.grad``, then set to None; the experts'
+        per-source gradients) as leaves of the tree. Call after each micro-batch's backward."""
+        if self._added == self.micro_batches:
+            raise ValueError(f"add_micro_batch: already {self.micro_batches} micro-batches (micro_batches) this "
+                             "step; call reduce()")
+        for e in self._entries:
+            p = e.param
+            if p.grad is not None and p.grad in self._written:
+                raise ValueError("add_micro_batch: a .grad is still the one reduce() wrote: call optimizer.zero_grad() "
+                                 "(set_to_none=True, the default) after each step")
+            acc = _acc_dtype(p.dtype)
+            if e.experts is None:
+                leaf = p.grad.detach().to(acc) if p.grad is not None else torch.zeros(p.shape, dtype=acc,
+                                                                                       device=p.device)
+            else:
+                if p.grad is not None:
+                    raise ValueError(f"add_micro_batch: the sharded expert weight {e.name} has a .grad; under a "
+                                     "GradientTree its gradient comes per source (LocalExperts.source_grads), which "
+                                     "only an MoELayer's dropless dispatch gives (experts called on their own do not)")
+                leaf = self._source_leaf(e)
+            p.grad = None
+            e.push(leaf)
+        self._added += 1
+        self._reduced = False
+
+    def _source_leaf(self, e: _Entry) -> torch.Tensor:
+        """[P, E_local, ...] fp32: the micro-step's per-source gradients (summed in order if the layer ran twice)."""
+        p, P = e.param, 1 << e.start
+        grads = e.experts.source_grads.pop(e.name, [])
+        # the popped tensors are this tree's alone: the first one may become the partial itself
+        leaf = torch.zeros((P, *p.shape), dtype=_acc_dtype(p.dtype), device=p.device) if not grads else \
+            grads[0].to(_acc_dtype(p.dtype))
+        for g in grads[1:]:
+            leaf.add_(g)
+        return leaf
+
+    def reduce(self) -> None:
+        """Sum the L leaves by the tree on every rank of ``group``, divide by L and set each ``.grad``
+        (a sharded expert weight's: its local shard). Collective over ``group``. A rank that added
+        other than micro_batches micro-batches raises here, before the exchange; its peers are not
+        told (that would cost a host sync per step), so the count must not differ across ranks."""
+        if self._added != self.micro_batches:
+            raise ValueError(f"reduce: {self._added} micro-batches were added this step, expected micro_batches="
+                             f"{self.micro_batches}")
+        L = self.world * self.micro_batches
+        by_dtype: Dict[torch.dtype, List[_Entry]] = {}
+        for e in self._entries:  # in order: each dtype's entries keep the prefix order of their start
+            by_dtype.setdefault(_acc_dtype(e.param.dtype), []).append(e)
+        for entries in by_dtype.values():
+            parts = []
+            for e in entries:
+                (_, partial), = e.stack
+                e.stack = []
+                parts.append((partial if e.experts is None else _pairwise(partial)).reshape(-1))
+            flat = torch.cat(parts)
+            del parts
+            self._doubling(flat, entries)
+            flat.div_(L)
+            offset = 0
+            for e in entries:
+                n = e.param.numel()
+                e.param.grad = flat[offset:offset + n].view(e.param.shape).to(e.param.dtype)
+                self._written[e.param.grad] = True
+                offset += n
+        self._added = 0
+        self._reduced = True
+
+    def _doubling(self, flat: torch.Tensor, entries: Sequence[_Entry]) -> None:
+        """Recursive doubling over ``group`` in place on ``flat`` (the entries' partials, in order):
+        step k adds group rank (rank xor 2^k)'s prefix of the entries that have joined by step k."""
+        steps = int(math.log2(self.world))
+        for k in range(steps):
+            n = sum(e.param.numel() for e in entries if e.start <= k)
+            if n == 0:
+                continue
+            peer = self.rank ^ (1 << k)
+            splits = [n if r == peer else 0 for r in range(self.world)]
+            received = torch.empty(n, dtype=flat.dtype, device=flat.device)
+            dist.all_to_all_single(received, flat[:n].contiguous(), splits, splits, group=self.group)
+            flat[:n].add_(received)  # a + b == b + a: both partners hold the same node
+
+    # ---- the norm ------------------------------------------------------------------------------
+    def _norm_pieces(self, model: nn.Module) -> List[Tuple[nn.Module, Optional[nn.Parameter]]]:
+        """The canonical order of the norm's pieces: modules in order; a LocalExperts module is one
+        item (its pieces are (expert id, parameter)), any other module's own trained parameters one each."""
+        pieces, seen = [], set()
+        for module in model.modules():
+            if isinstance(module, LocalExperts):
+                if any(p.requires_grad for p in (module.weight1, module.weight2)):
+                    pieces.append((module, None))
+                continue
+            for p in module.parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    pieces.append((module, p))
+        return pieces
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The 2-norm of all gradients, as a fixed pairwise sum over the pieces (layer, expert id,
+        parameter) whatever rank holds them, the same on every rank; scales every ``.grad`` by
+        min(1, max_norm / (norm + 1e-6)) in place; returns the norm (a 0-dim tensor). Collective
+        over ``group``; after `reduce`."""
+        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm >= 0 or \
+                math.isinf(max_norm):
+            raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm!r}")
+        if not self._reduced:
+            raise ValueError("clip_grad_norm_: call reduce() first (after the step's last add_micro_batch)")
+        device = self._device()
+        acc = torch.float64 if any(e.param.dtype == torch.float64 for e in self._entries) else torch.float32
+        values, holders = [], []
+        for module, p in self._pieces:
+            if p is not None:
+                values.append(tree_sum(p.grad.detach().to(acc).reshape(-1).square(), 0).reshape(1))
+                holders.append(0)
+                continue
+            held = module.num_local_experts
+            ep = 1 if module.ep_group is None else dist.get_world_size(module.ep_group)
+            trained = [w for w in (module.weight1, module.weight2) if w.requires_grad]
+            mine = torch.zeros(held * ep, len(trained), dtype=acc, device=device)
+            for j, w in enumerate(trained):
+                sq = w.grad.detach().to(acc).reshape(held, -1).square()
+                mine[module.local_expert_offset:module.local_expert_offset + held, j] = tree_sum(sq, 1)
+            values.append(mine.reshape(-1))
+            # expert i (global id) is held by the ranks of EP rank i // held; group rank i // held has it
+            holders.extend(i // held for i in range(held * ep) for _ in trained)
+        vec = torch.cat(values) if values else torch.zeros(0, dtype=acc, device=device)
+        if self.world > 1:
+            index = torch.tensor(holders, dtype=torch.int64, device=device)
+            vec = all_gather_rows(vec.view(1, -1), self.group).gather(0, index.view(1, -1)).view(-1)
+        norm = tree_sum(vec, 0).sqrt() if vec.numel() else torch.zeros((), dtype=acc, device=device)
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for e in self._entries:
+            e.param.grad.mul_(scale)
+        return norm
+
+    def global_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` [A] (e.g. this rank's micro-batch losses, detached) -> their mean over the L
+        micro-batches by the same tree, the same on every rank (a 0-dim tensor). Collective."""
+        if values.shape != (self.micro_batches,):
+            raise ValueError(f"values must be [{self.micro_batches}] (micro_batches), got {list(values.shape)}")
+        v = values.detach().to(_acc_dtype(values.dtype)).contiguous()
+        if self.world > 1:
+            v = all_gather_rows(v, self.group)
+        return _pairwise(v) / v.numel()
