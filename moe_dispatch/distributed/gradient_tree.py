@@ -59,8 +59,15 @@ class _Entry:
         self.param, self.experts, self.name, self.start = param, experts, name, start
         self.stack: List[Tuple[int, torch.Tensor]] = []
 
-    def push(self, leaf: torch.Tensor) -> None:
-        self.stack.append((0, leaf))
+    def push(self, leaf: torch.Tensor, acc: torch.dtype) -> None:
+        """Add a micro-batch's gradient (any float dtype; ours to keep or modify) to the stack. A
+        leaf that completes a pair is added into its left partner in ``acc`` directly: the same
+        bits as converting it first (the conversion is exact), without an ``acc`` copy of it."""
+        if self.stack and self.stack[-1][0] == 0:
+            _, left = self.stack.pop()
+            self.stack.append((1, left.add_(leaf)))
+        else:
+            self.stack.append((0, leaf.to(acc)))
         while len(self.stack) >= 2 and self.stack[-1][0] == self.stack[-2][0]:
             level, right = self.stack.pop()
             _, left = self.stack.pop()
@@ -195,8 +202,7 @@ class GradientTree:
                                  "(set_to_none=True, the default) after each step")
             acc = _acc_dtype(p.dtype)
             if e.experts is None:
-                leaf = p.grad.detach().to(acc) if p.grad is not None else torch.zeros(p.shape, dtype=acc,
-                                                                                       device=p.device)
+                leaf = p.grad.detach() if p.grad is not None else torch.zeros(p.shape, dtype=acc, device=p.device)
             else:
                 if p.grad is not None:
                     raise ValueError(f"add_micro_batch: the sharded expert weight {e.name} has a .grad; under a "
@@ -204,17 +210,20 @@ class GradientTree:
                                      "only an MoELayer's dropless dispatch gives (experts called on their own do not)")
                 leaf = self._source_leaf(e)
             p.grad = None
-            e.push(leaf)
+            e.push(leaf, acc)
         self._added += 1
         self._reduced = False
 
     def _source_leaf(self, e: _Entry) -> torch.Tensor:
-        """[P, E_local, ...] fp32: the micro-step's per-source gradients (summed in order if the layer ran twice)."""
+        """[E_local, P, ...]: the micro-step's per-source gradients in the weight's dtype (the layer
+        ran twice: their sum in order, in fp32)."""
         p, P = e.param, 1 << e.start
         grads = e.experts.source_grads.pop(e.name, [])
-        # the popped tensors are this tree's alone: the first one may become the partial itself
-        leaf = torch.zeros((P, *p.shape), dtype=_acc_dtype(p.dtype), device=p.device) if not grads else \
-            grads[0].to(_acc_dtype(p.dtype))
+        if not grads:
+            return torch.zeros((p.shape[0], P, *p.shape[1:]), dtype=p.dtype, device=p.device)
+        if len(grads) == 1:  # the popped tensors are this tree's alone
+            return grads[0]
+        leaf = grads[0].to(_acc_dtype(p.dtype), copy=True)
         for g in grads[1:]:
             leaf.add_(g)
         return leaf
@@ -236,7 +245,7 @@ class GradientTree:
             for e in entries:
                 (_, partial), = e.stack
                 e.stack = []
-                parts.append((partial if e.experts is None else _pairwise(partial)).reshape(-1))
+                parts.append((partial if e.experts is None else _pairwise(partial.transpose(0, 1))).reshape(-1))
             flat = torch.cat(parts)
             del parts
             self._doubling(flat, entries)
@@ -317,6 +326,11 @@ class GradientTree:
         for e in self._entries:
             e.param.grad.mul_(scale)
         return norm
+
+    def held_bytes(self) -> int:
+        """Bytes of the partial sums this tree holds now (between micro-batches: up to log2(A) + 1
+        per parameter, [E_local, P, ...] for experts sharded over P ranks; none after `reduce`)."""
+        return sum(t.numel() * t.element_size() for e in self._entries for _, t in e.stack)
 
     def global_mean(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` [A] (e.g. this rank's micro-batch losses, detached) -> their mean over the L

@@ -209,7 +209,7 @@ class _LoopMM(torch.autograd.Function):
 
 class _PerSourceMM(torch.autograd.Function):
     """An expert GEMM whose weight gradient is one product per (local expert, source) block, handed
-    to ``sink`` as [P, E, K, M] instead of to autograd (``w`` gets none). The forward and the input
+    to ``sink`` as [E, P, K, M] instead of to autograd (``w`` gets none). The forward and the input
     gradient are the strategy's own calls ("grouped" when ``offs`` is given, else the loop paths)."""
 
     @staticmethod
@@ -239,35 +239,38 @@ class _PerSourceMM(torch.autograd.Function):
 
 def source_weight_grads(x: torch.Tensor, grad: torch.Tensor, blocks: SourceBlocks, w_shape: torch.Size,
                         how: "str | int | None") -> torch.Tensor:
-    """x [N, K], grad [N, M] -> [P, E, K, M]: ``x_b^T @ grad_b`` for each (expert e, source s) block
+    """x [N, K], grad [N, M] -> [E, P, K, M]: ``x_b^T @ grad_b`` for each (expert e, source s) block
     b = blocks[e][s]; rows in no block (padding after an expert's blocks) add nothing. ``how``:
     "grouped" (one torch._grouped_mm, a group per block: each group's result is its rows' alone),
-    None (`ordered_mm` per block) or a row tile (torch.mm per block, the loop paths)."""
+    None (`ordered_mm` per block) or a row tile (torch.mm per block, the loop paths). Expert-major
+    like the rows, so the grouped result is the output itself when no padding rows need a group."""
     E, K, M = w_shape
     P = len(blocks[0]) if E else 0
     if how != "grouped" or x.shape[0] == 0:
-        out = x.new_zeros(P, E, K, M)
+        out = x.new_zeros(E, P, K, M)
         mm = ordered_mm if how is None else torch.mm
         for e in range(E):
             for s, (first, rows) in enumerate(blocks[e]):
                 if rows:
-                    out[s, e] = mm(x[first:first + rows].t(), grad[first:first + rows])
+                    out[e, s] = mm(x[first:first + rows].t(), grad[first:first + rows])
         return out
-    ends, pick = [], [[0] * E for _ in range(P)]
+    ends, pick = [], []
     cursor = 0
     for e in range(E):
-        for s, (first, rows) in enumerate(blocks[e]):
-            if first > cursor:  # padding rows between blocks: a group of their own, dropped
+        for first, rows in blocks[e]:
+            if first > cursor:  # padding rows before this block: a group of their own, dropped
                 ends.append(first)
-            pick[s][e] = len(ends)
+            pick.append(len(ends))
             ends.append(first + rows)
             cursor = first + rows
     if cursor < x.shape[0]:
         ends.append(x.shape[0])
     offs = torch.tensor(ends, dtype=torch.int32).to(x.device)
     groups = torch._grouped_mm(x.t(), grad, offs=offs)  # [G, K, M]; empty groups give zeros
-    index = torch.tensor([g for row in pick for g in row], dtype=torch.int64).to(x.device)
-    return groups.index_select(0, index).view(P, E, K, M)
+    if len(ends) == E * P:
+        return groups.view(E, P, K, M)
+    index = torch.tensor(pick, dtype=torch.int64).to(x.device)
+    return groups.index_select(0, index).view(E, P, K, M)
 
 
 def _check_blocks(blocks: SourceBlocks, tokens_per_expert: torch.Tensor, num_experts: int) -> SourceBlocks:
@@ -317,7 +320,7 @@ def expert_gemm(
     ``offsets``: optional int32 [E] on x's device, the cumulative sum of tokens_per_expert (what
     ``"grouped"`` needs; the dispatcher's ``handle.expert_offsets``): saves a host-to-device copy.
     ``source_blocks`` ([E][P] (first row, rows), see `source_weight_grads`) with ``sink``: the weight
-    gradient is computed per (expert, source) block and passed to ``sink`` as [P, E, K, M] (w itself
+    gradient is computed per (expert, source) block and passed to ``sink`` as [E, P, K, M] (w itself
     gets no gradient); the forward and the input gradient are unchanged.
     """
     x = _dense(x)

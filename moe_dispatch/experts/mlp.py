@@ -97,7 +97,7 @@ class LocalExperts(nn.Module):
         self.ep_group = _sharding_group(ep_group, config.num_experts, num_local_experts, local_expert_offset)
         self._ep_mesh: Any = None  # the DeviceMesh of ep_group, built at the first state_dict()
         # Per-source weight gradients (`moe_dispatch.parallel.GradientTree` sets it): a forward given
-        # source_blocks appends, at its backward, each weight's [P, E_local, ...] gradient here
+        # source_blocks appends, at its backward, each weight's [E_local, P, ...] gradient here
         # instead of accumulating into .grad. None: off.
         self.source_grads: Optional[Dict[str, List[torch.Tensor]]] = None
         fc1_out = 2 * self.ffn_hidden_size if self.activation == "swiglu" else self.ffn_hidden_size
@@ -193,7 +193,7 @@ class LocalExperts(nn.Module):
 
         ``source_blocks`` ([E_local][P] (first row, rows) of each (local expert, source) block, the
         dispatcher's ``handle.source_blocks``), only while ``source_grads`` is set: each weight's
-        gradient is computed per block and appended to ``source_grads[name]`` as [P, E_local, ...]
+        gradient is computed per block and appended to ``source_grads[name]`` as [E_local, P, ...]
         in the weight's dtype; ``.grad`` is left alone. Output and input gradient are unchanged.
 
         FP8 (``config.fp8``): permuted_tokens are fp8 rows [N, H] with ``row_scales`` [N] fp32 (the

@@ -17,6 +17,8 @@ from tests.experts.reference import make_config
 # [E=3][P=3] (first row, rows); expert 1 has 2 padding rows after its blocks, expert 2 none at all
 COUNTS = [7, 6, 0]
 BLOCKS = (((0, 3), (3, 0), (3, 4)), ((7, 1), (8, 3), (11, 0)), ((13, 0), (13, 0), (13, 0)))
+# the same without the padding: every row in a block (the grouped path's output is its GEMM's)
+TIGHT = ([7, 4, 0], (((0, 3), (3, 0), (3, 4)), ((7, 1), (8, 3), (11, 0)), ((11, 0), (11, 0), (11, 0))))
 K, M = 8, 12
 
 
@@ -35,27 +37,28 @@ def _run(strategy, x, w, dy, counts, blocks=None):
 
 
 @pytest.mark.parametrize("strategy", _strategies())
-def test_block_gradient_is_its_rows_alone(strategy):
+@pytest.mark.parametrize("counts, blocks", [(COUNTS, BLOCKS), TIGHT], ids=["padded", "tight"])
+def test_block_gradient_is_its_rows_alone(strategy, counts, blocks):
     g = torch.Generator().manual_seed(0)
-    n = sum(COUNTS)
+    n = sum(counts)
     x, dy, w = torch.randn(n, K, generator=g), torch.randn(n, M, generator=g), torch.randn(3, K, M, generator=g)
-    y, gx, gw, got = _run(strategy, x, w, dy, COUNTS, BLOCKS)
-    y_ref, gx_ref, gw_ref, _ = _run(strategy, x, w, dy, COUNTS)
+    y, gx, gw, got = _run(strategy, x, w, dy, counts, blocks)
+    y_ref, gx_ref, gw_ref, _ = _run(strategy, x, w, dy, counts)
     assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
     assert gw is None and len(got) == 1 and got[0].shape == (3, 3, K, M)
     per_source = got[0]
-    for e, row in enumerate(BLOCKS):
+    for e, row in enumerate(blocks):
         for s, (first, rows) in enumerate(row):
             if rows == 0:
-                assert not per_source[s, e].any(), (e, s)
+                assert not per_source[e, s].any(), (e, s)
                 continue
             alone = [rows if i == e else 0 for i in range(3)]
             *_, w_alone, _ = _run(strategy, x[first:first + rows], w, dy[first:first + rows], alone)
-            assert torch.equal(per_source[s, e], w_alone[e]), (strategy, e, s)
-    # expert 1's 2 padding rows (12, 13) are in no block; the rest sums to the usual gradient
+            assert torch.equal(per_source[e, s], w_alone[e]), (strategy, e, s)
+    # padded: expert 1's 2 padding rows (11, 12) are in no block; the rest sums to the usual gradient
     padded = gw_ref.clone()
-    padded[1] -= x[11:13].t() @ dy[11:13]
-    torch.testing.assert_close(per_source.sum(0), padded, rtol=1e-5, atol=1e-5)
+    padded[1] -= x[11:n].t() @ dy[11:n]
+    torch.testing.assert_close(per_source.sum(1), padded, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_blocks_are_refused():
@@ -84,6 +87,6 @@ def test_local_experts_collect_per_source_grads():
     experts.source_grads = {}
     experts(x, counts, None, source_blocks=BLOCKS).square().sum().backward()
     assert experts.weight1.grad is None and experts.weight2.grad is None
-    assert [t.shape for t in experts.source_grads["weight1"]] == [(3, *experts.weight1.shape)]
-    assert [t.shape for t in experts.source_grads["weight2"]] == [(3, *experts.weight2.shape)]
+    assert [t.shape for t in experts.source_grads["weight1"]] == [(3, 3, *experts.weight1.shape[1:])]
+    assert [t.shape for t in experts.source_grads["weight2"]] == [(3, 3, *experts.weight2.shape[1:])]
     assert copy.deepcopy(experts).source_grads is None

@@ -1,0 +1,269 @@
+"""GradientTree (moe_dispatch.parallel) on one GPU with the ranks sharing it (gloo), or on CPU:
+
+    torchrun --nproc-per-node 4 scripts/bench_gradient_tree.py          # CUDA: check + table
+    torchrun --nproc-per-node 4 scripts/bench_gradient_tree.py --cpu    # CPU (gloo), small sizes
+
+(a) The promise on this device: the issue's model (tests/distributed/gradient_tree_workers.py) for
+3 steps on the six L = 4 layouts (world, EP, A), bf16 on CUDA (fp32 on CPU); every parameter by
+global expert id, each step's loss and norm must be bitwise equal (needs 4 ranks).
+(b) Step time and memory, GradientTree against today's reducers at the same layout (world, EP, A)
+with A = --micro-batches: DDP (no_sync for all but the last micro-batch, the experts ignored at
+EP > 1) + allreduce_expert_grads + torch's clip_grad_norm_ (a local norm: not the global one) +
+AdamW. Both runs start from the same weights and see the same data; after the timed steps the
+tree's parameters are compared across the table's layouts (bitwise expected), DDP's as well
+(differences expected).
+
+Columns: ms per step (median over --iters; wall clock between barriers, so every rank's work and
+the gloo host copies count; phases: the A micro-batches' forward + backward + accumulation, the
+reduction, clipping + optimizer); peak MiB (max_memory_allocated over a step, CUDA only: with
+the activations and the transients of the backward); grad MiB (the most held for gradients after
+a micro-batch or the reduction: every .grad, the tree's partial sums, DDP's buckets). The goal
+beside them: <= 10% slower, <= 1.5x the gradient memory.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repo's tests package
+
+from moe_dispatch import MoEConfig, MoELayer  # noqa: E402
+from moe_dispatch.parallel import GradientTree, allreduce_expert_grads, ignore_experts_in_ddp  # noqa: E402
+from moe_dispatch.router import AuxLossScaler  # noqa: E402
+from tests.distributed.gradient_tree_workers import LAYOUTS, assemble, by_global_id, layouts_worker  # noqa: E402
+
+GOAL_TIME, GOAL_MEMORY = 1.10, 1.5
+
+
+class Model(nn.Module):
+    """Embedding-like dense layer, --layers MoE layers (shared expert, aux loss) with residuals, a head."""
+
+    def __init__(self, config: MoEConfig, layers: int, classes: int, ep_group, device: torch.device) -> None:
+        super().__init__()
+        H = config.hidden_size
+        gen = torch.Generator().manual_seed(3)
+        self.embed = nn.Linear(H, H, dtype=config.params_dtype)
+        self.moe = nn.ModuleList([MoELayer(config, ep_group, layer_index=i) for i in range(layers)])
+        self.head = nn.Linear(H, classes, dtype=config.params_dtype)
+        with torch.no_grad():
+            for p in (*self.embed.parameters(), *self.head.parameters()):
+                p.copy_(torch.randn(p.shape, generator=gen) * H ** -0.5)
+        self.to(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        for layer in self.moe:
+            h = h + layer(h)
+        return self.head(h)
+
+
+def batch(step: int, index: int, args, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Global micro-batch ``index`` of ``step``, the same on every rank that runs it."""
+    gen = torch.Generator(device=device).manual_seed(100_000 * step + index)
+    x = torch.randn(args.tokens, args.hidden, generator=gen, device=device).to(args.dtype)
+    return x, torch.randint(0, args.classes, (args.tokens,), generator=gen, device=device)
+
+
+class Groups:
+    """The data group (the world), EP groups of consecutive ranks and the expert-data-parallel
+    groups (equal EP rank) for every EP size in ``eps``; built in one order on every rank."""
+
+    def __init__(self, world: int, rank: int, eps: List[int]) -> None:
+        self.ep: Dict[int, dist.ProcessGroup] = {}
+        self.expert_dp: Dict[int, dist.ProcessGroup] = {}
+        for ep in eps:
+            blocks = [dist.new_group(list(range(g, g + ep))) for g in range(0, world, ep)]
+            strided = [dist.new_group(list(range(s, world, ep))) for s in range(ep)]
+            self.ep[ep], self.expert_dp[ep] = blocks[rank // ep], strided[rank % ep]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+def grad_bytes(model: nn.Module, tree: "GradientTree | None") -> int:
+    """Bytes held for gradients now: every .grad, and the tree's partial sums."""
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    return grads + (tree.held_bytes() if tree is not None else 0)
+
+
+def run(method: str, ep: int, args, groups: Groups, device: torch.device) -> dict:
+    """Warm-up + timed steps of one method at layout (world, ep, A); phase times, memory, final params."""
+    world, rank, A = dist.get_world_size(), dist.get_rank(), args.micro_batches
+    config = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk,
+                       ffn_hidden_size=args.ffn, shared_expert_ffn_hidden_size=args.ffn, aux_loss_coeff=1e-2,
+                       params_dtype=args.dtype)
+    model = Model(config, args.layers, args.classes, groups.ep[ep] if ep > 1 else None, device)
+    tree = ddp = None
+    bucket_bytes = 0
+    if method == "tree":
+        tree = GradientTree(model, micro_batches=A)
+        forward = model
+    else:
+        ignored = set(ignore_experts_in_ddp(model))
+        ddp = DistributedDataParallel(model)
+        forward = ddp
+        bucket_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in ignored)
+        AuxLossScaler.set_loss_scale(1.0 / A)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    times: List[Tuple[float, float, float]] = []
+    peaks, grads = [], []
+    try:
+        for step in range(args.warmup + args.iters):
+            sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            held = 0
+            t0 = time.perf_counter()
+            for a in range(A):
+                x, y = batch(step, rank * A + a, args, device)
+                if tree is not None:
+                    F.cross_entropy(forward(x).float(), y).backward()
+                    tree.add_micro_batch()
+                elif a < A - 1:
+                    with ddp.no_sync():
+                        (F.cross_entropy(forward(x).float(), y) / A).backward()
+                else:
+                    (F.cross_entropy(forward(x).float(), y) / A).backward()
+                held = max(held, grad_bytes(model, tree))
+            sync(device)
+            t1 = time.perf_counter()
+            if tree is not None:
+                tree.reduce()
+            elif ep > 1:
+                allreduce_expert_grads(model, groups.expert_dp[ep], dp_size=world)
+            held = max(held, grad_bytes(model, tree))
+            sync(device)
+            t2 = time.perf_counter()
+            if tree is not None:
+                tree.clip_grad_norm_(1.0)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            sync(device)
+            t3 = time.perf_counter()
+            if step >= args.warmup:
+                times.append((t1 - t0, t2 - t1, t3 - t2))
+                peaks.append(torch.cuda.max_memory_allocated() if device.type == "cuda" else 0)
+                grads.append(held + bucket_bytes)
+    finally:
+        AuxLossScaler.set_loss_scale(1.0)
+    params = by_global_id(model)
+    del model, tree, ddp, forward, opt
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    phases = [statistics.median(t[i] for t in times) * 1e3 for i in range(3)]
+    return {"ms": sum(phases), "phases": phases, "peak": max(peaks) / 2**20, "grad": max(grads) / 2**20,
+            "params": params}
+
+
+def gather_params(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The union over ranks of ``params`` (keys by global expert id), on every rank."""
+    every: List[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(every, params)
+    merged: Dict[str, torch.Tensor] = {}
+    for got in every:
+        merged.update(got)
+    return merged
+
+
+def check_layouts(device: torch.device, dtype: torch.dtype) -> None:
+    """(a): the six layouts of the test, bitwise (4 ranks)."""
+    out = layouts_worker(dist.get_rank(), dist.get_world_size(), device.type, dtype, False)
+    every: List[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(every, out)
+    if dist.get_rank() != 0:
+        return
+    merged = assemble(every, "tree")
+    ref = merged[LAYOUTS[0]]
+    for layout in LAYOUTS[1:]:
+        differ = [k for k in ref if not torch.equal(merged[layout][k], ref[k])]
+        print(f"  {layout} vs {LAYOUTS[0]}: {'bitwise' if not differ else f'DIFFERS in {len(differ)}: {differ[:4]}'}")
+    ok = all(torch.equal(merged[lay][k], ref[k]) for lay in LAYOUTS[1:] for k in ref)
+    print(f"layouts (world, EP, A) with L = 4, {dtype}: {'PASS: bitwise' if ok else 'FAIL'}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="gloo on CPU, small default sizes")
+    parser.add_argument("--hidden", type=int, default=0, help="hidden size (CUDA 1024, CPU 64)")
+    parser.add_argument("--ffn", type=int, default=0, help="expert ffn size (CUDA 512, CPU 64)")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=0, help="tokens per micro-batch (CUDA 2048, CPU 128)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--classes", type=int, default=256)
+    parser.add_argument("--micro-batches", type=int, default=4, help="A")
+    parser.add_argument("--eps", default="", help="EP sizes of the table (default: every power of two <= world)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--skip-check", action="store_true", help="no (a)")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.cpu else "cuda")
+    args.dtype = torch.float32 if args.cpu else torch.bfloat16
+    args.hidden = args.hidden or (64 if args.cpu else 1024)
+    args.ffn = args.ffn or (64 if args.cpu else 512)
+    args.tokens = args.tokens or (128 if args.cpu else 2048)
+    if args.cpu:
+        torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        if not args.skip_check:
+            if world == 4:
+                check_layouts(device, args.dtype)
+            elif rank == 0:
+                print("(a) needs 4 ranks: skipped")
+        eps = [int(e) for e in args.eps.split(",")] if args.eps else [e for e in (1, 2, 4, 8, 16) if e <= world]
+        groups = Groups(world, rank, [e for e in eps if e > 1])
+        rows, finals = [], {"tree": [], "ddp": []}
+        for ep in eps:
+            got = {m: run(m, ep, args, groups, device) for m in ("ddp", "tree")}
+            for m in got:
+                finals[m].append(gather_params(got[m].pop("params")))
+            rows.append((ep, got))
+        if rank == 0:
+            report(rows, finals, args, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def report(rows, finals, args, world: int) -> None:
+    print(f"\n(b) {args.layers} MoE layers, hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts top-"
+          f"{args.topk}, {args.tokens} tokens per micro-batch, A = {args.micro_batches}, {world} ranks, "
+          f"{args.dtype}, {'CPU' if args.cpu else 'one GPU shared'}; median of {args.iters} steps")
+    print(f"{'(W, EP, A)':12} {'method':22} {'ms/step':>8} {'micro':>8} {'reduce':>8} {'opt':>7} "
+          f"{'peak MiB':>9} {'grad MiB':>9} {'time x':>7} {'grad x':>7}  goal <= {GOAL_TIME:.2f}x, <= {GOAL_MEMORY}x")
+    for ep, got in rows:
+        base = got["ddp"]
+        for m, name in (("ddp", "DDP + allreduce_expert"), ("tree", "GradientTree")):
+            r = got[m]
+            tx, gx = r["ms"] / base["ms"], r["grad"] / base["grad"] if base["grad"] else float("nan")
+            verdict = "" if m == "ddp" else ("  ok" if tx <= GOAL_TIME and gx <= GOAL_MEMORY else "  over goal")
+            print(f"{str((world, ep, args.micro_batches)):12} {name:22} {r['ms']:8.1f} {r['phases'][0]:8.1f} "
+                  f"{r['phases'][1]:8.1f} {r['phases'][2]:7.1f} {r['peak']:9.0f} {r['grad']:9.0f} {tx:7.2f} "
+                  f"{gx:7.2f}{verdict}")
+    for m, name in (("tree", "GradientTree"), ("ddp", "DDP + allreduce_expert_grads")):
+        ref = finals[m][0]
+        same = all(torch.equal(f[k], ref[k]) for f in finals[m][1:] for k in ref)
+        print(f"{name}: parameters after {args.warmup + args.iters} steps across the table's layouts: "
+              f"{'bitwise' if same else 'differ'}")
+
+
+if __name__ == "__main__":
+    main()
