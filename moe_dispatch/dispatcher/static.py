@@ -28,8 +28,9 @@ import torch
 
 from ..config import DispatchConfig
 from ..distributed.agreement import ErrorLatch, fingerprint_hash
-from ..distributed.comm import ProcessGroup, group_key, group_size_rank
+from ..distributed.comm import ProcessGroup, group_size_rank
 from ..distributed.identity import CallId, StepCounter
+from ..distributed.registry import STATIC_PLANS
 from ..ops import RowIdMap, unpermute
 from ..ops.permutation import make_slots
 from .expand import Expand, ReturnPath, grad_anchor
@@ -54,9 +55,6 @@ from .static_words import (
     set_call_words,
     status_rows,
 )
-
-# (group, fingerprint) -> _Agreed: the plan fixed by its first step, EP > 1
-_AGREED: dict = {}
 
 
 @dataclass(frozen=True)
@@ -163,7 +161,7 @@ class StaticPlan(Plan):
             if grad_modes_differ(words):
                 raise_words(words, self.layout, deferred=False)
             if words[W_TOKENS] > self.layout.T:
-                _AGREED.pop((group_key(self.group), fingerprint_hash(self.config)), None)
+                STATIC_PLANS.pop(self.group, fingerprint_hash(self.config))
                 again = _prepare(*prepared.inputs, self.config, self.group, self.latch, steps=None,
                                  experts_grad=prepared.experts_grad, call=self.call)
                 return again.plan.send(again)
@@ -248,7 +246,7 @@ class _Agreed(NamedTuple):
 
 def agreed_hidden(group: ProcessGroup, cfg: DispatchConfig) -> Optional[tuple[torch.Size, torch.dtype]]:
     """(shape [T, H], dtype) of the plan's hidden_states at EP > 1, None before its first step."""
-    agreed = _AGREED.get((group_key(group), fingerprint_hash(cfg)))
+    agreed = STATIC_PLANS.get(group, fingerprint_hash(cfg))
     return None if agreed is None else (torch.Size((agreed.T, cfg.hidden_size)), agreed.hidden_dtype)
 
 
@@ -266,15 +264,15 @@ def _agree(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group
     every rank (raising alike on all) and tells every rank every T: the plan takes the largest
     (an all-empty step plans nothing: the next step agrees again)."""
     from .layout import exchange_sizes
-    key = (group_key(group), fingerprint_hash(cfg))
-    if key not in _AGREED:
+    fingerprint = fingerprint_hash(cfg)
+    agreed = STATIC_PLANS.get(group, fingerprint)
+    if agreed is None:
         layout = exchange_sizes(hidden, routing_map, probs, cfg, group, latch, call=call, experts_grad=experts_grad)
         T = max(layout.num_tokens)
         agreed = _Agreed(max(T, 1), hidden.dtype, probs.dtype, hidden.device)
-        if not T:
-            return agreed
-        _AGREED[key] = agreed
-    return _AGREED[key]
+        if T:
+            STATIC_PLANS.set(group, agreed, fingerprint)
+    return agreed
 
 
 def _prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,

@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..distributed.agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, RETURN_CHECKS
-from ..distributed.comm import ProcessGroup, group_key
+from ..distributed.comm import ProcessGroup
 from ..distributed.identity import CallId, layer_name
+from ..distributed.registry import STATIC_WORDS
 from ..ops import guard
 
 if TYPE_CHECKING:
@@ -199,16 +200,12 @@ def raise_words(words: list[int], sizes: StaticSizes, deferred: bool = True) -> 
         guard.fail(["invalid MoE dispatch input (sync-free): " + "; ".join(found)])
 
 
-# group -> [words buffer (device, int32 [NUM_WORDS], max of the steps' words), sizes]
-_LATCHED: dict = {}
-
-
 def latch_words(group: ProcessGroup, words: torch.Tensor, sizes: StaticSizes) -> None:
     """Keep a bad step's words (max with earlier ones, in place: capture-safe) and poison on CUDA.
     A good step's words count for nothing: its sizes may be another plan's (another T or config)."""
-    entry = _LATCHED.get(group_key(group))
+    entry = STATIC_WORDS.get(group)  # [words (device int32 [NUM_WORDS], max of the bad steps'), sizes]
     if entry is None or entry[0].device != words.device:
-        entry = _LATCHED[group_key(group)] = [torch.zeros(NUM_WORDS, dtype=torch.int32, device=words.device), sizes]
+        entry = STATIC_WORDS.set(group, [torch.zeros(NUM_WORDS, dtype=torch.int32, device=words.device), sizes])
     bad = bad_words(words, sizes)
     entry[0].copy_(torch.maximum(entry[0], torch.where(bad, words, torch.zeros_like(words))))
     if words.is_cuda or bool(bad):  # CPU: the bad step's sizes (reading costs no sync); CUDA: the last
@@ -220,20 +217,20 @@ def latch_words(group: ProcessGroup, words: torch.Tensor, sizes: StaticSizes) ->
 
 def raise_latched(group: ProcessGroup) -> None:
     """At a sync-free dispatch: raise an earlier step's problem on CPU (no sync there)."""
-    entry = _LATCHED.get(group_key(group))
+    entry = STATIC_WORDS.get(group)
     if entry is not None and entry[0].device.type == "cpu":
         raise_words(entry[0].tolist(), entry[1])
 
 
 def _pending_messages() -> list[str]:
     found = []
-    for buf, sizes in list(_LATCHED.values()):
+    for buf, sizes in STATIC_WORDS.values():
         found += messages(buf.tolist(), sizes)
     return ["invalid MoE dispatch input (sync-free): " + "; ".join(found)] if found else []
 
 
 def _clear() -> None:
-    for buf, _ in _LATCHED.values():
+    for buf, _ in STATIC_WORDS.values():
         buf.zero_()
 
 

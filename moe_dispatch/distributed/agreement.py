@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..config import DISPATCHER_KINDS, DispatchConfig
 from .comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
 from .identity import FUNCTIONAL_LAYER, CallId, layer_name
+from .registry import LATCHES
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.bool: 5,
                 torch.int64: 6, torch.int32: 7, torch.int16: 8, torch.int8: 9, torch.uint8: 10}
@@ -150,16 +151,12 @@ class ErrorLatch:
 
 
 class GroupLatches:
-    """One ErrorLatch per process group, shared by every dispatcher and functional dispatch on it:
-    an error latched by one step raises at the next size exchange on the group, whoever runs it."""
-
-    def __init__(self) -> None:
-        self._by_group: dict[Any, ErrorLatch] = {}
+    """One ErrorLatch per process group (``registry.LATCHES``), shared by every dispatcher and
+    functional dispatch on it: an error latched by one step raises at the next size exchange on
+    the group, whoever runs it."""
 
     def of(self, group: ProcessGroup) -> ErrorLatch:
-        if group is None and dist.is_available() and dist.is_initialized():
-            group = dist.group.WORLD  # None and the default group are one group
-        return self._by_group.setdefault(group, ErrorLatch())
+        return LATCHES.setdefault(group, ErrorLatch)
 
 
 GROUP_LATCHES = GroupLatches()

@@ -6,7 +6,7 @@ pairs up collectives of different calls: their data is then exchanged without an
 every call carries a ``CallId`` (layer, step), equal on every rank for the same call:
 
 - ``layer``: each dispatcher object (one per layer) takes the next number of a per-process counter
-  of the dispatchers built on its EP group. ASSUMPTION: every rank of the group builds its
+  of the dispatchers built on its EP group (``registry.LAYER_IDS``). ASSUMPTION: every rank of the group builds its
   dispatchers (its MoE layers) on that group in the same order, as a model built by the same
   code on every rank does. The id is agreed at the first forward (``agree_config``), so a
   different build or call order is caught there; it is sent again in every size exchange.
@@ -23,9 +23,9 @@ on the host, under ``strict_call_order``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from .comm import ProcessGroup, group_key
+from .comm import ProcessGroup
+from .registry import FUNCTIONAL_STEPS, LAYER_IDS
 
 FUNCTIONAL_LAYER = -1
 _STEP_BITS = 32
@@ -73,18 +73,13 @@ class StepCounter:
         self.steps += 1
 
 
-_BUILT: dict[Any, int] = {}  # group -> dispatchers built on it in this process
-_FUNCTIONAL: dict[Any, StepCounter] = {}  # group -> the functional dispatches' counter
-
-
 def new_layer_id(group: ProcessGroup) -> int:
     """The next layer id on ``group`` (0, 1, ... in construction order; see the assumption above)."""
-    key = group_key(group)
-    layer = _BUILT.get(key, 0)
-    _BUILT[key] = layer + 1
+    layer = LAYER_IDS.get(group) or 0
+    LAYER_IDS.set(group, layer + 1)
     return layer
 
 
 def functional_counter(group: ProcessGroup) -> StepCounter:
     """The step counter of the functional dispatches on ``group``."""
-    return _FUNCTIONAL.setdefault(group_key(group), StepCounter(FUNCTIONAL_LAYER))
+    return FUNCTIONAL_STEPS.setdefault(group, lambda: StepCounter(FUNCTIONAL_LAYER))

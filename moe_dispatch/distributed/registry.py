@@ -1,0 +1,95 @@
+"""The process-wide tables of the dispatchers and of their collectives, in one place.
+
+Each table is keyed by an EP process group (``comm.group_key``: None and the default group are one
+key), sometimes with a second key, and lives for the process: what it holds belongs to the group,
+not to one object, because several objects (every layer's dispatcher, the functional dispatch,
+the staged API's callers) run collectives on the same group and must see the same state.
+
+- ``LAYER_IDS`` (distributed/identity.py): group -> dispatchers built on it so far, the next
+  layer id. A counter per group (not per model): every rank numbers its layers in construction
+  order, whatever object builds them (``identity``'s assumption).
+- ``FUNCTIONAL_STEPS`` (distributed/identity.py): group -> the functional dispatches'
+  StepCounter. The functional API has no object to hold its forward count, and every call on a
+  group must count on the same counter, as every rank does.
+- ``LATCHES`` (distributed/agreement.py, ``GROUP_LATCHES.of``): group -> its ErrorLatch. An error
+  latched by one step travels in the next size exchange on the group, whoever runs it (another
+  layer, the functional API): one latch per group.
+- ``STATIC_PLANS`` (dispatcher/static.py): (group, configuration fingerprint) -> what the first
+  sync-free step fixed (its T, dtypes, device). Layers of one configuration on one group share
+  the plan, so that a rebuilt layer or the functional API sends the same fixed-size chunks.
+- ``STATIC_WORDS`` (dispatcher/static_words.py): group -> [the bad steps' check words on the
+  device, their sizes], read by the next sync-free dispatch on the group (CPU) and by
+  ``ops.check_device_errors()``, which knows no group or layer.
+
+Process-wide state elsewhere, kept where it lives (a module of its own concern):
+- ops/guard.py: ``_status`` (device -> the sticky status words every kernel of ours reads: one
+  per device, as kernels of any layer poison each other's outputs), ``_pending`` and
+  ``_free_pinned`` (the permute checks still in flight, their pinned buffers), ``_checks`` (the
+  deferred checks other modules register: static_words' ``STATIC_WORDS`` reader).
+- ops/custom_ops.py: ``_backend``, the kernel backend forced by ``set_backend`` (or the
+  MOE_DISPATCH_BACKEND environment variable).
+- checkpoint.py: ``_SHARDED``, ``_HOOKED``, ``_CHECKED`` (weak sets of the sharded expert
+  modules, the optimizers hooked, and the optimizers' checked step), so that a save or load
+  finds the expert weights of any model without a handle to it; weak: they keep nothing alive.
+- parallel.py: ``_REDUCED`` (weak, gradient tensor -> its version when allreduce_expert_grads
+  wrote it), to catch a second reduction of the same gradients.
+- integrations/megatron: supported.py ``_WARNED`` (each unsupported-field warning once per
+  process) and specs.py ``_CLASSES`` (the DeterministicMoELayer class, built on first use).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Generic, Hashable, Iterator, Optional, TypeVar
+
+from .comm import ProcessGroup, group_key
+
+if TYPE_CHECKING:
+    from ..dispatcher.static import _Agreed
+    from .agreement import ErrorLatch
+    from .identity import StepCounter
+
+V = TypeVar("V")
+
+
+class GroupTable(Generic[V]):
+    """A process-wide table keyed by an EP group (None and the default group are one key) and
+    an optional second key ``sub``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._entries: dict[tuple[Any, Hashable], V] = {}
+
+    @staticmethod
+    def _key(group: ProcessGroup, sub: Hashable) -> tuple[Any, Hashable]:
+        return group_key(group), sub
+
+    def get(self, group: ProcessGroup, sub: Hashable = None) -> Optional[V]:
+        return self._entries.get(self._key(group, sub))
+
+    def set(self, group: ProcessGroup, value: V, sub: Hashable = None) -> V:
+        self._entries[self._key(group, sub)] = value
+        return value
+
+    def setdefault(self, group: ProcessGroup, make: Callable[[], V], sub: Hashable = None) -> V:
+        """The entry, made by ``make()`` if there is none."""
+        key = self._key(group, sub)
+        if key not in self._entries:
+            self._entries[key] = make()
+        return self._entries[key]
+
+    def pop(self, group: ProcessGroup, sub: Hashable = None) -> Optional[V]:
+        return self._entries.pop(self._key(group, sub), None)
+
+    def values(self) -> Iterator[V]:
+        return iter(list(self._entries.values()))
+
+    def __repr__(self) -> str:
+        return f"GroupTable({self.name!r}, {len(self._entries)} entries)"
+
+
+LAYER_IDS: GroupTable[int] = GroupTable("layer ids")
+FUNCTIONAL_STEPS: GroupTable["StepCounter"] = GroupTable("functional steps")
+LATCHES: GroupTable["ErrorLatch"] = GroupTable("error latches")
+STATIC_PLANS: GroupTable["_Agreed"] = GroupTable("sync-free plans")
+STATIC_WORDS: GroupTable[list] = GroupTable("sync-free check words")
+
+TABLES = (LAYER_IDS, FUNCTIONAL_STEPS, LATCHES, STATIC_PLANS, STATIC_WORDS)
