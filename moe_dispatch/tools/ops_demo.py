@@ -5,13 +5,28 @@
 from __future__ import annotations
 
 import argparse
+import time
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:  # loaded after the flags are checked: a bad flag is refused before torch's seconds
+    import torch
 
-from ..ops.permutation import permute, unpermute
+_START = time.perf_counter()
 
 
-def _error_table(T: int, E: int, K: int, H: int, dtype: torch.dtype, device: str) -> dict[str, float]:
+def _progress(text: str) -> None:
+    """A stage as it starts, with the seconds since the command started."""
+    print(f"  ... {time.perf_counter() - _START:5.1f} s  {text}", flush=True)
+
+
+def _error_table(T: int, E: int, K: int, H: int, dtype: torch.dtype, device: str,
+                 say: Callable[[str], None] = _progress) -> dict[str, float]:
+    import torch
+
+    from ..ops.permutation import permute, unpermute
+
+    name = str(dtype).replace("torch.", "")
+    say(f"{name}: routing {T} tokens to {E} experts, top-{K}, and the [T * K, H] expert rows")
     gen = torch.Generator().manual_seed(0)
     scores = torch.rand((T, E), generator=gen)
     routing_map = torch.zeros((T, E), dtype=torch.bool).scatter_(1, scores.topk(K, 1).indices, True)
@@ -30,11 +45,14 @@ def _error_table(T: int, E: int, K: int, H: int, dtype: torch.dtype, device: str
         out.backward(upstream.to(device))
         return tuple(x.detach().cpu().clone() for x in (permuted, out, y.grad, pr.grad))
 
+    say(f"{name}: permute + unpermute, forward and backward")
     permuted, out, grad_rows, grad_probs = ours()
+    say(f"{name}: the same again, for the bitwise repeatability")
     again = ours()
     repeatable = all(torch.equal(a, b) for a, b in zip((permuted, out, grad_rows, grad_probs), again))
 
     # float64 reference on the same inputs and the same upstream gradient.
+    say(f"{name}: the float64 reference")
     t_idx, e_idx = routing_map.nonzero(as_tuple=True)  # t-major, e ascending
     order = torch.argsort(e_idx * T + t_idx)  # expert-major rows
     row_of = torch.empty_like(order)
@@ -54,13 +72,21 @@ def _error_table(T: int, E: int, K: int, H: int, dtype: torch.dtype, device: str
     }
 
 
-def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every flag checked before any work: one ``parser.error`` (exit status 2) naming the flag."""
+def validate_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The size flags, checked before torch loads: one ``parser.error`` (exit status 2) naming the flag."""
     for flag in ("tokens", "experts", "topk", "hidden"):
         if getattr(args, flag) < 1:
             parser.error(f"argument --{flag}: must be >= 1, got {getattr(args, flag)}")
     if args.topk > args.experts:
         parser.error(f"argument --topk: {args.topk} exceeds --experts {args.experts}")
+
+
+def validate_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--device (imports torch), checked before any work; its default: cuda if CUDA is present, else cpu."""
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(args.device)
     except RuntimeError as exc:
@@ -80,15 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--topk", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if CUDA is present, else cpu)")
     args = parser.parse_args(argv)
-    validate_args(parser, args)
+    validate_sizes(parser, args)
+    _progress("importing torch (a few seconds)")
+    validate_device(parser, args)
+    import torch
+
     print(f"permute/unpermute vs float64: T={args.tokens} E={args.experts} K={args.topk} H={args.hidden} "
-          f"on {args.device}")
+          f"on {args.device}", flush=True)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    # The stages print as they start; the table prints whole at the end, not cut by them.
+    tables = [_error_table(args.tokens, args.experts, args.topk, args.hidden, dtype, args.device) for dtype in dtypes]
     print(f"{'dtype':>10} | {'pass':<22} | max |ours - float64|")
     ok = True
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        table = _error_table(args.tokens, args.experts, args.topk, args.hidden, dtype, args.device)
+    for dtype, table in zip(dtypes, tables):
         for name, value in table.items():
             shown = ("yes" if value else "NO") if name == "repeatable bitwise" else f"{value:.3e}"
             print(f"{str(dtype).replace('torch.', ''):>10} | {name:<22} | {shown}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -189,3 +190,62 @@ def test_version(capsys):
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"moe-dispatch {moe_dispatch.__version__}\n"
     assert str(Version(moe_dispatch.__version__)) == moe_dispatch.__version__  # a normalised PEP 440 version
+
+
+# A fresh interpreter runs the console script's main on argv and says on stderr whether torch was loaded.
+_NO_TORCH_PROBE = """\
+import sys
+from moe_dispatch.tools import cli
+try:
+    code = cli.main(sys.argv[1:])
+finally:
+    print("torch loaded" if "torch" in sys.modules else "torch not loaded", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv", [
+    ["check", "--tokens", "1"], ["check", "--no-such-flag"], ["check", "--ranks", "0"], ["check", "--dtype", "fp8"],
+    ["check", "--ep-sizes", "2,2"], ["ops-demo", "--tokens", "0"], ["ops-demo", "--bogus"],
+], ids=" ".join)
+def test_a_bad_flag_is_refused_before_torch_loads(argv):
+    # Importing torch takes seconds: the flags the parser alone can judge are refused before it.
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH_PROBE, *argv], capture_output=True, text=True,
+                          timeout=60)
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("error:") == 1 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.rstrip().endswith("torch not loaded"), proc.stderr
+    assert seconds < 5, f"{seconds:.1f} s to refuse {argv}"
+
+
+def test_the_parser_lists_the_config_dispatchers():
+    # args.py writes the dispatcher kinds out (so it loads without torch): the same list as MoEConfig's.
+    from moe_dispatch import config
+    from moe_dispatch.tools.check import args
+
+    assert args.DISPATCHER_KINDS == config.DISPATCHER_KINDS
+    assert {name: args.torch_dtype(name) for name in args.DTYPE_NAMES} == args.DTYPES
+    assert args.DTYPES == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def test_check_says_it_is_starting_the_ranks(spawned, capsys):
+    assert cli.main(["check", "--backend", "gloo", "--ranks", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("moe-dispatch check: importing torch") and len(out) == 2, out
+    assert out[1].startswith("moe-dispatch check: starting 2 ranks on gloo; each imports torch"), out
+
+
+def test_ops_demo_prints_each_stage_before_the_table(capsys):
+    assert cli.main(["ops-demo", "--device", "cpu", "--tokens", "16", "--experts", "4", "--topk", "2",
+                     "--hidden", "8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(out) if line.lstrip().startswith("dtype |"))
+    stages = [line.split(" s  ", 1)[1] for line in out[:header] if line.startswith("  ... ")]
+    expected = ["importing torch (a few seconds)"]
+    for dtype in ("float32", "bfloat16", "float16"):
+        expected += [f"{dtype}: routing 16 tokens to 4 experts, top-2, and the [T * K, H] expert rows",
+                     f"{dtype}: permute + unpermute, forward and backward",
+                     f"{dtype}: the same again, for the bitwise repeatability", f"{dtype}: the float64 reference"]
+    assert stages == expected, out
+    assert out[-1] == "PASS" and not any(line.startswith("  ... ") for line in out[header:]), out

@@ -1,6 +1,10 @@
 """The flags of `moe-dispatch check`: the parser, and every flag checked before any rank starts.
 
 A bad flag is one ``parser.error`` (exit status 2) naming it, printed once under torchrun.
+
+This module imports no torch (nor anything that does) when it loads: ``validate_flags`` checks what
+the flags alone decide in a fraction of a second; ``validate_with_torch`` imports torch (seconds) for the
+checks that need it: the backend and world size, the memory of this machine, MoEConfig.
 """
 from __future__ import annotations
 
@@ -8,14 +12,33 @@ import argparse
 import os
 import re
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from ...config import DISPATCHER_KINDS, MoEConfig
-from ..check_sizes import SIZE_FLAGS, memory_per_rank, size_problem
+    from ...config import MoEConfig
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+# The --dtype names and their torch dtypes' names; DTYPES (name -> torch dtype) loads torch on first use.
+_TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+DTYPE_NAMES = tuple(_TORCH_DTYPE_NAMES)
+# config.DISPATCHER_KINDS, written out so that the parser loads without torch (tests/tools/test_cli.py
+# checks that the two agree).
+DISPATCHER_KINDS = ("allgather", "alltoall")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a --dtype name (imports torch)."""
+    import torch
+
+    return getattr(torch, _TORCH_DTYPE_NAMES[name])
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # ``from .args import DTYPES`` in the rank code, which has torch loaded anyway
+        value = globals()[name] = {n: torch_dtype(n) for n in DTYPE_NAMES}
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ep-sizes", default=None,
                         help="comma-separated EP sizes to compare (default: powers of two up to --ranks)")
     parser.add_argument("--dispatcher", choices=["both", *DISPATCHER_KINDS], default="both")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bf16", help="activation dtype")
     parser.add_argument("--router-dtype", choices=["fp32", "fp64"], default="fp32")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per rank (at least 2)")
     parser.add_argument("--hidden", type=int, default=64)
@@ -63,17 +86,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def base_config(args: argparse.Namespace, **overrides) -> MoEConfig:
     """The MoEConfig the check's flags describe (``overrides``: further fields, such as the dispatcher)."""
+    from ...config import MoEConfig
+
     return MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
                      router_dtype=args.router_dtype, init_seed=args.seed, fp8=args.fp8, **overrides)
 
 
 def default_backend(args: argparse.Namespace) -> str:
     """--backend, else nccl with CUDA and gloo without."""
+    import torch
+
     return args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
 
 
 def spawn_world(args: argparse.Namespace, backend: str) -> int:
     """Ranks to spawn when not under torchrun: --ranks, else one per GPU on nccl and 4 on gloo."""
+    import torch
+
     return args.ranks or (torch.cuda.device_count() if backend == "nccl" else 4)
 
 
@@ -99,29 +128,16 @@ def _config_error_as_flags(message: str) -> str:
     return f"argument {flag}: {text[len(flag) + 1:] if text.startswith(flag + ' ') else text}"
 
 
-def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Optional[list[str]]) -> int:
-    """Check every flag before any process or process group starts; returns the world size.
-
-    A bad flag is one ``parser.error`` (exit status 2) naming the flag, never a traceback per
-    rank; a check that would compare nothing is refused the same way."""
+def validate_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Optional[list[str]]) -> None:
+    """The checks the flags alone decide, without torch: a bad flag is refused in a fraction of a
+    second, not after the seconds torch takes to import. One ``parser.error`` (exit status 2)."""
     fail = parser.error
     if args.ranks is not None and args.ranks < 1:
         fail(f"argument --ranks: must be >= 1, got {args.ranks}")
-    backend = default_backend(args)
-    if backend == "nccl" and not torch.cuda.is_available():
-        fail("argument --backend: nccl needs CUDA, which is not available here (use --backend gloo)")
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if args.ranks is not None and args.ranks != world:
             fail(f"argument --ranks: {args.ranks} differs from torchrun's WORLD_SIZE={world}; leave --ranks out")
-    else:
-        world = spawn_world(args, backend)
-        if backend == "nccl" and world > torch.cuda.device_count():
-            fail(f"argument --ranks: {world} ranks on nccl need {world} GPUs, this machine has "
-                 f"{torch.cuda.device_count()} (use --backend gloo for more ranks than GPUs)")
-    defaults = {name: parser.get_default(name) for name in SIZE_FLAGS}
-    if problem := size_problem(args, defaults, world, DTYPES[args.dtype].itemsize, memory_per_rank(backend, world)):
-        fail(problem)  # before any rank starts: not an allocator error in each rank's traceback
     # The truncation test zeroes tokens keep.. and compares tokens 0..keep-1, and one token alone
     # against the first: it needs a token on each side of the cut.
     if args.tokens < 2:
@@ -137,6 +153,46 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
         fail(f"argument --fp8: needs --dtype bf16, got --dtype {args.dtype}")
     if args.topk == 1:  # MoEConfig would ask for pre_softmax, which the check has no flag for
         fail("argument --topk: must be >= 2 (the check's softmax router over one chosen expert gets no gradient)")
+    if args.ep_sizes is not None:
+        sizes = _ep_sizes(args.ep_sizes)
+        if sizes is None:
+            fail(f"argument --ep-sizes: expected comma-separated ints such as 1,2,4, got {args.ep_sizes!r}")
+        if len(set(sizes)) < len(sizes):
+            fail(f"argument --ep-sizes: {args.ep_sizes!r} lists a size twice (it would compare a run with itself)")
+
+
+def _ep_sizes(text: str) -> Optional[list[int]]:
+    """--ep-sizes as ints, or None if it is not a comma-separated list of ints."""
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        return None
+
+
+def validate_with_torch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The checks that import torch, after ``validate_flags``: the backend, the world size, this
+    machine's memory, MoEConfig; returns the world size. Like ``validate_flags``, before any
+    process or process group starts: a bad flag is one ``parser.error`` (exit status 2) naming the
+    flag, never a traceback per rank; a check that would compare nothing is refused the same way."""
+    import torch
+
+    from ..check_sizes import SIZE_FLAGS, memory_per_rank, size_problem
+
+    fail = parser.error
+    backend = default_backend(args)
+    if backend == "nccl" and not torch.cuda.is_available():
+        fail("argument --backend: nccl needs CUDA, which is not available here (use --backend gloo)")
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+    else:
+        world = spawn_world(args, backend)
+        if backend == "nccl" and world > torch.cuda.device_count():
+            fail(f"argument --ranks: {world} ranks on nccl need {world} GPUs, this machine has "
+                 f"{torch.cuda.device_count()} (use --backend gloo for more ranks than GPUs)")
+    defaults = {name: parser.get_default(name) for name in SIZE_FLAGS}
+    itemsize = torch_dtype(args.dtype).itemsize
+    if problem := size_problem(args, defaults, world, itemsize, memory_per_rank(backend, world)):
+        fail(problem)  # before any rank starts: not an allocator error in each rank's traceback
     try:
         base = base_config(args)
         for kind in DISPATCHER_KINDS if args.dispatcher == "both" else (args.dispatcher,):
@@ -146,14 +202,7 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
     if args.experts % world:
         fail(f"argument --experts: {args.experts} experts do not split over the {world} ranks "
              f"(the throughput line runs at EP {world})")
-    if args.ep_sizes is not None:
-        try:
-            sizes = [int(s) for s in args.ep_sizes.split(",")]
-        except ValueError:
-            fail(f"argument --ep-sizes: expected comma-separated ints such as 1,2,4, got {args.ep_sizes!r}")
-        for s in sizes:  # a divisor of the world divides --experts too (checked above)
-            if s < 1 or world % s:
-                fail(f"argument --ep-sizes: {s} does not divide the {world} ranks")
-        if len(set(sizes)) < len(sizes):
-            fail(f"argument --ep-sizes: {args.ep_sizes!r} lists a size twice (it would compare a run with itself)")
+    for s in _ep_sizes(args.ep_sizes) if args.ep_sizes is not None else []:
+        if s < 1 or world % s:  # a divisor of the world divides --experts too (checked above)
+            fail(f"argument --ep-sizes: {s} does not divide the {world} ranks")
     return world

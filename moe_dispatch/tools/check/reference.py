@@ -23,6 +23,21 @@ def _ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 REFERENCE_LABEL = "reference, not ours: "
+FLOAT64_LABEL = "ours vs float64 sum of the same expert outputs: "
+
+# Under the table when the float64 row is there (report.py), for bf16/fp16 and for fp32 outputs.
+FLOAT64_LEGEND = """\
+The float64 row: our combine sums a token's p * y terms in one fixed order in {router} and rounds
+the sum once to {dtype}. The row takes the {router} sum's own error bound off each output's error
+and shows what is left in ulps of {dtype}: that is the final rounding, and rounding to nearest errs
+by at most half an ulp, so the bound is 0.50 (a second rounding, or a wrong combine, shows more).
+The worst of the {outputs:,} outputs ({tokens} tokens x H={hidden} x {ranks} ranks) prints 0.50 because
+among that many roundings one falls a hair from halfway between two {dtype} numbers: just under
+half an ulp (0.4999 with the default flags), which two decimals show as the bound itself."""
+FLOAT64_LEGEND_FP32 = """\
+The float64 row: our combine sums a token's p * y terms in one fixed order in {router} and rounds
+once to fp32; the row shows the worst error as a fraction of its bound (half an fp32 ulp for that
+rounding plus twice the {router} sum's own error bound), so anything up to 1 passes."""
 
 
 @torch.no_grad()
@@ -100,7 +115,7 @@ def combine_rows(args: argparse.Namespace, device: torch.device, layer: torch.nn
     worst = torch.tensor([float(worst_of.max())], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     measured = f"{float(worst):.2f} {unit}"
-    rows = [Result(f"ours vs float64 sum of the same expert outputs: {measured}", float(err.max()), within)]
+    rows = [Result(f"{FLOAT64_LABEL}{measured}", float(err.max()), within)]
     single = reduce_scatter_combine(probs, y, 1)
     for ep in [s for s in sizes if s > 1] or [2]:
         if args.experts % ep:

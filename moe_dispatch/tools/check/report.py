@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from .args import DTYPES, base_config
-from .contract import Result
-from .reference import REFERENCE_LABEL
+from .contract import Result, progress
+from .reference import FLOAT64_LABEL, FLOAT64_LEGEND, FLOAT64_LEGEND_FP32, REFERENCE_LABEL
 
 
 def throughput(args: argparse.Namespace, device: torch.device) -> str:
@@ -21,6 +21,7 @@ def throughput(args: argparse.Namespace, device: torch.device) -> str:
 
     world = dist.get_world_size()
     config = base_config(args, dispatcher="alltoall" if args.dispatcher == "both" else args.dispatcher)
+    progress(dist.get_rank(), f"throughput: 5 timed steps of the layer at EP {world}, {config.dispatcher}")
     layer = MoELayer(config, layer_index=0).to(device)
     x = torch.randn((args.tokens, args.hidden), device=device).to(DTYPES[args.dtype]).requires_grad_()
     steps = 5
@@ -53,14 +54,22 @@ is rounded twice, so its output changes with the EP size; our combine sums a tok
 outputs in one fixed order in fp32 and rounds once, at every EP size.{same}"""
 
 
-def _print_table(results: list[Result], dtype: str) -> None:
-    """The rows, with a legend above and, under reference rows, what they compute."""
+def _print_table(args: argparse.Namespace, results: list[Result]) -> None:
+    """The rows, with a legend above and, under the float64 row and reference rows, what they
+    compute. A skipped row shows no number: it measured nothing."""
+    dtype = args.dtype
     print(LEGEND)
     width = max(len(r.check) for r in results)
     print(f"{'check':<{width}} | {'max |diff|':>10} | result")
     print("-" * (width + 22))
     for r in results:
-        print(f"{r.check:<{width}} | {r.max_diff:>10.3e} | {r.status}")
+        shown = "-" if r.skipped else f"{r.max_diff:.3e}"
+        print(f"{r.check:<{width}} | {shown:>10} | {r.status}")
+    if any(r.check.startswith(FLOAT64_LABEL) for r in results):
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        legend = FLOAT64_LEGEND_FP32 if dtype == "fp32" else FLOAT64_LEGEND
+        print(legend.format(dtype=dtype, router=args.router_dtype, tokens=args.tokens, hidden=args.hidden,
+                            ranks=ranks, outputs=args.tokens * args.hidden * ranks))
     reference = [r for r in results if r.check.startswith(REFERENCE_LABEL)]
     if reference:
         same = ("\n(Here the partials need no rounding, probs and activations sharing a dtype, so these rows "
@@ -70,7 +79,7 @@ def _print_table(results: list[Result], dtype: str) -> None:
 
 def print_report(args: argparse.Namespace, results: list[Result], throughput_line: str) -> None:
     """The table, the --megatron notes, the throughput line and the verdict (rank 0 calls it)."""
-    _print_table(results, args.dtype)
+    _print_table(args, results)
     if args.megatron:
         from ...integrations.megatron.check import explain
         for note in explain(results):
