@@ -6,6 +6,7 @@ the real torch this suite runs on (the version scripts/setup_venv.sh pins) and t
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -181,3 +182,25 @@ def test_editable_install_is_quiet(source, tmp_path):
     spec = _run(venv / "bin" / "python", "-c", "import importlib.util as u; print(u.find_spec('moe_dispatch').origin)",
                 cwd=tmp_path)
     assert Path(spec.stdout.strip()) == source / "moe_dispatch" / "__init__.py", spec.stderr
+
+
+def test_the_setup_venv_environment_meets_every_pin(metadata):
+    """The venv scripts/setup_venv.sh builds: `pip check` is clean, and every requirement of the
+    package and of its test extra is met. pip check reads no extras, so the second half is ours:
+    numpy 2.4 beside the test extra's numpy<2.4 passes pip check."""
+    if Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
+        pytest.skip("not the venv scripts/setup_venv.sh builds")
+    proc = _run(sys.executable, "-m", "pip", "check")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    unmet = []
+    for req in map(Requirement, metadata.get_all("Requires-Dist")):
+        if req.marker is not None and not req.marker.evaluate({"extra": "test"}):
+            continue  # another extra's
+        try:
+            version = importlib.metadata.version(req.name)
+        except importlib.metadata.PackageNotFoundError:
+            unmet.append(f"{req}: not installed")
+            continue
+        if not req.specifier.contains(version, prereleases=True):
+            unmet.append(f"{req}: {req.name} {version} installed")
+    assert not unmet, "; ".join(unmet) + " (bash scripts/setup_venv.sh installs every pin in one pip run)"
