@@ -6,28 +6,41 @@
 A plain megatron-core training loop (GPTModel from the local spec, no TransformerEngine). The lines
 marked ``# moe-dispatch`` are all that a Megatron training script adds: our MoE layer comes in
 through the layer spec, so the model, its checkpoint and the loop stay Megatron's own. Needs
-megatron-core 0.16.1 through 0.19.2 and CUDA (the test suite runs it on CPU ranks, in fp32).
+megatron-core 0.16.1 through 0.19.2 and CUDA: megatron-core's MoE code asks for CUDA devices and
+streams even for CPU tensors. Without them the script stops at once, saying what is missing (the
+test suite runs ``main`` on CPU ranks, in fp32, through test-only shims: tests/megatron_cpu.py).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
+import sys
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from moe_dispatch.config import DISPATCHER_KINDS
-from moe_dispatch.integrations.megatron import deterministic_moe_spec  # moe-dispatch
+from moe_dispatch.integrations.megatron import deterministic_moe_spec  # moe-dispatch (imports no megatron-core)
 
 VOCAB, SEQ, BATCH = 128, 32, 4
+
+
+def missing() -> Optional[str]:
+    """What this script needs and this machine lacks, as one line; None when it can run."""
+    try:
+        have_megatron = importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):
+        have_megatron = False
+    needs = [] if have_megatron else ["megatron-core 0.16.1 through 0.19.2 (pip install '.[megatron]')"]
+    if not torch.cuda.is_available():
+        needs.append("CUDA, one GPU per rank (megatron-core's MoE code asks for CUDA devices and streams)")
+    if not needs:
+        return None
+    return (f"examples/megatron_gpt.py needs {' and '.join(needs)}. On CPU, `moe-dispatch check` shows the "
+            "contract on our own layer")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -40,6 +53,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    # megatron-core, imported here: the script checks that it is installed before it comes to this.
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     args = parse_args(argv)
     # megatron-core <= 0.17 logs "Unknown MLP type" for a layer built from a custom MoE spec
     logging.getLogger("megatron.core.transformer.transformer_layer").setLevel(logging.ERROR)
@@ -100,4 +121,9 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
+    if why := missing():
+        # One line, from rank 0 only under torchrun (which then reports the ranks' exit status 1).
+        if os.environ.get("RANK", "0") == "0":
+            print(why, file=sys.stderr)
+        raise SystemExit(1)
     main()
