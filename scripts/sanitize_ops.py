@@ -130,7 +130,7 @@ def case_edges() -> str:
     probs = probs * routing_map
     tokens, routing_map, probs = cuda(tokens, routing_map, probs)
     permuted, permuted_probs, rmap = permute(tokens, routing_map, probs, num_out_tokens=200)
-    routed = int(rmap.tokens_per_expert.sum())
+    routed = int(rmap.expert_rows.sum())
     assert torch.equal(permuted[routed:], torch.zeros_like(permuted[routed:]))
     out = unpermute(permuted, rmap, probs, restore_shape=(40, 1, 200))
     assert out.shape == (40, 1, 200) and torch.equal(out[5], torch.zeros_like(out[5]))

@@ -44,7 +44,7 @@ from ..distributed.agreement import (
 from ..distributed.comm import ProcessGroup, all_gather_rows, all_to_all_rows
 from ..distributed.identity import CallId
 from ..numerics.autograd import refuse_double_backward
-from ..ops.torch_twin import round_up
+from ..numerics.rounding import round_up
 from .static_words import read_status_at, write_status_at
 
 if TYPE_CHECKING:

@@ -95,7 +95,7 @@ class DispatchHandle:
     @property
     def device_expert_rows(self) -> torch.Tensor:
         """int64 [El] on the device, rows per local expert block (padding included): no host read."""
-        return self.expert_map.padded_tokens_per_expert
+        return self.expert_map.padded_expert_rows
 
     @property
     def host_expert_rows(self) -> torch.Tensor:

@@ -36,7 +36,7 @@ from ..distributed.agreement import (
 )
 from ..distributed.comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
 from ..distributed.identity import CallId
-from ..ops.torch_twin import round_up
+from ..numerics.rounding import round_up
 
 _HIDDEN_DTYPES = tuple(dtype_code(d) for d in (torch.float32, torch.float16, torch.bfloat16))
 _PROBS_DTYPES = (*_HIDDEN_DTYPES, dtype_code(torch.float64))

@@ -128,7 +128,7 @@ def _fitting(counts: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def expert_map_and_route(plan: StaticPlan, recv: Received, hidden_size: int,
                          hidden_itemsize: int) -> tuple[RowIdMap, Optional[StaticRoute]]:
-    """The receiver layout's RowIdMap (padded_tokens_per_expert: the blocks' rows, cut to N) and,
+    """The receiver layout's RowIdMap (padded_expert_rows: the blocks' rows, cut to N) and,
     at EP > 1, the return route."""
     sizes = plan.layout
     P, El, N, K = sizes.ep_size, sizes.num_local_experts, sizes.recv_rows, sizes.topk

@@ -53,6 +53,8 @@ import torch
 
 from ..numerics.autograd import refuse_double_backward
 from ..numerics.fixed_order import ordered_mm
+from ..numerics.rounding import round_up
+from ..ops.quantize import quantize_rows
 
 # wgrad's group row counts are padded to this for the CUDA kernel (rows multiple of 16).
 WGRAD_ROW_MULTIPLE = 16
@@ -60,22 +62,9 @@ _OUT_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.bfloat16, torch.float16,
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (q [T, H] fp8_dtype, scales [T] fp32) by the ops' one row quantiser on x's device."""
-    if x.device.type == "cuda":
-        from ..ops.triton_kernels import quantize_rows as rows
-    else:
-        from ..ops.torch_twin import quantize_rows as rows
-    return rows(x, fp8_dtype)
-
-
 def _dense(x: torch.Tensor) -> torch.Tensor:
     """x contiguous and 16-byte aligned (the grouped kernels reject other operands), copied only if not."""
     return x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone(memory_format=torch.contiguous_format)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _chunks(lengths: Sequence[int], budget: int) -> List[Tuple[int, int]]:
@@ -100,7 +89,7 @@ def quantize_group_columns(x: torch.Tensor, counts: Sequence[int], fp8_dtype: to
     Groups of experts are zero-padded to their longest and quantised in one ``quantize_rows`` call
     each: zeros change no row's amax, so the values are those of one call per expert."""
     n_rows, c = x.shape
-    padded = [_round_up(n, pad_to) for n in counts]
+    padded = [round_up(n, pad_to) for n in counts]
     qt = torch.zeros(c, sum(padded), dtype=torch.uint8, device=x.device)  # uint8: index ops on float8 vary
     scales = torch.ones(len(counts), c, dtype=torch.float32, device=x.device)
     starts = [0]
@@ -154,7 +143,7 @@ def _twin_wgrad(xt: torch.Tensor, sx: torch.Tensor, dyt: torch.Tensor, sdy: torc
     for e, n in enumerate(counts):
         acc = ordered_mm(xt[:, start : start + n].float(), dyt[:, start : start + n].float().t())
         dw[e] = (acc * sx[e][:, None] * sdy[e][None, :]).to(out_dtype)
-        start += _round_up(n, WGRAD_ROW_MULTIPLE)
+        start += round_up(n, WGRAD_ROW_MULTIPLE)
     return dw
 
 
@@ -172,7 +161,7 @@ def _cuda_wgrad(xt: torch.Tensor, sx: torch.Tensor, dyt: torch.Tensor, sdy: torc
     e, k, m = len(counts), xt.shape[0], dyt.shape[0]
     if xt.shape[1] == 0:
         return xt.new_zeros(e, k, m, dtype=torch.bfloat16)
-    padded = torch.tensor([_round_up(n, WGRAD_ROW_MULTIPLE) for n in counts], dtype=torch.int64)
+    padded = torch.tensor([round_up(n, WGRAD_ROW_MULTIPLE) for n in counts], dtype=torch.int64)
     offs = torch.cumsum(padded, 0).to(device=xt.device, dtype=torch.int32)
     dw = torch._scaled_grouped_mm(xt, dyt.t(), sx.reshape(-1), sdy.reshape(-1), offs=offs, out_dtype=torch.bfloat16)
     empty = [i for i, n in enumerate(counts) if n == 0]

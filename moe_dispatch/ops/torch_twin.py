@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-# round_up: dispatcher/layout.py and exchange.py import it from here, until they take it from numerics.
 from ..numerics.rounding import round_up
 from . import guard
 

@@ -125,7 +125,7 @@ def naive_combine(data: dict, ids: list, group) -> torch.Tensor:
     cols = slice(me * El, (me + 1) * El)
     rows, _, row_map = permute(x, rmap[:, cols].contiguous(), probs[:, cols].contiguous())
     w, b = expert_weights(x.dtype)
-    y = run_experts(rows, row_map.tokens_per_expert, w[cols], b[cols])
+    y = run_experts(rows, row_map.expert_rows, w[cols], b[cols])
     partial = unpermute(y, row_map, probs[:, cols].contiguous())  # [P * T, H] bf16 partial sums
     if P == 1:
         return partial

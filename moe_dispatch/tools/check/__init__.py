@@ -28,7 +28,8 @@ NCCL where CUDA is present) or under torchrun, which sets the ranks:
 #              the Result row and the comparisons
 #   reference  ours against the float64 sum (in ulps), and the reduce-scatter reference rows
 #   report     the table, its legends, the throughput line and the verdict
-#   launch     main: checks the flags, spawns the ranks (or runs under torchrun); each rank's main_worker
+#   launch     main: checks the flags (no torch imported yet), then spawns the ranks or runs under torchrun
+#   ranks      each rank's main_worker: builds the layer, runs the rows, gathers the results
 from .launch import main
 
 __all__ = ["main"]
