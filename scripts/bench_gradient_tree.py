@@ -106,7 +106,7 @@ def run(method: str, ep: int, args, groups: Groups, device: torch.device) -> dic
     config = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk,
                        ffn_hidden_size=args.ffn, shared_expert_ffn_hidden_size=args.ffn, aux_loss_coeff=1e-2,
                        params_dtype=args.dtype)
-    model = Model(config, args.layers, args.classes, groups.ep[ep] if ep > 1 else None, device)
+    model = Model(config, args.layers, args.classes, groups.ep[ep], device)  # EP 1: a group of one (None: the world)
     tree = ddp = None
     bucket_bytes = 0
     if method == "tree":
@@ -230,7 +230,7 @@ def main() -> None:
             elif rank == 0:
                 print("(a) needs 4 ranks: skipped")
         eps = [int(e) for e in args.eps.split(",")] if args.eps else [e for e in (1, 2, 4, 8, 16) if e <= world]
-        groups = Groups(world, rank, [e for e in eps if e > 1])
+        groups = Groups(world, rank, eps)
         rows, finals = [], {"tree": [], "ddp": []}
         for ep in eps:
             got = {m: run(m, ep, args, groups, device) for m in ("ddp", "tree")}
@@ -256,7 +256,7 @@ def report(rows, finals, args, world: int) -> None:
             tx, gx = r["ms"] / base["ms"], r["grad"] / base["grad"] if base["grad"] else float("nan")
             verdict = "" if m == "ddp" else ("  ok" if tx <= GOAL_TIME and gx <= GOAL_MEMORY else "  over goal")
             print(f"{str((world, ep, args.micro_batches)):12} {name:22} {r['ms']:8.1f} {r['phases'][0]:8.1f} "
-                  f"{r['phases'][1]:8.1f} {r['phases'][2]:7.1f} {r['peak']:9.0f} {r['grad']:9.0f} {tx:7.2f} "
+                  f"{r['phases'][1]:8.1f} {r['phases'][2]:7.1f} {r['peak']:9.1f} {r['grad']:9.2f} {tx:7.2f} "
                   f"{gx:7.2f}{verdict}")
     for m, name in (("tree", "GradientTree"), ("ddp", "DDP + allreduce_expert_grads")):
         ref = finals[m][0]
