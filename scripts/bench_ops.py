@@ -229,49 +229,54 @@ def sweep(E: int, H: int, K: int, token_counts: list[int]) -> dict[str, list[tup
 
 
 def write_svg(path: str, series: dict[str, list[tuple[int, float]]], title: str) -> None:
-    """A line chart, log2 bytes on x, TB/s on y; plain SVG so the benchmark needs no plotting package."""
+    """A line chart of {label: [(bytes moved, TB/s)]}, log2 bytes on x, TB/s on y, the legend on the
+    right as wide as its longest label; the data is embedded (svg_plot.replot draws it again)."""
     import math
-    width, height, left, right, top, bottom = 720, 440, 70, 190, 40, 70
+
+    import svg_plot
+
+    plot_w, plot_h, left, top, bottom = 460, 330, 70, 40, 70
+    legend_w = 36 + max(svg_plot.text_width(label) for label in series) + 10
+    width = max(left + plot_w + legend_w, 10 + svg_plot.text_width(title, 14) + 10)
+    height = top + plot_h + bottom
     xs = [x for pts in series.values() for x, _ in pts]
     x_lo, x_hi = math.log2(min(xs)), math.log2(max(xs))
     y_hi = max(5.0, max(y for pts in series.values() for _, y in pts))
 
     def px(x: float) -> float:
-        return left + (math.log2(x) - x_lo) / max(x_hi - x_lo, 1e-9) * (width - left - right)
+        return left + (math.log2(x) - x_lo) / max(x_hi - x_lo, 1e-9) * plot_w
 
     def py(y: float) -> float:
-        return height - bottom - y / y_hi * (height - top - bottom)
+        return top + plot_h - y / y_hi * plot_h
 
     colors = ["#555555", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-           'font-size="12">', f'<text x="{left}" y="20" font-size="14">{title}</text>']
+    out = [*svg_plot.header(width, height), svg_plot.metadata("bench_ops:write_svg", series=series, title=title),
+           svg_plot.text(10, 20, title, font_size=14)]
     for tick in range(int(y_hi) + 1):
-        out.append(f'<line x1="{left}" x2="{width - right}" y1="{py(tick):.1f}" y2="{py(tick):.1f}" stroke="#ddd"/>')
-        out.append(f'<text x="{left - 8}" y="{py(tick) + 4:.1f}" text-anchor="end">{tick}</text>')
+        out.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{py(tick):.1f}" y2="{py(tick):.1f}" stroke="#ddd"/>')
+        out.append(svg_plot.text(left - 8, py(tick) + 4, str(tick), text_anchor="end"))
     # At most about 7 labels, each a power of two, slanted so that neighbours never overlap.
     exponents = list(range(math.ceil(x_lo), math.floor(x_hi) + 1))
     for e in exponents[::max(1, math.ceil(len(exponents) / 7))]:
         label = (f"{2 ** e / 2 ** 30:.0f} GiB" if e >= 30 else f"{2 ** e / 2 ** 20:.0f} MiB" if e >= 20
                  else f"{2 ** e / 2 ** 10:.0f} KiB")
-        x, y = px(2 ** e), height - bottom + 14
-        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{height - bottom}" y2="{height - bottom + 4}" stroke="#444"/>')
-        out.append(f'<text x="{x:.1f}" y="{y}" text-anchor="end" transform="rotate(-30 {x:.1f} {y})">{label}</text>')
-    out.append(f'<text x="{(left + width - right) / 2}" y="{height - 10}" text-anchor="middle">bytes moved per '
-               'call (log scale)</text>')
-    out.append(f'<text x="18" y="{(top + height - bottom) / 2}" transform="rotate(-90 18 '
-               f'{(top + height - bottom) / 2})" text-anchor="middle">achieved TB/s (bytes / CUDA-graph time)</text>')
+        x, y = px(2 ** e), top + plot_h + 14
+        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top + plot_h}" y2="{top + plot_h + 4}" stroke="#444"/>')
+        out.append(svg_plot.text(x, y, label, text_anchor="end", transform=f"rotate(-30 {x:.1f} {y})"))
+    out.append(svg_plot.text(left + plot_w / 2, height - 10, "bytes moved per call (log scale)",
+                             text_anchor="middle"))
+    mid = top + plot_h / 2
+    out.append(svg_plot.text(18, mid, "achieved TB/s (bytes / CUDA-graph time)", text_anchor="middle",
+                             transform=f"rotate(-90 18 {mid})"))
     for i, (label, pts) in enumerate(series.items()):
         color = colors[i % len(colors)]
         dash = ' stroke-dasharray="5,4"' if i == 0 else ""
         coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
         out.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
-        ly = top + 10 + 18 * i
-        out.append(f'<line x1="{width - right + 10}" x2="{width - right + 30}" y1="{ly}" y2="{ly}" stroke="{color}" '
-                   f'stroke-width="2"{dash}/>')
-        out.append(f'<text x="{width - right + 36}" y="{ly + 4}">{label}</text>')
-    out.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(out) + "\n")
+        lx, ly = left + plot_w + 10, top + 10 + 18 * i
+        out.append(f'<line x1="{lx}" x2="{lx + 20}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/>')
+        out.append(svg_plot.text(lx + 26, ly + 4, label))
+    svg_plot.write(path, out)
 
 
 def host_overhead() -> list[tuple[str, float]]:
