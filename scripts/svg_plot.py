@@ -23,6 +23,39 @@ def text_width(text: str, size: float = 12) -> float:
     return CHAR_WIDTH * size * len(text)
 
 
+def wrap(content: str, width: float, size: float = 12) -> list[str]:
+    """``content`` in lines no wider than ``width`` px: broken after "; " where it must be, and a
+    part still too wide after ", " (a piece wider than ``width`` stays whole)."""
+    def greedy(parts: list[str]) -> list[str]:
+        lines = [parts[0]]
+        for part in parts[1:]:
+            if text_width(f"{lines[-1]} {part}", size) <= width:
+                lines[-1] = f"{lines[-1]} {part}"
+            else:
+                lines.append(part)
+        return lines
+
+    out = []
+    for line in greedy(content.replace("; ", ";\n").split("\n")):
+        out += greedy(line.replace(", ", ",\n").split("\n")) if text_width(line, size) > width else [line]
+    return out
+
+
+def nice_ticks(lo: float, hi: float, most: int = 7) -> list[float]:
+    """Multiples of 1, 2, 2.5 or 5 x 10^k inside [lo, hi], at most ``most`` of them (at least 2
+    where the range holds them)."""
+    import math
+
+    span = hi - lo if hi > lo else 1.0
+    for exp in range(math.floor(math.log10(span)) - 1, math.ceil(math.log10(span)) + 1):
+        for m in (1, 2, 2.5, 5):
+            step = m * 10.0 ** exp
+            first, last = math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9)
+            if last - first + 1 <= most:
+                return [round(k * step, 10) for k in range(first, last + 1)]
+    return [lo, hi]
+
+
 def header(width: float, height: float, font_size: int = 12) -> list[str]:
     """The opening tag (its viewBox is the drawing's extent) and a white background."""
     return [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '

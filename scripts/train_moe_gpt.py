@@ -10,9 +10,9 @@ its data-parallel group (expert gradients over the expert-data-parallel group), 
 does.
 
 What it shows, per EP size, for each dispatcher (allgather, alltoall):
-- the loss curves (``--svg``: a plain SVG, one panel per EP size and variant, both dispatchers in
-  it) and the largest loss difference between the dispatchers on any rank, per step (``--diff-svg``:
-  log scale, ours drawn on its 0 baseline, stock Megatron above it);
+- the loss curves (``--svg``: a plain SVG, one panel, a colour per EP size and variant, both
+  dispatchers in it) and the largest loss difference between the dispatchers on any rank, per
+  step (``--diff-svg``: log scale, ours drawn on its 0 baseline, stock Megatron above it);
 - that the loss, every expert weight gradient and every router weight gradient are bitwise
   identical between allgather and alltoall at every step (our dispatcher: a claim that fails
   the run; stock Megatron: shown for comparison);
@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", choices=["split", "same"], default="split",
                    help="split: each rank its own tokens; same: every rank the same tokens")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--svg", default=None, help="write the loss curves to this SVG file (one panel per EP size)")
+    p.add_argument("--svg", default=None,
+                   help="write the loss curves to this SVG file (one panel, a colour per EP size and variant)")
     p.add_argument("--diff-svg", default=None,
                    help="write, per step, the largest loss difference between the two dispatchers on any rank "
                         "(ours and, with --stock, stock Megatron) to this SVG file, log scale, 0 drawn")
@@ -400,16 +401,26 @@ def dispatcher_differences(dump: dict) -> dict:
 def write_diff_svg(path: str, series: dict, title: str) -> None:
     """A plain SVG of {label: [difference per step]} on a log y axis, where 0 (bitwise equal) is
     drawn on its own baseline under the lowest decade, so that a run at 0 shows as a visible line
-    with markers rather than vanishing off a log scale."""
+    with markers rather than vanishing off a log scale. The legend is as wide as its longest entry;
+    the title wraps to the drawing's width."""
     import math
 
-    width, height, left, right, top, bottom = 760, 420, 80, 250, 34, 45
+    import svg_plot
+
+    left = 24 + svg_plot.text_width("0 (bitwise)") + 10  # the axis title, then the widest tick label
+    pw, ph, bottom = 430, 341, 45
+    notes = {label: "0 at every step" if all(v == 0 for v in ys) else f"max {max(ys):.2g}"
+             for label, ys in series.items()}
+    entries = [f"{label} ({note})" for label, note in notes.items()]
+    width = left + pw + 12 + 34 + max(svg_plot.text_width(e) for e in entries) + 10
+    titles = svg_plot.wrap(title, width - 20, 14)
+    top = 34 + 18 * (len(titles) - 1)
+    height = top + ph + bottom
     positive = [v for ys in series.values() for v in ys if v > 0]
     lo = math.floor(math.log10(min(positive))) if positive else -8
     hi = math.ceil(math.log10(max(positive))) if positive else -7
     hi = max(hi, lo + 1)
     steps = max(len(ys) for ys in series.values())
-    pw, ph = width - left - right, height - top - bottom
     zero_y = top + ph - 8  # the 0 baseline; decades lo..hi above it
     decade_h = (ph - 40) / (hi - lo)
 
@@ -419,92 +430,108 @@ def write_diff_svg(path: str, series: dict, title: str) -> None:
     def x_of(i: int) -> float:
         return left + pw * i / max(1, steps - 1)
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-           f'font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{left}" y="20" font-size="14">{title}</text>',
-           f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>']
+    out = [*svg_plot.header(width, height), svg_plot.metadata("train_moe_gpt:write_diff_svg", series=series,
+                                                               title=title)]
+    out += [svg_plot.text(10, 20 + 18 * n, line, font_size=14) for n, line in enumerate(titles)]
+    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
     for e in range(lo, hi + 1):
         y = y_of(10.0 ** e)
         out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" stroke="#ddd"/>'
-                   f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">1e{e}</text>')
+                   + svg_plot.text(left - 6, y + 4, f"1e{e}", text_anchor="end"))
     brk = zero_y - 14  # the axis break between the 0 baseline and the lowest decade
     out.append(f'<line x1="{left}" y1="{brk:.1f}" x2="{left + pw}" y2="{brk:.1f}" stroke="#888" '
-               'stroke-dasharray="2,3"/>'
-               f'<text x="{left - 6}" y="{zero_y + 4:.1f}" text-anchor="end">0 (bitwise)</text>')
+               'stroke-dasharray="2,3"/>' + svg_plot.text(left - 6, zero_y + 4, "0 (bitwise)", text_anchor="end"))
     for k in range(6):
         i = round((steps - 1) * k / 5)
-        out.append(f'<text x="{x_of(i):.1f}" y="{top + ph + 18}" text-anchor="middle">{i}</text>')
-    out.append(f'<text x="{left + pw / 2}" y="{height - 8}" text-anchor="middle">step</text>')
-    out.append(f'<text x="16" y="{top + ph / 2}" transform="rotate(-90 16 {top + ph / 2})" text-anchor="middle">'
-               'max |loss difference| over ranks (log)</text>')
+        out.append(svg_plot.text(x_of(i), top + ph + 18, str(i), text_anchor="middle"))
+    out.append(svg_plot.text(left + pw / 2, height - 8, "step", text_anchor="middle"))
+    mid = top + ph / 2
+    out.append(svg_plot.text(16, mid, "max |loss difference| over ranks (log)", text_anchor="middle",
+                             transform=f"rotate(-90 16 {mid})"))
     colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
-    for n, (label, ys) in enumerate(series.items()):
+    for n, ((label, ys), entry) in enumerate(zip(series.items(), entries)):
         color = colors[n % len(colors)]
         zero = all(v == 0 for v in ys)
         points = " ".join(f"{x_of(i):.1f},{y_of(v):.1f}" for i, v in enumerate(ys))
         out.append(f'<polyline fill="none" stroke="{color}" stroke-width="{3 if zero else 1.5}" points="{points}"/>')
         for i, v in enumerate(ys):
             out.append(f'<circle cx="{x_of(i):.1f}" cy="{y_of(v):.1f}" r="2.5" fill="{color}"/>')
-        ly = top + 18 * n + 8
-        note = "0 at every step" if zero else f"max {max(ys):.2g}"
-        out.append(f'<line x1="{width - right + 12}" y1="{ly}" x2="{width - right + 40}" y2="{ly}" stroke="{color}" '
-                   f'stroke-width="3"/><text x="{width - right + 46}" y="{ly + 4}">{label} ({note})</text>')
-    out.append("</svg>")
-    Path(path).write_text("\n".join(out) + "\n")
+        lx, ly = left + pw + 12, top + 18 * n + 8
+        out.append(f'<line x1="{lx}" y1="{ly}" x2="{lx + 28}" y2="{ly}" stroke="{color}" stroke-width="3"/>'
+                   + svg_plot.text(lx + 34, ly + 4, entry))
+    svg_plot.write(path, out)
 
 
 def write_svg(path: str, series: dict, title: str) -> None:
-    """A plain SVG of {"EP e variant-kind": [loss per step]}: one panel per (EP size, variant), its
-    two dispatchers drawn in it (allgather solid, alltoall dashed over it), and the panel's title
-    saying whether the two curves are bitwise equal. The panels share their axes."""
-    panels: dict[str, dict[str, list]] = {}
+    """A plain SVG of {"EP e variant-kind": [loss per step]} in one panel: a colour and a dash per
+    (EP size, variant), its two dispatchers drawn in it (allgather wide and pale, alltoall narrow
+    over it), and a legend entry per colour saying whether its two curves are bitwise equal and
+    where they end."""
+    import svg_plot
+
+    groups: dict[str, dict[str, list]] = {}
     for key, ys in series.items():
-        panel, _, kind = key.rpartition("-")
-        panels.setdefault(panel, {})[kind] = ys
-    cols = 2 if len(panels) > 1 else 1
-    rows = -(-len(panels) // cols)
-    pw, ph, left, top, gap = 300, 170, 60, 40, 70
-    width, height = cols * (pw + left) + 30, top + rows * (ph + gap)
-    values = [v for ys in series.values() for v in ys]
-    lo, hi = min(values), max(values)
-    hi = hi if hi > lo else lo + 1
-    steps = max(len(ys) for ys in series.values())
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-           f'font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="10" y="20" font-size="14">{title}</text>']
-    styles = {DISPATCHER_KINDS[0]: ("#1f77b4", ""), DISPATCHER_KINDS[1]: ("#ff7f0e", ' stroke-dasharray="6,4"')}
-    for n, (panel, curves) in enumerate(panels.items()):
-        x0 = left + (n % cols) * (pw + left)
-        y0 = top + 20 + (n // cols) * (ph + gap)
-
-        def xy(i: int, v: float) -> str:
-            return f"{x0 + pw * i / max(1, steps - 1):.1f},{y0 + ph * (hi - v) / (hi - lo):.1f}"
-
+        group, _, kind = key.rpartition("-")
+        groups.setdefault(group, {})[kind] = ys
+    entries = {}
+    for group, curves in groups.items():
+        name = group.replace("ours", "moe-dispatch").replace("stock", "stock Megatron")
         same = len({tuple(ys) for ys in curves.values()}) == 1
-        name = panel.replace("ours", "moe-dispatch").replace("stock", "stock Megatron")
-        verdict = "dispatchers bitwise equal" if same else "dispatchers differ"
-        out.append(f'<text x="{x0}" y="{y0 - 8}">{name}: {verdict}</text>'
-                   f'<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
-        for k in range(3):
-            v = lo + (hi - lo) * k / 2
-            y = y0 + ph * (hi - v) / (hi - lo)
-            out.append(f'<text x="{x0 - 6}" y="{y + 4:.1f}" text-anchor="end">{v:.2f}</text>')
-        for k in range(3):
-            i = round((steps - 1) * k / 2)
-            out.append(f'<text x="{x0 + pw * i / max(1, steps - 1):.1f}" y="{y0 + ph + 16}" '
-                       f'text-anchor="middle">{i}</text>')
+        last = " / ".join(f"{ys[-1]:.3f}" for ys in list(curves.values())[:1 if same else None])
+        entries[group] = (f"{name}: {'dispatchers bitwise equal' if same else 'dispatchers differ'}; "
+                          f"step {len(next(iter(curves.values()))) - 1}: {last}")
+    kinds = {DISPATCHER_KINDS[0]: f"{DISPATCHER_KINDS[0]} (wide, pale)",
+             DISPATCHER_KINDS[1]: f"{DISPATCHER_KINDS[1]} (narrow, over it)"}
+    left, pw, ph, bottom = 60, 480, 300, 45
+    legend_w = 12 + 34 + max(svg_plot.text_width(e) for e in [*entries.values(), *kinds.values()]) + 10
+    width = left + pw + legend_w
+    titles = svg_plot.wrap(title, width - 20, 14)
+    top = 34 + 18 * (len(titles) - 1)
+    height = top + ph + bottom
+    values = [v for ys in series.values() for v in ys]
+    pad = (max(values) - min(values)) * 0.03 or 0.5
+    lo, hi = min(values) - pad, max(values) + pad
+    steps = max(len(ys) for ys in series.values())
+
+    def x_of(i: int) -> float:
+        return left + pw * i / max(1, steps - 1)
+
+    def y_of(v: float) -> float:
+        return top + ph * (hi - v) / (hi - lo)
+
+    out = [*svg_plot.header(width, height), svg_plot.metadata("train_moe_gpt:write_svg", series=series, title=title)]
+    out += [svg_plot.text(10, 20 + 18 * n, line, font_size=14) for n, line in enumerate(titles)]
+    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
+    for v in svg_plot.nice_ticks(lo, hi):
+        out.append(f'<line x1="{left}" y1="{y_of(v):.1f}" x2="{left + pw}" y2="{y_of(v):.1f}" stroke="#eee"/>'
+                   + svg_plot.text(left - 6, y_of(v) + 4, f"{v:g}", text_anchor="end"))
+    for i in svg_plot.nice_ticks(0, steps - 1):
+        out.append(svg_plot.text(x_of(i), top + ph + 16, f"{i:g}", text_anchor="middle"))
+    out.append(svg_plot.text(left + pw / 2, height - 8, "step", text_anchor="middle"))
+    mid = top + ph / 2
+    out.append(svg_plot.text(16, mid, "loss (mean over ranks)", text_anchor="middle",
+                             transform=f"rotate(-90 16 {mid})"))
+    # A colour and a dash per (EP size, variant), so that curves drawn over each other stay apart;
+    # allgather wide and pale, alltoall narrow over it (one narrow line inside a wide one: equal).
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
+    dashes = ["", ' stroke-dasharray="9,4"', ' stroke-dasharray="3,3"', ' stroke-dasharray="12,3,3,3"']
+    widths = {DISPATCHER_KINDS[0]: ' stroke-width="4" stroke-opacity="0.35"',
+              DISPATCHER_KINDS[1]: ' stroke-width="1.5"'}
+    lx = left + pw + 12
+    for n, (group, curves) in enumerate(groups.items()):
+        color, dash = colors[n % len(colors)], dashes[n % len(dashes)]
         for kind, ys in curves.items():
-            color, dash = styles.get(kind, ("#444", ""))
-            points = " ".join(xy(i, v) for i, v in enumerate(ys))
-            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5"{dash} points="{points}"/>')
-    ly = height - 16
-    for n, (kind, (color, dash)) in enumerate(styles.items()):
-        lx = left + 200 * n
+            points = " ".join(f"{x_of(i):.1f},{y_of(v):.1f}" for i, v in enumerate(ys))
+            out.append(f'<polyline fill="none" stroke="{color}"{widths.get(kind, widths[DISPATCHER_KINDS[1]])}{dash} '
+                       f'points="{points}"/>')
+        ly = top + 8 + 18 * n
         out.append(f'<line x1="{lx}" y1="{ly}" x2="{lx + 28}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/>'
-                   f'<text x="{lx + 34}" y="{ly + 4}">{kind}</text>')
-    out.append(f'<text x="{left + 400}" y="{ly + 4}">x: step, y: loss (mean over ranks)</text>')
-    out.append("</svg>")
-    Path(path).write_text("\n".join(out) + "\n")
+                   + svg_plot.text(lx + 34, ly + 4, entries[group]))
+    for n, (kind, stroke) in enumerate(widths.items()):
+        ly = top + 8 + 18 * (len(groups) + 1 + n)
+        out.append(f'<line x1="{lx}" y1="{ly}" x2="{lx + 28}" y2="{ly}" stroke="#444"{stroke}/>'
+                   + svg_plot.text(lx + 34, ly + 4, kinds[kind]))
+    svg_plot.write(path, out)
 
 
 def main(argv: list[str] | None = None, rank_fn: Callable = rank_main) -> int:
