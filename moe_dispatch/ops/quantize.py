@@ -17,6 +17,10 @@ float8_e4m3fn, 57344 for float8_e5m2):
 q * scale approximates x to the format's precision (q[t] reaches +-M at the row's amax). Block
 scales (MXFP8: one power-of-two scale per 32 elements) need Blackwell's scaled GEMMs; they are
 not implemented (docs/ops.md says where the code is ready for them).
+
+quantize_group_columns applies the same arithmetic per (expert, column) over each expert's block
+of rows, writing the quantised blocks transposed and padded per expert (the FP8 expert GEMM's
+weight-gradient operands) in one kernel.
 """
 from __future__ import annotations
 
@@ -62,3 +66,71 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor
     if _direct():
         return _impl(x).quantize_rows(x, fp8_dtype)
     return _quantize_rows_op(x, fp8_dtype)
+
+
+# Experts per call: the kernel's grid runs experts along its second axis (at most 65535).
+MAX_GROUPS = 65535
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@torch.library.custom_op("moe_dispatch::quantize_group_columns", mutates_args=())
+def _quantize_group_columns_op(x: torch.Tensor, row_starts: torch.Tensor, padded_starts: torch.Tensor,
+                               padded_rows: int, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(x).quantize_group_columns(x, row_starts, padded_starts, padded_rows, fp8_dtype)
+
+
+@_quantize_group_columns_op.register_fake
+def _(x, row_starts, padded_starts, padded_rows, fp8_dtype):
+    return (x.new_empty((x.shape[1], padded_rows), dtype=fp8_dtype),
+            x.new_empty((row_starts.shape[0] - 1, x.shape[1]), dtype=torch.float32))
+
+
+def quantize_group_columns(x: torch.Tensor, row_starts: torch.Tensor, padded_starts: torch.Tensor,
+                           padded_rows: int, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise each expert's block of rows per column, transposed and padded per expert: the
+    operands of a grouped GEMM that contracts over rows (the FP8 expert GEMM's weight gradient).
+
+    Args:
+        x: [N, C] float32, bfloat16 or float16 (any strides), expert e's rows x[s_e : s_{e+1}].
+        row_starts: [E + 1] int32/int64 on x's device, s_0 = 0 <= s_1 <= ... <= s_E = N.
+        padded_starts: [E + 1] int32/int64 on x's device, p_0 = 0, p_E = padded_rows and
+            p_{e+1} - p_e >= n_e = s_{e+1} - s_e (e.g. n_e rounded up to 16, cumulated).
+        padded_rows: P, qt's columns (a host int: the output's shape).
+        fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+
+    Returns:
+        (qt [C, P] fp8_dtype, contiguous; scales [E, C] float32): ``(qt[:, p_e : p_e + n_e],
+        scales[e]) = quantize_rows(x_e.T)`` bitwise (the module docstring's arithmetic per (expert,
+        column); an expert of no rows gets scales 1), and qt[:, p_e + n_e : p_{e+1}] is zero. One
+        Triton launch on CUDA, with no host read of the starts: on CUDA starts that break the
+        contract give unspecified values (every access stays in bounds); the CPU twin raises
+        ValueError. No gradient flows through it.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [N, C], got shape {tuple(x.shape)}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    for name, starts in (("row_starts", row_starts), ("padded_starts", padded_starts)):
+        if not isinstance(starts, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(starts).__name__}")
+        if starts.dim() != 1 or not 1 <= starts.shape[0] <= MAX_GROUPS + 1:
+            raise ValueError(f"{name} must be 1-D [E + 1] with 0 <= E <= {MAX_GROUPS}, got shape "
+                             f"{tuple(starts.shape)}")
+        if starts.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"{name} must be int32 or int64, got {starts.dtype}")
+        if starts.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {starts.device}")
+    if padded_starts.shape != row_starts.shape:
+        raise ValueError(f"padded_starts must have row_starts' shape {tuple(row_starts.shape)}, got "
+                         f"{tuple(padded_starts.shape)}")
+    if isinstance(padded_rows, bool) or not isinstance(padded_rows, int) or padded_rows < 0:
+        raise ValueError(f"padded_rows must be an int >= 0, got {padded_rows!r}")
+    if fp8_dtype not in FP8_DTYPES:
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+    x = x.detach()
+    row_starts, padded_starts = row_starts.contiguous(), padded_starts.contiguous()
+    if _direct():
+        return _impl(x).quantize_group_columns(x, row_starts, padded_starts, padded_rows, fp8_dtype)
+    return _quantize_group_columns_op(x, row_starts, padded_starts, padded_rows, fp8_dtype)

@@ -310,3 +310,37 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor
     inv = torch.where(small, 1.0, torch.div(top, amax))
     q = torch.where(finite[:, None], x32 * inv[:, None], 0.0)
     return round_to(q, fp8_dtype), torch.where(finite, scale, float("nan"))
+
+
+def group_starts_problem(starts: list, pads: list, num_rows: int, padded_rows: int) -> str | None:
+    """What is wrong with quantize_group_columns' row_starts / padded_starts values, or None."""
+    if starts[0] != 0 or starts[-1] != num_rows or any(b < a for a, b in zip(starts, starts[1:])):
+        return f"row_starts must rise from 0 to the {num_rows} rows of x, got {starts}"
+    if pads[0] != 0 or pads[-1] != padded_rows:
+        return f"padded_starts must rise from 0 to padded_rows {padded_rows}, got {pads}"
+    for e in range(len(starts) - 1):
+        if pads[e + 1] - pads[e] < starts[e + 1] - starts[e]:
+            return (f"padded_starts must leave each expert at least its rows: expert {e} has "
+                    f"{starts[e + 1] - starts[e]} rows and {pads[e + 1] - pads[e]} padded columns")
+    return None
+
+
+def quantize_group_columns(x: torch.Tensor, row_starts: torch.Tensor, padded_starts: torch.Tensor,
+                           padded_rows: int, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, C] fp32/bf16/fp16, rows grouped by expert, row_starts and padded_starts [E + 1] int ->
+    (qt [C, P] fp8_dtype, scales [E, C] fp32), P = padded_rows. Expert e's rows x_e = x[s_e : s_{e+1}]
+    quantised per column, ``(q_e, scales[e]) = quantize_rows(x_e.T)``, so each (expert, column) has
+    quantize_rows' arithmetic over that expert's rows (an expert of no rows: scales 1); q_e [C, n_e]
+    fills qt's columns [p_e, p_e + n_e) and qt[:, p_e + n_e : p_{e+1}] is zero (+0.0 bytes).
+    Raises ValueError unless s rises from 0 to N, p from 0 to P, and p_{e+1} - p_e >= n_e."""
+    n_rows, c = x.shape
+    starts, pads = row_starts.tolist(), padded_starts.tolist()
+    problem = group_starts_problem(starts, pads, n_rows, padded_rows)
+    if problem:
+        raise ValueError(problem)
+    qt = torch.zeros((c, padded_rows), dtype=torch.uint8, device=x.device)  # uint8: float8 lacks index ops
+    scales = torch.empty((len(starts) - 1, c), dtype=torch.float32, device=x.device)
+    for e in range(len(starts) - 1):
+        q, scales[e] = quantize_rows(x[starts[e] : starts[e + 1]].t(), fp8_dtype)
+        qt[:, pads[e] : pads[e] + q.shape[1]] = q.view(torch.uint8)
+    return qt.view(fp8_dtype), scales

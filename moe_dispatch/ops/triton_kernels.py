@@ -869,3 +869,80 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor
         AMAX_FLOOR=torch_twin.AMAX_FLOOR,
         BLOCK_T=block_t, BLOCK_H=block_h, ONE_PASS=one_pass, num_warps=LAUNCH["quantize_warps"], **_launch_opts())
     return q, scales
+
+
+# --------------------------------------------------------------------------------------------
+# Per-(expert, column) float8 quantisation (ops/quantize.py's quantize_group_columns): the wgrad
+# operands of the FP8 expert GEMM, transposed and padded per expert, in one launch.
+# --------------------------------------------------------------------------------------------
+# "group_columns_block_c" / "group_columns_block_r": columns per program and rows per step of its
+# two passes over the expert's rows; "group_columns_warps". None changes a value: a column's amax
+# is a max (exact in any order) and every element is quantised alone.
+LAUNCH.update({"group_columns_block_c": 64, "group_columns_block_r": 64, "group_columns_warps": 4})
+
+
+@triton.jit
+def _group_rows(x_ptr, s, rows, r0, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R: tl.constexpr):
+    """(x [BLOCK_R, BLOCK_C] fp32, the expert's row numbers r0 + [0, BLOCK_R)): rows s + r (r below
+    the expert's rows and s + r in [0, N)) of columns offs_c; +0.0 elsewhere."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    row = s + offs_r
+    mask = ((offs_r < rows) & (row >= 0) & (row < N))[:, None] & mask_c[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_xn + offs_c[None, :] * stride_xc, mask=mask, other=0.0)
+    return x.to(tl.float32), offs_r
+
+
+@triton.jit
+def _quantize_group_columns_kernel(x_ptr, starts_ptr, pstarts_ptr, qt_ptr, scales_ptr, N, C, P, stride_xn,
+                                   stride_xc, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+                                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Expert e = program_id(1), columns program_id(0) * BLOCK_C + [0, BLOCK_C): pass 1 the column
+    amax over the expert's rows [s_e, s_{e+1}); scale and inv as in _quantize_rows_kernel; pass 2
+    q = _round_out(x * inv) transposed into qt's columns [p_e, p_e + n_e), +0.0 up to p_{e+1}
+    (torch_twin.quantize_group_columns). Every load is masked to [0, N) x [0, C) and every store to
+    [0, C) x [0, P), so starts that break the op's contract stay in bounds."""
+    e = tl.program_id(1).to(tl.int64)
+    offs_c = tl.program_id(0).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    s = tl.load(starts_ptr + e).to(tl.int64)
+    rows = tl.load(starts_ptr + e + 1).to(tl.int64) - s
+    p = tl.load(pstarts_ptr + e).to(tl.int64)
+    width = tl.load(pstarts_ptr + e + 1).to(tl.int64) - p
+    amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+    bad = tl.zeros([BLOCK_C], dtype=tl.int32)
+    for r0 in range(0, rows, BLOCK_R):
+        x, _ = _group_rows(x_ptr, s, rows, r0, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R)
+        a = tl.abs(x)
+        finite = a < float("inf")  # False for NaN too
+        amax = tl.maximum(amax, tl.max(tl.where(finite, a, 0.0), axis=0))  # a max: exact, in any order
+        bad = tl.maximum(bad, tl.max(tl.where(finite, 0, 1), axis=0))
+    top = tl.full([BLOCK_C], FP8_MAX, tl.float32)
+    small = amax < AMAX_FLOOR
+    scale = tl.where(small, 1.0, tl.math.div_rn(amax, top))
+    inv = tl.where(small, 1.0, tl.math.div_rn(top, tl.where(small, 1.0, amax)))
+    tl.store(scales_ptr + e * C + offs_c, tl.where(bad == 0, scale, float("nan")), mask=mask_c)
+    for j0 in range(0, width, BLOCK_R):
+        x, offs_j = _group_rows(x_ptr, s, rows, j0, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R)
+        q = tl.where((bad == 0)[None, :], x * inv[None, :], 0.0)  # rows past n_e: +0.0 * inv = +0.0
+        col = p + offs_j
+        mask = mask_c[:, None] & ((offs_j < width) & (col >= 0) & (col < P))[None, :]
+        tl.store(qt_ptr + offs_c[:, None] * P + col[None, :], tl.trans(_round_out(q, qt_ptr, FP8_MAX)), mask=mask)
+
+
+def quantize_group_columns(x: torch.Tensor, row_starts: torch.Tensor, padded_starts: torch.Tensor,
+                           padded_rows: int, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher. x [N, C], row_starts and padded_starts [E + 1] int on x's device -> (qt [C, P]
+    fp8_dtype, scales [E, C] fp32); torch_twin.quantize_group_columns states the arithmetic. Reads
+    no device value on the host; starts that break the contract give unspecified values, in bounds."""
+    N, C = x.shape
+    E = row_starts.shape[0] - 1
+    qt = torch.empty((C, padded_rows), dtype=fp8_dtype, device=x.device)
+    scales = torch.empty((E, C), dtype=torch.float32, device=x.device)
+    if E == 0 or C == 0:
+        return qt, scales
+    block_c = LAUNCH["group_columns_block_c"]
+    _quantize_group_columns_kernel[(triton.cdiv(C, block_c), E)](
+        x, row_starts, padded_starts, _bytes_of(qt)[0], scales, N, C, padded_rows, x.stride(0), x.stride(1),
+        FP8_MAX=fp8_max(fp8_dtype), AMAX_FLOOR=torch_twin.AMAX_FLOOR, BLOCK_R=LAUNCH["group_columns_block_r"],
+        BLOCK_C=block_c, num_warps=LAUNCH["group_columns_warps"], **_launch_opts())
+    return qt, scales
