@@ -19,8 +19,9 @@ Interface (the one public function)::
 - ``fp8_dtype``: ``torch.float8_e4m3fn`` only (the one float8 ``torch._scaled_grouped_mm`` takes on sm90).
 - ``out_dtype``: bf16 (CUDA: the only output of the sm90 kernel); the CPU also takes fp16 and fp32.
 
-Quantisation, all by ``quantize_rows`` (one definition: its Triton kernel on CUDA, its torch twin on
-the CPU, bitwise alike; per row: scale = amax / fp8_max). A scale never spans two experts or two rows:
+Quantisation, all with ``quantize_rows``' arithmetic (its Triton kernel on CUDA, its torch twin on the
+CPU, bitwise alike; per row: scale = amax / fp8_max), wgrad's per column by ``ops.quantize_group_columns``
+(the same arithmetic, one kernel for all experts). A scale never spans two experts or two rows:
 
 - forward ``out_e = deq(x_e) @ deq(w[e])``: x per row; w per (expert, output column m), its scale over K.
 - dgrad ``dx_e = deq(dy_e) @ deq(w[e])^T``: dy per row (own scales); w per (expert, k), over M.
@@ -40,9 +41,6 @@ CPU (the twin): the same quantised operands; each expert's products of the float
 fp32) summed by `ordered_mm`'s fixed tree, then ``(acc * a_scale) * b_scale`` in fp32, then one
 rounding. No BLAS call, so a row's bits depend on the row and w[e] only, and wgrad[e] on expert
 e's rows only. The twin and CUDA agree closely, not bitwise (the kernel's summation order is its own).
-
-Quantisation here is eager torch plus the row kernel; a fused per-(expert, column) quantiser would
-replace `quantize_group_columns`' padding and copies.
 """
 
 from __future__ import annotations
@@ -54,6 +52,7 @@ import torch
 from ..numerics.autograd import refuse_double_backward
 from ..numerics.fixed_order import ordered_mm
 from ..numerics.rounding import round_up
+from ..ops.quantize import quantize_group_columns as _quantize_group_columns
 from ..ops.quantize import quantize_rows
 
 # wgrad's group row counts are padded to this for the CUDA kernel (rows multiple of 16).
@@ -67,53 +66,20 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone(memory_format=torch.contiguous_format)
 
 
-def _chunks(lengths: Sequence[int], budget: int) -> List[Tuple[int, int]]:
-    """Consecutive groups [e0, e1) whose (groups x longest length) stays within budget (one group at least)."""
-    out, e0, longest = [], 0, 0
-    for e, n in enumerate(lengths):
-        if e > e0 and (e - e0 + 1) * max(longest, n) > budget:
-            out.append((e0, e))
-            e0, longest = e, 0
-        longest = max(longest, n)
-    if lengths:
-        out.append((e0, len(lengths)))
-    return out
-
-
 def quantize_group_columns(x: torch.Tensor, counts: Sequence[int], fp8_dtype: torch.dtype,
                            pad_to: int = WGRAD_ROW_MULTIPLE) -> Tuple[torch.Tensor, torch.Tensor]:
     """x [N, C], rows grouped by counts -> (qt [C, P] fp8, scales [E, C] fp32): expert e's rows x_e
     quantised per column, i.e. ``quantize_rows(x_e.T)``, written to qt's columns [p_e, p_e + n_e) with
     zero columns up to p_e + round_up(n_e, pad_to) = p_{e+1} (P = sum of the padded counts).
 
-    Groups of experts are zero-padded to their longest and quantised in one ``quantize_rows`` call
-    each: zeros change no row's amax, so the values are those of one call per expert."""
-    n_rows, c = x.shape
+    One ``ops.quantize_group_columns`` call (one kernel on CUDA); the host counts become the op's
+    row and padded starts in one small host-to-device copy."""
+    counts = [int(n) for n in counts]
+    if sum(counts) != x.shape[0] or min(counts, default=0) < 0:
+        raise ValueError(f"counts {counts} must be >= 0 and sum to the {x.shape[0]} rows of x")
     padded = [round_up(n, pad_to) for n in counts]
-    qt = torch.zeros(c, sum(padded), dtype=torch.uint8, device=x.device)  # uint8: index ops on float8 vary
-    scales = torch.ones(len(counts), c, dtype=torch.float32, device=x.device)
-    starts = [0]
-    for n in counts:
-        starts.append(starts[-1] + n)
-    pstart = 0
-    for e0, e1 in _chunks(padded, 2 * max(n_rows, 1)):
-        width = sum(padded[e0:e1])
-        length = max(padded[e0:e1])
-        if length:
-            g = e1 - e0
-            slab = x.new_zeros(c, g * length)
-            # A host index (one small copy): slab column of each row, and each expert's padded block.
-            dest = torch.cat([torch.arange(counts[e]) + i * length for i, e in enumerate(range(e0, e1))])
-            slab.index_copy_(1, dest.to(x.device), x[starts[e0] : starts[e1]].t())
-            q, s = quantize_rows(slab.view(c * g, length), fp8_dtype)  # rows (column, expert)
-            scales[e0:e1] = s.view(c, g).t()
-            q = q.view(torch.uint8).view(c, g * length)
-            if width != g * length:
-                src = torch.cat([torch.arange(padded[e]) + i * length for i, e in enumerate(range(e0, e1))])
-                q = q.index_select(1, src.to(x.device))
-            qt[:, pstart : pstart + width] = q
-        pstart += width
-    return qt.view(fp8_dtype), scales
+    starts = torch.tensor([[0, *counts], [0, *padded]], dtype=torch.int64).cumsum(1).to(x.device)
+    return _quantize_group_columns(x, starts[0], starts[1], sum(padded), fp8_dtype)
 
 
 def _host_counts(tokens_per_expert: torch.Tensor, n_rows: int) -> List[int]:

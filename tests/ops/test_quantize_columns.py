@@ -228,3 +228,17 @@ def test_kernel_compiles_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, cwd=root, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.count("ok ") == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_experts_fp8_uses_the_op():
+    """experts/fp8.py's quantize_group_columns (host counts, pad 16) gives the old algorithm's bits
+    and refuses counts that do not cover x's rows, naming them."""
+    from moe_dispatch.experts import fp8 as F
+
+    counts = [5, 0, 17, 1]
+    x = _columns(sum(counts), 16, torch.bfloat16, seed=4)
+    assert _same(F.quantize_group_columns(x, counts, torch.float8_e4m3fn),
+                 _old_quantize_group_columns(x, counts, torch.float8_e4m3fn))
+    for bad in ([5, 0, 17], [5, -1, 18, 1]):
+        with pytest.raises(ValueError, match="counts"):
+            F.quantize_group_columns(x, bad, torch.float8_e4m3fn)
