@@ -9,6 +9,10 @@ Prints three tables:
 2. The row quantisation (``ops.quantize_rows``) of the layer's tokens against its byte floor: each
    input read once and each output written once, over the device-to-device copy bandwidth
    measured in the same run.
+   Then the weight gradient's per-(expert, column) quantisation (``ops.quantize_group_columns``,
+   one kernel) of the layer step's four wgrad operands, rows split over the experts at random and
+   with one expert holding half of them, against its byte floor (x read once, qt and the scales
+   written once), and a sweep of its LAUNCH settings (none changes a value).
 3. Where the FP8 step's time goes: torch.profiler's CUDA time per kernel, by category (the GEMMs,
    zero fills, quantisation, permute/combine, the rest), so the non-GEMM time is itemised.
 The bf16 step is the eager dropless layer; neither step is captured here (the FP8 step reads its
@@ -24,7 +28,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from moe_dispatch import MoEConfig, MoELayer
-from moe_dispatch.ops import quantize_rows
+from moe_dispatch.numerics.rounding import round_up
+from moe_dispatch.ops import quantize_group_columns, quantize_rows
+from moe_dispatch.ops import triton_kernels as KT
 
 DEVICE = torch.device("cuda")
 
@@ -60,6 +66,52 @@ CATEGORIES = [("GEMM", r"gemm|cutlass|nvjet|xmma|sm90_|grouped_mm|scaled_mm|f8f8
               ("quantise", r"quantize"), ("zero fill", r"fill|zero"),
               ("permute / combine", r"permute|unpermute|slots|gather|scatter|index"),
               ]
+
+
+def group_columns_case(rows: int, cols: int, dtype: torch.dtype, experts: int, skewed: bool, seed: int = 0):
+    """(x [rows, cols], row_starts, padded_starts, P, bytes the op must move) for wgrad's operand: rows
+    split over the experts at random (skewed: expert 0 takes half), each padded to 16."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.ones(experts)
+    if skewed:
+        weights[0] = experts - 1.0
+    counts = torch.bincount(torch.multinomial(weights, rows, replacement=True, generator=gen), minlength=experts)
+    padded = torch.tensor([round_up(int(n), 16) for n in counts])
+    starts = torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]),
+                          torch.cat([torch.zeros(1, dtype=torch.int64), padded.cumsum(0)])]).to(DEVICE)
+    x = torch.randn(rows, cols, generator=gen).to(dtype).to(DEVICE)
+    P = int(padded.sum())
+    moved = rows * cols * x.element_size() + cols * P + experts * cols * 4
+    return x, starts[0], starts[1], P, moved
+
+
+def bench_group_columns(args, bandwidth: float) -> None:
+    N, H, ffn, E = args.tokens * args.topk, args.hidden, args.ffn, args.experts
+    print("\n## wgrad's column quantisation (ops.quantize_group_columns), against its byte floor\n")
+    print("| operand | rows x cols, dtype | split | ms | floor ms | / floor |\n|---|---|---|---|---|---|")
+    operands = [("fc1 x (dequantised)", H, torch.float32), ("fc1 dy", ffn, torch.bfloat16),
+                ("fc2 x (dequantised)", ffn, torch.float32), ("fc2 dy", H, torch.bfloat16)]
+    for name, cols, dtype in operands:
+        for skewed in (False, True):
+            x, s, p, P, moved = group_columns_case(N, cols, dtype, E, skewed)
+            ms = median_ms(lambda: quantize_group_columns(x, s, p, P, torch.float8_e4m3fn), iters=50)
+            floor = moved / bandwidth * 1e3
+            print(f"| {name} | {N} x {cols}, {str(dtype)[6:]} | {'one expert half' if skewed else 'random'} | "
+                  f"{ms:.4f} | {floor:.4f} | {ms / floor:.2f} |", flush=True)
+    x, s, p, P, moved = group_columns_case(N, H, torch.float32, E, False)
+    floor = moved / bandwidth * 1e3
+    print(f"\nLAUNCH sweep, fc1 x ({N} x {H} fp32, random split; floor {floor:.4f} ms)\n")
+    print("| block_c | block_r | warps | ms | / floor |\n|---|---|---|---|---|")
+    saved = dict(KT.LAUNCH)
+    try:
+        for block_c, block_r, warps in [(32, 64, 4), (64, 64, 4), (128, 64, 4), (64, 32, 4), (64, 128, 4),
+                                        (64, 64, 8), (128, 64, 8), (128, 128, 8)]:
+            KT.LAUNCH.update(group_columns_block_c=block_c, group_columns_block_r=block_r, group_columns_warps=warps)
+            ms = median_ms(lambda: quantize_group_columns(x, s, p, P, torch.float8_e4m3fn), iters=50)
+            print(f"| {block_c} | {block_r} | {warps} | {ms:.4f} | {ms / floor:.2f} |", flush=True)
+    finally:
+        KT.LAUNCH.clear()
+        KT.LAUNCH.update(saved)
 
 
 def category(name: str) -> str:
@@ -121,6 +173,7 @@ def main() -> None:
         moved = rows * H * 2 + rows * H + rows * 4  # bf16 in, fp8 out, fp32 scales out
         floor = moved / bandwidth * 1e3
         print(f"| {rows} x {H} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} |")
+    bench_group_columns(args, bandwidth)
 
     print("\n## Where the FP8 step's CUDA time goes (torch.profiler, 5 steps, per step)\n")
     step = steps["e4m3"]
