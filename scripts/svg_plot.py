@@ -1,7 +1,8 @@
 """What the benchmark plots share: plain SVG, written by hand so that no benchmark needs a plotting
 package. Each writer sizes its text by ``text_width`` (a sans-serif glyph is about 0.6 of the font
-size wide) and embeds the data it drew, so that a plot can be drawn again from its own file when the
-layout changes but the measurement (often a GPU run) cannot be repeated:
+size wide). The measurement plots (bench_ops, train_moe_gpt) embed the data they drew, so that a
+plot can be drawn again from its own file when the layout changes but the measurement (often a GPU
+run) cannot be repeated:
 
     python scripts/svg_plot.py BENCHMARKS_bandwidth.svg BENCHMARKS_dispatcher_diff.svg BENCHMARKS_train_loss.svg
 """

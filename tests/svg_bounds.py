@@ -16,6 +16,8 @@ NS = "{http://www.w3.org/2000/svg}"
 
 def _boxes(path: str | Path) -> tuple[tuple[float, ...], list[tuple[str, list[tuple[float, float]], bool]]]:
     root = ET.parse(path).getroot()
+    if root.get("viewBox") is None:
+        raise ValueError(f"{path}: the <svg> element has no viewBox (the extent every label must lie inside)")
     view = tuple(float(v) for v in root.get("viewBox").split())
     base_size = float(root.get("font-size", 16))
     out = []
