@@ -14,13 +14,14 @@ import torch.distributed as dist
 from ...distributed.launch import end_spawned_rank, rank_device, set_rank_env
 from .args import DTYPES, base_config
 from .contract import Result, RunFn, captured_check, check_plan, contract_checks, ep_groups, progress, run_layer
+from .layouts import layout_rows
 from .reference import combine_rows
 from .report import print_report, throughput
 
 
 def run_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
-    """Every row on our MoELayer: the contract's, against the references, and the CUDA-graph
-    replay. Collective: every rank calls it."""
+    """Every row on our MoELayer: the contract's, against the references, the CUDA-graph replay,
+    and a short training run on two layouts (GradientTree). Collective: every rank calls it."""
     from ...layer import MoELayer
 
     world = dist.get_world_size()
@@ -35,7 +36,8 @@ def run_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:
     results = contract_checks(args, device, sizes, dispatchers, run)
     layer = MoELayer(base.replace(dispatcher=dispatchers[0]), ep_group=groups[sizes[-1]],
                      layer_index=0).to(device)
-    return results + combine_rows(args, device, layer, sizes) + captured_check(args, device, base)
+    return (results + combine_rows(args, device, layer, sizes) + captured_check(args, device, base)
+            + layout_rows(args, device))
 
 
 def _megatron_checks(args: argparse.Namespace, device: torch.device) -> list[Result]:

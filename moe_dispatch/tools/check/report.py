@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from .args import DTYPES, base_config
 from .contract import Result, progress
+from .layouts import LABEL as LAYOUTS_LABEL
+from .layouts import LEGEND as LAYOUTS_LEGEND
 from .reference import FLOAT64_LABEL, FLOAT64_LEGEND, FLOAT64_LEGEND_FP32, REFERENCE_LABEL
 
 
@@ -70,6 +72,9 @@ def _print_table(args: argparse.Namespace, results: list[Result]) -> None:
         legend = FLOAT64_LEGEND_FP32 if dtype == "fp32" else FLOAT64_LEGEND
         print(legend.format(dtype=dtype, router=args.router_dtype, tokens=args.tokens, hidden=args.hidden,
                             ranks=ranks, outputs=args.tokens * args.hidden * ranks))
+    layouts = [r for r in results if r.check.startswith(LAYOUTS_LABEL)]
+    if layouts and not all(r.skipped for r in layouts):
+        print(LAYOUTS_LEGEND.format(tokens=args.tokens, dtype=args.dtype))
     reference = [r for r in results if r.check.startswith(REFERENCE_LABEL)]
     if reference:
         same = ("\n(Here the partials need no rounding, probs and activations sharing a dtype, so these rows "

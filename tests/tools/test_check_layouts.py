@@ -1,0 +1,96 @@
+"""The check's layouts rows (tools/check/layouts.py): a short GradientTree training run compared
+bitwise across layouts with the same L. On 4 gloo ranks: both rows PASS with the tree as it is,
+and FAIL when the tree's cross-rank steps run in the other order (pairs two ranks apart first: a
+different reduction order, so the ranks' subtrees no longer nest with each rank's own
+micro-batches). --fp8 and one rank give SKIP rows with their reason and no number."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_dispatch.tools.check.args import build_parser
+from moe_dispatch.tools.check.contract import Result
+from moe_dispatch.tools.check.layouts import LABEL, layout_rows
+from moe_dispatch.tools.check.report import print_report
+from tests.dispatcher.harness import run_ranks
+
+ROWS = ["layouts: (world 4, EP 4, A 1) vs (world 4, EP 1, A 1)",
+        "layouts: (world 2, EP 2, A 2) on ranks 0-1 vs (world 4, EP 1, A 1)"]
+
+
+def _reversed_doubling(self, flat: torch.Tensor, entries) -> None:
+    """GradientTree._doubling with its steps in the other order: step log2(W)-1 first."""
+    for k in reversed(range(int(math.log2(self.world)))):
+        n = sum(e.param.numel() for e in entries if e.start <= k)
+        if n == 0:
+            continue
+        peer = self.rank ^ (1 << k)
+        splits = [n if r == peer else 0 for r in range(self.world)]
+        received = torch.empty(n, dtype=flat.dtype, device=flat.device)
+        dist.all_to_all_single(received, flat[:n].contiguous(), splits, splits, group=self.group)
+        flat[:n].add_(received)
+
+
+def _worker(rank: int, world: int) -> dict:
+    from moe_dispatch.distributed.gradient_tree import GradientTree
+
+    args = build_parser().parse_args([])  # the check's defaults: bf16, 128 tokens per micro-batch
+    out = {"tree": layout_rows(args, torch.device("cpu"))}
+    GradientTree._doubling = _reversed_doubling  # this spawned rank's class only
+    out["reversed"] = layout_rows(args, torch.device("cpu"))
+    out["fp8"] = layout_rows(build_parser().parse_args(["--fp8"]), torch.device("cpu"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return run_ranks(_worker, 4, timeout=300)
+
+
+def _by_row(rows: list[Result]) -> dict[str, Result]:
+    return {r.check.split(":")[0] + ":" + r.check.split(":")[1]: r for r in rows}
+
+
+def test_layouts_rows_pass_bitwise(four_ranks):
+    for rank, out in enumerate(four_ranks):
+        rows = _by_row(out["tree"])
+        assert list(rows) == ROWS, (rank, [r.check for r in out["tree"]])
+        for r in rows.values():
+            assert r.status == "PASS" and r.max_diff == 0.0 and not r.informational, (rank, r)
+            assert "3 steps' parameters, gradients, losses, norms, L=4, alltoall" in r.check, r.check
+
+
+def test_layouts_rows_fail_for_another_reduction_order(four_ranks):
+    for rank, out in enumerate(four_ranks):
+        rows = _by_row(out["reversed"])
+        assert list(rows) == ROWS, rank
+        for r in rows.values():  # a FAIL on any rank is a FAIL on every rank (gathered)
+            assert r.status == "FAIL" and r.failed and 0 < r.max_diff < 1e-2, (rank, r)
+
+
+def test_layouts_rows_skip_fp8_with_the_reason(four_ranks):
+    for out in four_ranks:
+        assert [r.check for r in out["fp8"]] == ["layouts: a GradientTree training run across layouts with L=4"]
+        for r in out["fp8"]:
+            assert not r.failed, r
+            assert r.status == "SKIP (fp8: the FP8 experts give no per-source weight gradients, which GradientTree " \
+                               "needs)", r.status
+
+
+def test_one_rank_skips_and_prints_no_number(tmp_path, capsys):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        args = build_parser().parse_args([])
+        rows = layout_rows(args, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert len(rows) == 1 and rows[0].status == "SKIP (one rank: L = 1 micro-batch has only one layout)", rows
+    print_report(args, rows, "throughput line")
+    out = capsys.readouterr().out.splitlines()
+    cells = [line.split("|")[1].strip() for line in out if line.startswith(LABEL)]
+    assert cells == ["-"], out
+    assert not any("layouts rows do not run" in line for line in out)  # no legend for rows that did not run
+    assert out[-1] == "ALL PASS"
