@@ -17,8 +17,8 @@ from moe_dispatch.tools.check.layouts import LABEL, layout_rows
 from moe_dispatch.tools.check.report import print_report
 from tests.dispatcher.harness import run_ranks
 
-ROWS = ["layouts: (world 4, EP 4, A 1) vs (world 4, EP 1, A 1)",
-        "layouts: (world 2, EP 2, A 2) on ranks 0-1 vs (world 4, EP 1, A 1)"]
+ROWS = ["layouts: 3 training steps, (world 4, EP 4, A 1) vs (world 4, EP 1, A 1), alltoall",
+        "layouts: 3 training steps, (world 2, EP 2, A 2) on ranks 0-1 vs (world 4, EP 1, A 1), alltoall"]
 
 
 def _reversed_doubling(self, flat: torch.Tensor, entries) -> None:
@@ -51,16 +51,19 @@ def four_ranks() -> list[dict]:
 
 
 def _by_row(rows: list[Result]) -> dict[str, Result]:
-    return {r.check.split(":")[0] + ":" + r.check.split(":")[1]: r for r in rows}
+    return {r.check: r for r in rows}
 
 
-def test_layouts_rows_pass_bitwise(four_ranks):
+def test_layouts_rows_pass_bitwise(four_ranks, capsys):
     for rank, out in enumerate(four_ranks):
         rows = _by_row(out["tree"])
         assert list(rows) == ROWS, (rank, [r.check for r in out["tree"]])
         for r in rows.values():
             assert r.status == "PASS" and r.max_diff == 0.0 and not r.informational, (rank, r)
-            assert "3 steps' parameters, gradients, losses, norms, L=4, alltoall" in r.check, r.check
+    print_report(build_parser().parse_args([]), four_ranks[0]["tree"], "throughput line")
+    out = capsys.readouterr().out.splitlines()
+    assert [line.rsplit("|", 1)[-1].strip() for line in out if line.startswith(LABEL)] == ["PASS", "PASS"], out
+    assert any(line.startswith("The layouts rows: a small model") for line in out), out  # the legend
 
 
 def test_layouts_rows_fail_for_another_reduction_order(four_ranks):
@@ -92,5 +95,5 @@ def test_one_rank_skips_and_prints_no_number(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     cells = [line.split("|")[1].strip() for line in out if line.startswith(LABEL)]
     assert cells == ["-"], out
-    assert not any("layouts rows do not run" in line for line in out)  # no legend for rows that did not run
+    assert not any(line.startswith("The layouts rows") for line in out)  # no legend for rows that did not run
     assert out[-1] == "ALL PASS"

@@ -37,11 +37,11 @@ Layout = Tuple[int, int, int]  # (world W, EP size, micro-batches per rank A)
 
 # Under the table when the layouts rows ran (report.py).
 LEGEND = """\
-The layouts rows do not run the rows' forward + backward: they train a small model (dense layer,
-MoELayer with a shared expert and aux loss, dense head; AdamW with weight decay, clipping at 1.0)
-for %d steps with GradientTree on L micro-batches of {tokens} tokens per step ({dtype} activations,
-fp32 weights), and compare every parameter and clipped gradient (experts by global id), each
-step's loss and clipped norm with the (world L, EP 1, A 1) run, bitwise.""" % STEPS
+The layouts rows: a small model (a dense layer, an MoELayer with a shared expert and aux loss, a
+dense head; AdamW with weight decay, clipping at 1.0) trains for %d steps with GradientTree on
+L = {ranks} micro-batches of {tokens} tokens per step ({dtype} activations, fp32 weights) on each
+layout (world, EP size, A micro-batches per rank); every parameter and clipped gradient (experts
+by global id), each step's loss and clipped norm must be the (world {ranks}, EP 1, A 1) run's, bitwise.""" % STEPS
 
 
 class _Model(nn.Module):
@@ -176,8 +176,8 @@ def layout_rows(args: argparse.Namespace, device: torch.device) -> List[Result]:
     world = dist.get_world_size()
     reference: Layout = (world, 1, 1)
     layouts: List[Layout] = [(world, world, 1), (world // 2, world // 2, 2)]
-    what = f"{STEPS} steps' parameters, gradients, losses, norms, L={world}, {_dispatcher(args)}"
-    checks = [f"{LABEL}{_name(lay)}{_on_ranks(lay[0], world)} vs {_name(reference)}: {what}" for lay in layouts]
+    checks = [f"{LABEL}{STEPS} training steps, {_name(lay)}{_on_ranks(lay[0], world)} vs {_name(reference)}, "
+              f"{_dispatcher(args)}" for lay in layouts]
     if why := _skip(args, world):  # one row: the layouts' names may mean nothing here (world 1)
         return [Result(f"{LABEL}a GradientTree training run across layouts with L={world}", 0.0, True, skipped=why)]
     rank, half = dist.get_rank(), world // 2

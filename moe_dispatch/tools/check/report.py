@@ -74,7 +74,8 @@ def _print_table(args: argparse.Namespace, results: list[Result]) -> None:
                             ranks=ranks, outputs=args.tokens * args.hidden * ranks))
     layouts = [r for r in results if r.check.startswith(LAYOUTS_LABEL)]
     if layouts and not all(r.skipped for r in layouts):
-        print(LAYOUTS_LEGEND.format(tokens=args.tokens, dtype=args.dtype))
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        print(LAYOUTS_LEGEND.format(ranks=ranks, tokens=args.tokens, dtype=args.dtype))
     reference = [r for r in results if r.check.startswith(REFERENCE_LABEL)]
     if reference:
         same = ("\n(Here the partials need no rounding, probs and activations sharing a dtype, so these rows "
