@@ -163,7 +163,7 @@ class MegatronTokenDispatcher:
 
 
 def dispatcher_from_megatron(config: Any, pg_collection: Any, *, probs_in_experts: bool = True,
-                             sync_free: bool = False) -> MegatronTokenDispatcher:
+                             sync_free: bool = False, fp8: Optional[str] = None) -> MegatronTokenDispatcher:
     """Our dispatcher on ``pg_collection.ep`` behind Megatron's interface, in Megatron's argument
     order ``(config, pg_collection)``.
 
@@ -181,12 +181,15 @@ def dispatcher_from_megatron(config: Any, pg_collection: Any, *, probs_in_expert
             experts that take device counts (``make_row_stable``'s; install() decides, see
             ``sync_free_obstacle``): EP size 1, no capacity padding, at most topk experts per token.
 
+        fp8: for a TransformerConfig: the FP8 wire (``MoEConfig.fp8``; None: the tokens' dtype),
+            for experts that take FP8 rows (``make_row_stable``'s; install() checks, ``check_fp8``).
+
     Raises:
         ValueError: no EP group, or expert tensor parallelism: these dispatchers split experts
-            across EP ranks only; sync_free at EP > 1.
+            across EP ranks only; sync_free at EP > 1; a bad ``fp8`` (MoEConfig's error).
     """
     if hasattr(config, "num_moe_experts"):  # Megatron's TransformerConfig
-        config = moe_config_from_megatron(config, megatron_layer=True, probs_in_experts=probs_in_experts)
+        config = moe_config_from_megatron(config, megatron_layer=True, probs_in_experts=probs_in_experts, fp8=fp8)
     dispatch_config = as_dispatch_config(config)
     if sync_free:
         dispatch_config = dispatch_config.replace(sync_free=True)

@@ -32,7 +32,7 @@ from ...experts import expert_gemm, select_gemm
 from ...numerics import ordered_mm
 
 __all__ = ["expert_linear", "expert_weights", "restack_after_conversion", "stack_expert_weights", "stacked_view",
-           "warn_copied"]
+           "stacked_weights", "warn_copied"]
 
 _PROJECTIONS = ("linear_fc1", "linear_fc2")
 
@@ -181,6 +181,25 @@ class _ExpertLinear(torch.autograd.Function):
         if dw.dtype != weights[0].dtype:
             dw = dw.to(weights[0].dtype)
         return (dx, *none) + tuple(dw.unbind(0))
+
+
+class _StackedWeights(torch.autograd.Function):
+    """The El weights [out, in] as one differentiable [El, out, in]: the stack itself (no copy)."""
+
+    @staticmethod
+    def forward(ctx, owner: Any, *weights: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return _stack(weights, weights[0].dtype, owner)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return (None, *grad.contiguous().unbind(0))  # each weight's gradient a contiguous [out, in] slice
+
+
+def stacked_weights(weights: Sequence[torch.Tensor], owner: Any = None) -> torch.Tensor:
+    """``weights`` (El tensors [out, in]) as one [El, out, in] tensor with autograd to each of them:
+    a view of their stacked storage where they have one (else one copy, warned once per ``owner``).
+    For GEMMs that take the stacked weights themselves (the FP8 experts, ``make_row_stable``)."""
+    return _StackedWeights.apply(owner, *weights)
 
 
 def expert_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], tokens_per_expert: torch.Tensor,

@@ -15,10 +15,12 @@ from .inputs import check_inputs_together
 from .row_stable import make_row_stable
 from .supported import (
     captures_whole_layer,
+    check_fp8,
     check_graph_capture,
     check_groups,
     check_row_stable_supported,
     check_supported,
+    fp8_obstacle,
     megatron_field,
     sync_free_obstacle,
     warn_if_untested,
@@ -42,7 +44,7 @@ def _groups_of(moe_layer: Any, pg_collection: Any) -> Any:
 
 
 def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_gemms: bool = True,
-            sync_free: Optional[bool] = None) -> Any:
+            sync_free: Optional[bool] = None, fp8: Optional[str] = None) -> Any:
     """Replace ``moe_layer.token_dispatcher`` by ours of the same kind; returns ``moe_layer``.
 
     Args:
@@ -74,17 +76,27 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
     config captures the whole MoE layer in CUDA graphs (``captures_whole_layer``), else the
     dropless dispatch, which reads its split sizes on the host once per step; True: sync-free or
     a ValueError saying why not; False: dropless.
+    ``fp8``: None (default), or 'e4m3' (a key of ``moe_dispatch.config.FP8_FORMATS``, the values of
+    ``MoEConfig.fp8``): our per-token FP8, as ``MoELayer(MoEConfig(fp8=...))`` runs it. Each token's
+    row is quantised once before the dispatch with its own fp32 scale, FP8 rows and scales travel,
+    and the row-stable experts run both GEMMs in FP8 (``moe_dispatch.experts.fp8_expert_gemm``:
+    fc1 on the dispatched rows and scales, fc2 quantising its input per row); the combine stays
+    the fp32 weighted sum. Needs ``row_stable_gemms``, hidden and expert ffn sizes multiples of 16,
+    the TransformerConfig's own ``fp8`` (TransformerEngine) None, and not ``sync_free``
+    (``check_fp8``). Shared experts and the rest of the model keep Megatron's dtype.
     Idempotent: installing twice keeps one of ours (rebuilt from the same groups). Call it
     before the first forward; the dispatcher keeps one step's state between dispatch and combine.
     """
     config = moe_layer.config
     check_supported(config, row_stable_gemms=row_stable_gemms)
+    check_fp8(config, fp8, row_stable_gemms, sync_free)
     warn_if_untested()
     if row_stable_gemms:
         check_row_stable_supported(moe_layer)
     groups = _groups_of(moe_layer, pg_collection)
     ep = check_groups(groups)
     obstacle = sync_free_obstacle(config, 1 if ep is None else dist.get_world_size(ep), row_stable_gemms)
+    obstacle = obstacle or fp8_obstacle(fp8)
     if sync_free is False:
         obstacle = obstacle or "install(sync_free=False)"
     elif sync_free and obstacle is not None:
@@ -92,7 +104,7 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
     check_graph_capture(config, obstacle)  # again, on the layer's own EP group
     run_sync_free = obstacle is None and (bool(sync_free) or captures_whole_layer(config))
     dispatcher = dispatcher_from_megatron(config, groups, probs_in_experts=not row_stable_gemms,
-                                          sync_free=run_sync_free)
+                                          sync_free=run_sync_free, fp8=fp8)
     expected = list(megatron_field(moe_layer, "local_expert_indices", dispatcher.local_expert_indices))
     if dispatcher.local_expert_indices != expected:
         raise ValueError(f"EP group mismatch: the dispatcher's local experts {dispatcher.local_expert_indices} "

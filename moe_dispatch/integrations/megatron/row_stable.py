@@ -24,7 +24,8 @@ def make_row_stable(moe_layer: Any) -> Any:
       (what ``install`` builds), the experts ignore ``permuted_probs`` and the combine weights each
       expert row by its prob inside its fixed-order fp32 sum (no separate multiply pass, forward or
       backward); otherwise they are multiplied into the activation in fp32 and rounded once, as
-      Megatron's MLP does before fc2.
+      Megatron's MLP does before fc2. With our dispatcher's FP8 wire (``install(fp8=...)``) the
+      experts take its FP8 rows and run both GEMMs in FP8 (``_fp8_experts``).
     The expert weights are first moved into one stacked storage per projection
     (``experts.stack_expert_weights``: same Parameter objects, names, shapes and state-dict keys;
     each weight a view of its slice), which the GEMMs read without a copy and whose gradients
@@ -59,6 +60,8 @@ def make_row_stable(moe_layer: Any) -> Any:
         if not isinstance(tokens_per_expert, torch.Tensor):
             tokens_per_expert = torch.as_tensor(tokens_per_expert)
         offsets, trailing = _expert_offsets(self, tokens_per_expert)
+        if _fp8_dispatcher(self) is not None:
+            return _fp8_experts(self, x, tokens_per_expert, offsets, trailing, permuted_probs, activation), None
         h = expert_linear(x, expert_weights(self, "linear_fc1"), tokens_per_expert, offsets, self, trailing)
         act = activate(h, activation)
         if _experts_apply_probs(self):
@@ -74,6 +77,45 @@ def make_row_stable(moe_layer: Any) -> Any:
     experts._moe_dispatch_dispatcher = moe_layer.token_dispatcher
     moe_layer._moe_dispatch_row_stable = True
     return moe_layer
+
+
+def _fp8_dispatcher(experts: Any) -> Any:
+    """The layer's dispatcher when it is ours with the FP8 wire (``install(fp8=...)``), else None."""
+    from .dispatcher import MegatronTokenDispatcher
+
+    dispatcher = getattr(experts, "_moe_dispatch_dispatcher", None)
+    if isinstance(dispatcher, MegatronTokenDispatcher) and dispatcher.config.fp8 is not None:
+        return dispatcher
+    return None
+
+
+def _fp8_experts(experts: Any, rows: "torch.Tensor", tokens_per_expert: "torch.Tensor",
+                 offsets: Optional["torch.Tensor"], trailing: bool, permuted_probs: "torch.Tensor",
+                 activation: str) -> "torch.Tensor":
+    """The SequentialMLP experts on the dispatch's FP8 wire rows [N, W] -> [N, H] in the tokens'
+    dtype, as our LocalExperts in FP8: fc1 on the rows' fp8 values and per-row scales (their
+    gradient to the handle's ``row_grad_sink``), the activation in the tokens' dtype, fc2
+    quantising it per row (``fp8_expert_gemm``), the weights read from their stacked storage."""
+    from ...config import FP8_FORMATS
+    from ...dispatcher import unpack_rows
+    from ...experts import activate, fp8_expert_gemm, scale_rows
+    from .experts import expert_weights, stacked_weights
+
+    dispatcher = _fp8_dispatcher(experts)
+    handle, config = dispatcher.handle, dispatcher.config
+    if handle is None or handle.row_grad_sink is None or trailing or offsets is None:
+        raise ValueError("install(fp8=...): the experts take this step's FP8 rows with the plan's host counts "
+                         "(dispatch_postprocess's tokens_per_expert), from the layer's dispatcher")
+    q, scales = unpack_rows(rows, config.hidden_size, config.fp8)
+    fp8_dtype, out_dtype = FP8_FORMATS[config.fp8], handle.row_grad_sink.dtype
+    # [El, out, in] stacks, transposed to fp8_expert_gemm's [E, K, M] (no copy)
+    w1 = stacked_weights(expert_weights(experts, "linear_fc1"), experts).transpose(1, 2)
+    w2 = stacked_weights(expert_weights(experts, "linear_fc2"), experts).transpose(1, 2)
+    h = fp8_expert_gemm(q, scales, w1, tokens_per_expert, offsets, fp8_dtype, out_dtype, grad_sink=handle.row_grad_sink)
+    act = activate(h, activation)
+    if _experts_apply_probs(experts):
+        act = scale_rows(act, permuted_probs)
+    return fp8_expert_gemm(act, None, w2, tokens_per_expert, offsets, fp8_dtype, out_dtype)
 
 
 def _experts_apply_probs(experts: Any) -> bool:

@@ -7,6 +7,7 @@
 - ``check_layer_supported``: our whole MoELayer built from a TransformerConfig;
 - ``check_groups``: the process groups our dispatcher runs on;
 - ``check_row_stable_supported``: the layers whose GEMMs ``make_row_stable`` can swap;
+- ``check_fp8``: install()'s own FP8 (per-token scales; Megatron's TE FP8 is refused);
 - ``warn_if_untested``: a megatron-core release outside the tested range (a warning only).
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ...config import DISPATCHER_KINDS
+from ...config import DISPATCHER_KINDS, FP8_FORMATS
 
 SUPPORTED_DISPATCHERS = DISPATCHER_KINDS
 # The megatron-core releases the test suite runs against (oldest, newest).
@@ -288,7 +289,12 @@ def check_row_stable_supported(moe_layer: Any) -> None:
     if type(experts).__name__ != "SequentialMLP" or not hasattr(experts, "local_experts"):
         raise ValueError(f"row_stable_gemms needs SequentialMLP experts, got {type(experts).__name__} "
                          "(use get_moe_module_spec(use_te=False), or pass row_stable_gemms=False)")
-    for field in ("add_bias_linear", "moe_apply_probs_on_input", "fp8", "fp4"):
+    if megatron_field(config, "fp8"):
+        raise ValueError(f"row_stable_gemms: fp8={megatron_field(config, 'fp8')!r} (TransformerEngine FP8, "
+                         "--fp8-format / --fp8-recipe) is not supported: its scales are shared over a tensor, so a "
+                         "token's result depends on its batch; expected fp8=None, and for FP8 experts and dispatch "
+                         "install(layer, fp8='e4m3') (per-token scales)")
+    for field in ("add_bias_linear", "moe_apply_probs_on_input", "fp4"):
         if megatron_field(config, field):
             raise ValueError(f"row_stable_gemms: {field}={megatron_field(config, field)!r} is not supported; "
                              "expected False/None (or pass row_stable_gemms=False)")
@@ -296,3 +302,38 @@ def check_row_stable_supported(moe_layer: Any) -> None:
     router = megatron_field(moe_layer, "router")
     if router is None or megatron_field(router, "bias") is not None:
         raise ValueError("row_stable_gemms: the router must have a weight and no bias (add_bias_linear=False)")
+
+
+def check_fp8(config: Any, fp8: Any, row_stable_gemms: bool, sync_free: Optional[bool]) -> None:
+    """Raise ValueError, naming the argument or field, when ``install(fp8=...)`` cannot run: a value
+    outside ``FP8_FORMATS`` (MoEConfig's own error), Megatron's own FP8 (``config.fp8``, TE) at the
+    same time, Megatron's experts (``row_stable_gemms=False``: they cannot take FP8 rows), hidden or
+    expert ffn sizes not multiples of 16 (16-byte FP8 GEMM rows), or the sync-free dispatch (the
+    FP8 weight gradient reads each expert's rows on the host). None: nothing to check."""
+    if fp8 is None:
+        return
+    if not isinstance(fp8, str) or fp8 not in FP8_FORMATS:
+        raise ValueError(f"fp8={fp8!r} is not one of {tuple(FP8_FORMATS)}")  # MoEConfig's message
+    if megatron_field(config, "fp8"):
+        raise ValueError(f"install(fp8={fp8!r}) with the TransformerConfig's fp8={megatron_field(config, 'fp8')!r} "
+                         "(TransformerEngine FP8): use one or the other, expected fp8=None in the config")
+    if not row_stable_gemms:
+        raise ValueError(f"install(fp8={fp8!r}) needs row_stable_gemms=True: Megatron's own experts cannot take "
+                         "the dispatch's FP8 rows")
+    ffn_field = "moe_ffn_hidden_size" if megatron_field(config, "moe_ffn_hidden_size") else "ffn_hidden_size"
+    for name in ("hidden_size", ffn_field):
+        size = megatron_field(config, name)
+        if size is None or size % 16:
+            raise ValueError(f"install(fp8={fp8!r}) needs {name} a multiple of 16 (FP8 GEMM rows of 16 bytes), "
+                             f"got {size}")
+    if sync_free:
+        raise ValueError(f"install(fp8={fp8!r}) with sync_free=True: the FP8 experts' weight gradient reads each "
+                         "expert's row count on the host; expected sync_free None or False")
+
+
+def fp8_obstacle(fp8: Optional[str]) -> Optional[str]:
+    """Why install(fp8=...) cannot run sync-free (``sync_free_obstacle``'s kind of answer), or None."""
+    if fp8 is None:
+        return None
+    return (f"install(fp8={fp8!r}): the FP8 experts' weight gradient reads each expert's row count on the host; "
+            "expected fp8=None")

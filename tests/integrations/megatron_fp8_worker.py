@@ -1,0 +1,143 @@
+"""Rank bodies of tests/integrations/test_megatron_fp8.py: ``install(layer, fp8="e4m3")`` on
+megatron-core's MoELayer (SequentialMLP, no TE) beside our own ``MoELayer(MoEConfig(fp8="e4m3"))``
+with the same weights, on 2 CPU gloo ranks (one spawn: EP 2 over both ranks, EP 1 on each alone).
+
+Global batch: G = 64 tokens; EP 2: rank r holds tokens [32 r, 32 r + 32) (fed to Megatron as
+[16, 2, H]); EP 1: each rank holds all 64. The shapes, weights and tokens are megatron_worker.py's
+(hidden 64, ffn 32, 8 experts, top-2, fp32 router); the router's weights are rounded to the
+params dtype, so that our router (whose weight has that dtype) holds the same values.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from .megatron_worker import DTYPES, KINDS, H, _build, _config, _pg, _setup
+
+G, B = 64, 2
+FP8 = "e4m3"
+BAD_VALUES = ("e5m2", "E4M3", True)
+
+
+def tokens(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, dy) of all G tokens [G, H]."""
+    gen = torch.Generator().manual_seed(21)
+    return torch.randn(G, H, generator=gen).to(dtype), torch.randn(G, H, generator=gen).to(dtype)
+
+
+def _megatron(kind: str, dtype: torch.dtype, ep: int, pg) -> object:
+    layer = _build(_config(kind, dtype, ep), pg, ours_from_spec=False)
+    with torch.no_grad():
+        layer.router.weight.copy_(layer.router.weight.to(dtype))
+    layer.experts.register_forward_pre_hook(_note_rows)
+    return layer
+
+
+def _note_rows(experts, args) -> None:
+    """What the experts were handed: (dtype, width) of the dispatched rows."""
+    experts.rows_seen = (str(args[0].dtype), int(args[0].shape[1]))
+
+
+def _megatron_step(layer, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    """One forward + backward of Megatron's layer on x [T, H] (fed as [T / B, B, H])."""
+    layer.zero_grad(set_to_none=True)
+    xi = x.reshape(-1, B, H).clone().requires_grad_()
+    out, bias = layer(xi)
+    assert bias is None
+    out.backward(dy.reshape(out.shape))
+    experts = {layer.local_expert_indices[i]: (e.linear_fc1.weight.grad.clone(), e.linear_fc2.weight.grad.clone())
+               for i, e in enumerate(layer.experts.local_experts)}
+    return dict(out=out.detach().reshape(-1, H).clone(), gx=xi.grad.reshape(-1, H).clone(), experts=experts,
+                rows=layer.experts.rows_seen, wire_fp8=layer.token_dispatcher.config.fp8)
+
+
+def _ours_step(megatron_layer, group, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    """Our MoELayer(MoEConfig(fp8="e4m3")) from the Megatron layer's config, with its weights;
+    expert weight gradients in Megatron's [out, in] layout."""
+    from moe_dispatch import MoELayer
+    from moe_dispatch.integrations.megatron import moe_config_from_megatron
+
+    layer = MoELayer(moe_config_from_megatron(megatron_layer.config, fp8=FP8), group, layer_index=0)
+    assert layer.experts.local_expert_offset == megatron_layer.local_expert_indices[0]
+    with torch.no_grad():
+        layer.router.weight.copy_(megatron_layer.router.weight)
+        for i, e in enumerate(megatron_layer.experts.local_experts):
+            layer.experts.weight1[i].copy_(e.linear_fc1.weight.t())
+            layer.experts.weight2[i].copy_(e.linear_fc2.weight.t())
+    xi = x.clone().requires_grad_()
+    out = layer(xi)
+    out.backward(dy)
+    first = layer.experts.local_expert_offset
+    w1, w2 = layer.experts.weight1.grad, layer.experts.weight2.grad
+    experts = {first + i: (w1[i].t().contiguous(), w2[i].t().contiguous())
+               for i in range(layer.experts.num_local_experts)}
+    return dict(out=out.detach().clone(), gx=xi.grad.clone(), experts=experts)
+
+
+def _outcome(fn) -> tuple[str, str]:
+    try:
+        fn()
+        return ("ok", "")
+    except ValueError as exc:
+        return ("ValueError", str(exc))
+
+
+def _errors(rank: int, pg2, pg1) -> dict:
+    """install()'s refusals; rank 0 alone tries a bad value on the EP-2 layer first (the other rank
+    waits in a barrier): an error raised after a collective would hang there instead."""
+    from moe_dispatch.integrations.megatron import install
+
+    dtype = torch.bfloat16
+    out = {}
+    layer2 = _megatron("alltoall", dtype, 2, pg2)
+    if rank == 0:
+        out["rank0_alone"] = _outcome(lambda: install(layer2, fp8="e5m2"))
+    dist.barrier()
+    layer = _megatron("alltoall", dtype, 1, pg1)
+    for value in BAD_VALUES:
+        out[("value", value)] = _outcome(lambda value=value: install(layer, fp8=value))
+    out["row_stable_gemms"] = _outcome(lambda: install(layer, row_stable_gemms=False, fp8=FP8))
+    out["sync_free"] = _outcome(lambda: install(layer, sync_free=True, fp8=FP8))
+    out["ffn"] = _outcome(lambda: install(SimpleNamespace(config=_config("alltoall", dtype, 1, moe_ffn_hidden_size=24,
+                                                                         ffn_hidden_size=24)), fp8=FP8))
+    out["hidden"] = _outcome(lambda: install(SimpleNamespace(config=_config("alltoall", dtype, 1, hidden_size=40)),
+                                             fp8=FP8))
+    graphs = _megatron("alltoall", dtype, 1, pg1)
+    graphs.config.cuda_graph_impl, graphs.config.cuda_graph_scope = "local", "moe"  # the whole MoE layer
+    out["cuda_graphs"] = _outcome(lambda: install(graphs, fp8=FP8))
+    te = _megatron("alltoall", dtype, 1, pg1)
+    te.config.fp8 = "hybrid"  # Megatron's TE FP8 (--fp8-format hybrid), set after the config's checks
+    out["te_fp8"] = _outcome(lambda: install(te))
+    out["te_fp8_and_ours"] = _outcome(lambda: install(te, fp8=FP8))
+    out["none_after_fp8"] = _outcome(lambda: install(layer, fp8=None))  # fp8=None: no FP8 checks
+    return out
+
+
+def fp8_worker(rank: int, world_size: int) -> dict:
+    assert world_size == 2
+    _setup()
+    from moe_dispatch.integrations.megatron import install
+
+    singles = [dist.new_group([r]) for r in range(world_size)]
+    world = dist.group.WORLD
+    pg2, pg1 = _pg(world, singles[rank]), _pg(singles[rank], singles[rank])
+    mine = slice(rank * (G // 2), (rank + 1) * (G // 2))
+    records = {}
+    for dname, dtype in DTYPES.items():
+        x, dy = tokens(dtype)
+        for kind in KINDS:
+            rec = {}
+            layer2 = _megatron(kind, dtype, 2, pg2)
+            install(layer2)
+            rec["megatron_bf16_wire"] = _megatron_step(layer2, x[mine], dy[mine])  # fp8=None: Megatron's dtype
+            install(layer2, fp8=FP8)
+            rec["megatron_ep2"] = _megatron_step(layer2, x[mine], dy[mine])
+            rec["ours_ep2"] = _ours_step(layer2, world, x[mine], dy[mine])
+            layer1 = install(_megatron(kind, dtype, 1, pg1), fp8=FP8)
+            rec["megatron_ep1"] = _megatron_step(layer1, x, dy)
+            rec["ours_ep1"] = _ours_step(layer1, singles[rank], x, dy)
+            records[(dname, kind)] = rec
+    records["errors"] = _errors(rank, pg2, pg1)
+    return records
