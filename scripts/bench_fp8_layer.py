@@ -10,7 +10,8 @@ Prints three tables:
    input read once and each output written once, over the device-to-device copy bandwidth
    measured in the same run.
    Then the weight gradient's per-(expert, column) quantisation (``ops.quantize_group_columns``,
-   one kernel) of the layer step's four wgrad operands, rows split over the experts at random and
+   one kernel) of the layer step's four wgrad operands (the saved float8 inputs dequantised by their
+   row scales inside the kernel, and the bf16 output gradients), rows split over the experts at random and
    with one expert holding half of them, against its byte floor (x read once, qt and the scales
    written once), and a sweep of its LAUNCH settings (none changes a value).
 3. Where the FP8 step's time goes: torch.profiler's CUDA time per kernel, by category (the GEMMs,
@@ -69,8 +70,9 @@ CATEGORIES = [("GEMM", r"gemm|cutlass|nvjet|xmma|sm90_|grouped_mm|scaled_mm|f8f8
 
 
 def group_columns_case(rows: int, cols: int, dtype: torch.dtype, experts: int, skewed: bool, seed: int = 0):
-    """(x [rows, cols], row_starts, padded_starts, P, bytes the op must move) for wgrad's operand: rows
-    split over the experts at random (skewed: expert 0 takes half), each padded to 16."""
+    """(x [rows, cols], row_starts, padded_starts, P, row_scales or None, bytes the op must move) for
+    a wgrad operand: rows split over the experts at random (skewed: expert 0 takes half), each padded
+    to 16; a float8 dtype gives quantised rows with their row scales (the saved forward input)."""
     gen = torch.Generator().manual_seed(seed)
     weights = torch.ones(experts)
     if skewed:
@@ -79,35 +81,41 @@ def group_columns_case(rows: int, cols: int, dtype: torch.dtype, experts: int, s
     padded = torch.tensor([round_up(int(n), 16) for n in counts])
     starts = torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]),
                           torch.cat([torch.zeros(1, dtype=torch.int64), padded.cumsum(0)])]).to(DEVICE)
-    x = torch.randn(rows, cols, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(rows, cols, generator=gen).to(DEVICE)
+    row_scales = None
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x, row_scales = quantize_rows(x, dtype)
+    else:
+        x = x.to(dtype)
     P = int(padded.sum())
-    moved = rows * cols * x.element_size() + cols * P + experts * cols * 4
-    return x, starts[0], starts[1], P, moved
+    moved = rows * cols * x.element_size() + (0 if row_scales is None else rows * 4) + cols * P + experts * cols * 4
+    return x, starts[0], starts[1], P, row_scales, moved
 
 
 def bench_group_columns(args, bandwidth: float) -> None:
     N, H, ffn, E = args.tokens * args.topk, args.hidden, args.ffn, args.experts
     print("\n## wgrad's column quantisation (ops.quantize_group_columns), against its byte floor\n")
     print("| operand | rows x cols, dtype | split | ms | floor ms | / floor |\n|---|---|---|---|---|---|")
-    operands = [("fc1 x (dequantised)", H, torch.float32), ("fc1 dy", ffn, torch.bfloat16),
-                ("fc2 x (dequantised)", ffn, torch.float32), ("fc2 dy", H, torch.bfloat16)]
+    e4m3 = torch.float8_e4m3fn
+    operands = [("fc1 x (saved rows, row scales)", H, e4m3), ("fc1 dy", ffn, torch.bfloat16),
+                ("fc2 x (saved rows, row scales)", ffn, e4m3), ("fc2 dy", H, torch.bfloat16)]
     for name, cols, dtype in operands:
         for skewed in (False, True):
-            x, s, p, P, moved = group_columns_case(N, cols, dtype, E, skewed)
-            ms = median_ms(lambda: quantize_group_columns(x, s, p, P, torch.float8_e4m3fn), iters=50)
+            x, s, p, P, rs, moved = group_columns_case(N, cols, dtype, E, skewed)
+            ms = median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3, rs), iters=50)
             floor = moved / bandwidth * 1e3
             print(f"| {name} | {N} x {cols}, {str(dtype)[6:]} | {'one expert half' if skewed else 'random'} | "
                   f"{ms:.4f} | {floor:.4f} | {ms / floor:.2f} |", flush=True)
-    x, s, p, P, moved = group_columns_case(N, H, torch.float32, E, False)
+    x, s, p, P, rs, moved = group_columns_case(N, H, torch.bfloat16, E, False)
     floor = moved / bandwidth * 1e3
-    print(f"\nLAUNCH sweep, fc1 x ({N} x {H} fp32, random split; floor {floor:.4f} ms)\n")
+    print(f"\nLAUNCH sweep, fc2 dy ({N} x {H} bf16, random split; floor {floor:.4f} ms)\n")
     print("| block_c | block_r | warps | ms | / floor |\n|---|---|---|---|---|")
     saved = dict(KT.LAUNCH)
     try:
         for block_c, block_r, warps in [(32, 64, 4), (64, 64, 4), (128, 64, 4), (64, 32, 4), (64, 128, 4),
                                         (64, 64, 8), (128, 64, 8), (128, 128, 8)]:
             KT.LAUNCH.update(group_columns_block_c=block_c, group_columns_block_r=block_r, group_columns_warps=warps)
-            ms = median_ms(lambda: quantize_group_columns(x, s, p, P, torch.float8_e4m3fn), iters=50)
+            ms = median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3), iters=50)
             print(f"| {block_c} | {block_r} | {warps} | {ms:.4f} | {ms / floor:.2f} |", flush=True)
     finally:
         KT.LAUNCH.clear()

@@ -67,10 +67,13 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_group_columns(x: torch.Tensor, counts: Sequence[int], fp8_dtype: torch.dtype,
-                           pad_to: int = WGRAD_ROW_MULTIPLE) -> Tuple[torch.Tensor, torch.Tensor]:
+                           pad_to: int = WGRAD_ROW_MULTIPLE,
+                           row_scales: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """x [N, C], rows grouped by counts -> (qt [C, P] fp8, scales [E, C] fp32): expert e's rows x_e
     quantised per column, i.e. ``quantize_rows(x_e.T)``, written to qt's columns [p_e, p_e + n_e) with
-    zero columns up to p_e + round_up(n_e, pad_to) = p_{e+1} (P = sum of the padded counts).
+    zero columns up to p_e + round_up(n_e, pad_to) = p_{e+1} (P = sum of the padded counts). With
+    ``row_scales`` [N] fp32 the rows are ``x.float() * row_scales[:, None]`` (float8 x's dequantised
+    rows, bitwise, never materialised).
 
     One ``ops.quantize_group_columns`` call (one kernel on CUDA); the host counts become the op's
     row and padded starts in one small host-to-device copy."""
@@ -79,7 +82,7 @@ def quantize_group_columns(x: torch.Tensor, counts: Sequence[int], fp8_dtype: to
         raise ValueError(f"counts {counts} must be >= 0 and sum to the {x.shape[0]} rows of x")
     padded = [round_up(n, pad_to) for n in counts]
     starts = torch.tensor([[0, *counts], [0, *padded]], dtype=torch.int64).cumsum(1).to(x.device)
-    return _quantize_group_columns(x, starts[0], starts[1], sum(padded), fp8_dtype)
+    return _quantize_group_columns(x, starts[0], starts[1], sum(padded), fp8_dtype, row_scales)
 
 
 def _host_counts(tokens_per_expert: torch.Tensor, n_rows: int) -> List[int]:
@@ -179,7 +182,7 @@ class _Fp8ExpertGemm(torch.autograd.Function):
             gx = gx.to(ctx.rows_grad_dtype)
         if ctx.needs_input_grad[2]:
             counts = counts if counts is not None else _host_counts(tokens_per_expert, x.shape[0])
-            xt, sx = quantize_group_columns(x.float() * x_scales[:, None], counts, fp8_dtype)
+            xt, sx = quantize_group_columns(x, counts, fp8_dtype, row_scales=x_scales)  # the dequantised rows
             dyt, sdy = quantize_group_columns(grad, counts, fp8_dtype)
             if cuda:
                 gw = _cuda_wgrad(xt, sx, dyt, sdy, counts)

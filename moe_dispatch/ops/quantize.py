@@ -24,6 +24,8 @@ weight-gradient operands) in one kernel.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .custom_ops import _direct, _impl
@@ -75,32 +77,38 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 @torch.library.custom_op("moe_dispatch::quantize_group_columns", mutates_args=())
 def _quantize_group_columns_op(x: torch.Tensor, row_starts: torch.Tensor, padded_starts: torch.Tensor,
-                               padded_rows: int, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl(x).quantize_group_columns(x, row_starts, padded_starts, padded_rows, fp8_dtype)
+                               padded_rows: int, fp8_dtype: torch.dtype,
+                               row_scales: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(x).quantize_group_columns(x, row_starts, padded_starts, padded_rows, fp8_dtype, row_scales)
 
 
 @_quantize_group_columns_op.register_fake
-def _(x, row_starts, padded_starts, padded_rows, fp8_dtype):
+def _(x, row_starts, padded_starts, padded_rows, fp8_dtype, row_scales=None):
     return (x.new_empty((x.shape[1], padded_rows), dtype=fp8_dtype),
             x.new_empty((row_starts.shape[0] - 1, x.shape[1]), dtype=torch.float32))
 
 
 def quantize_group_columns(x: torch.Tensor, row_starts: torch.Tensor, padded_starts: torch.Tensor,
-                           padded_rows: int, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                           padded_rows: int, fp8_dtype: torch.dtype,
+                           row_scales: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise each expert's block of rows per column, transposed and padded per expert: the
     operands of a grouped GEMM that contracts over rows (the FP8 expert GEMM's weight gradient).
 
     Args:
-        x: [N, C] float32, bfloat16 or float16 (any strides), expert e's rows x[s_e : s_{e+1}].
+        x: [N, C] float32, bfloat16, float16, float8_e4m3fn or float8_e5m2 (any strides), expert e's
+            rows x[s_e : s_{e+1}].
         row_starts: [E + 1] int32/int64 on x's device, s_0 = 0 <= s_1 <= ... <= s_E = N.
         padded_starts: [E + 1] int32/int64 on x's device, p_0 = 0, p_E = padded_rows and
             p_{e+1} - p_e >= n_e = s_{e+1} - s_e (e.g. n_e rounded up to 16, cumulated).
         padded_rows: P, qt's columns (a host int: the output's shape).
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        row_scales: optional [N] float32 on x's device: the values quantised are then
+            ``v = x.float() * row_scales[:, None]`` (one fp32 multiply: a float8 x's dequantised
+            rows, without materialising them), else v = x.float().
 
     Returns:
         (qt [C, P] fp8_dtype, contiguous; scales [E, C] float32): ``(qt[:, p_e : p_e + n_e],
-        scales[e]) = quantize_rows(x_e.T)`` bitwise (the module docstring's arithmetic per (expert,
+        scales[e]) = quantize_rows(v_e.T)`` bitwise (the module docstring's arithmetic per (expert,
         column); an expert of no rows gets scales 1), and qt[:, p_e + n_e : p_{e+1}] is zero. One
         Triton launch on CUDA, with no host read of the starts: on CUDA starts that break the
         contract give unspecified values (every access stays in bounds); the CPU twin raises
@@ -110,8 +118,8 @@ def quantize_group_columns(x: torch.Tensor, row_starts: torch.Tensor, padded_sta
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [N, C], got shape {tuple(x.shape)}")
-    if x.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dtype not in _INPUT_DTYPES + FP8_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, got {x.dtype}")
     for name, starts in (("row_starts", row_starts), ("padded_starts", padded_starts)):
         if not isinstance(starts, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(starts).__name__}")
@@ -129,8 +137,17 @@ def quantize_group_columns(x: torch.Tensor, row_starts: torch.Tensor, padded_sta
         raise ValueError(f"padded_rows must be an int >= 0, got {padded_rows!r}")
     if fp8_dtype not in FP8_DTYPES:
         raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+    if row_scales is not None:
+        if not isinstance(row_scales, torch.Tensor):
+            raise TypeError(f"row_scales must be a torch.Tensor or None, got {type(row_scales).__name__}")
+        if row_scales.dtype != torch.float32:
+            raise TypeError(f"row_scales must be float32, got {row_scales.dtype}")
+        if row_scales.shape != (x.shape[0],) or row_scales.device != x.device:
+            raise ValueError(f"row_scales must be [{x.shape[0]}] (x's rows) on x's device {x.device}, got "
+                             f"{tuple(row_scales.shape)} on {row_scales.device}")
+        row_scales = row_scales.detach().contiguous()
     x = x.detach()
     row_starts, padded_starts = row_starts.contiguous(), padded_starts.contiguous()
     if _direct():
-        return _impl(x).quantize_group_columns(x, row_starts, padded_starts, padded_rows, fp8_dtype)
-    return _quantize_group_columns_op(x, row_starts, padded_starts, padded_rows, fp8_dtype)
+        return _impl(x).quantize_group_columns(x, row_starts, padded_starts, padded_rows, fp8_dtype, row_scales)
+    return _quantize_group_columns_op(x, row_starts, padded_starts, padded_rows, fp8_dtype, row_scales)

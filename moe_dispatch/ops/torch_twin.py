@@ -326,21 +326,27 @@ def group_starts_problem(starts: list, pads: list, num_rows: int, padded_rows: i
 
 
 def quantize_group_columns(x: torch.Tensor, row_starts: torch.Tensor, padded_starts: torch.Tensor,
-                           padded_rows: int, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, C] fp32/bf16/fp16, rows grouped by expert, row_starts and padded_starts [E + 1] int ->
-    (qt [C, P] fp8_dtype, scales [E, C] fp32), P = padded_rows. Expert e's rows x_e = x[s_e : s_{e+1}]
-    quantised per column, ``(q_e, scales[e]) = quantize_rows(x_e.T)``, so each (expert, column) has
-    quantize_rows' arithmetic over that expert's rows (an expert of no rows: scales 1); q_e [C, n_e]
-    fills qt's columns [p_e, p_e + n_e) and qt[:, p_e + n_e : p_{e+1}] is zero (+0.0 bytes).
-    Raises ValueError unless s rises from 0 to N, p from 0 to P, and p_{e+1} - p_e >= n_e."""
+                           padded_rows: int, fp8_dtype: torch.dtype,
+                           row_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, C] (fp32/bf16/fp16/float8), rows grouped by expert, row_starts and padded_starts [E + 1]
+    int, row_scales [N] fp32 or None -> (qt [C, P] fp8_dtype, scales [E, C] fp32), P = padded_rows.
+    The values are v = x in fp32, times row_scales[:, None] when given (one fp32 multiply). Expert
+    e's rows v_e = v[s_e : s_{e+1}] are quantised per column, ``(q_e, scales[e]) = quantize_rows(v_e.T)``,
+    so each (expert, column) has quantize_rows' arithmetic over that expert's rows (an expert of no
+    rows: scales 1); q_e [C, n_e] fills qt's columns [p_e, p_e + n_e) and qt[:, p_e + n_e : p_{e+1}]
+    is zero (+0.0 bytes). Raises ValueError unless s rises from 0 to N, p from 0 to P, and
+    p_{e+1} - p_e >= n_e."""
     n_rows, c = x.shape
     starts, pads = row_starts.tolist(), padded_starts.tolist()
     problem = group_starts_problem(starts, pads, n_rows, padded_rows)
     if problem:
         raise ValueError(problem)
+    v = x.to(torch.float32)
+    if row_scales is not None:
+        v = v * row_scales[:, None]
     qt = torch.zeros((c, padded_rows), dtype=torch.uint8, device=x.device)  # uint8: float8 lacks index ops
     scales = torch.empty((len(starts) - 1, c), dtype=torch.float32, device=x.device)
     for e in range(len(starts) - 1):
-        q, scales[e] = quantize_rows(x[starts[e] : starts[e + 1]].t(), fp8_dtype)
+        q, scales[e] = quantize_rows(v[starts[e] : starts[e + 1]].t(), fp8_dtype)
         qt[:, pads[e] : pads[e] + q.shape[1]] = q.view(torch.uint8)
     return qt.view(fp8_dtype), scales

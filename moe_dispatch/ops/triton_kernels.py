@@ -882,25 +882,50 @@ LAUNCH.update({"group_columns_block_c": 64, "group_columns_block_r": 64, "group_
 
 
 @triton.jit
-def _group_rows(x_ptr, s, rows, r0, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R: tl.constexpr):
-    """(x [BLOCK_R, BLOCK_C] fp32, the expert's row numbers r0 + [0, BLOCK_R)): rows s + r (r below
-    the expert's rows and s + r in [0, N)) of columns offs_c; +0.0 elsewhere."""
-    offs_r = r0 + tl.arange(0, BLOCK_R)
-    row = s + offs_r
-    mask = ((offs_r < rows) & (row >= 0) & (row < N))[:, None] & mask_c[None, :]
-    x = tl.load(x_ptr + row[:, None] * stride_xn + offs_c[None, :] * stride_xc, mask=mask, other=0.0)
-    return x.to(tl.float32), offs_r
+def _interpreted_fp8_specials(x, X_FP8_MAX: tl.constexpr):
+    """x widened from float8 by the interpreter, which reads the all-ones exponent as a normal one
+    (e4m3fn's NaN as +-480; e5m2's inf as +-65536 and its NaNs above): the formats' NaN and inf put
+    back, as a compiled kernel's cast and torch give them."""
+    a = tl.abs(x)
+    if X_FP8_MAX == 448.0:
+        return tl.where(a > X_FP8_MAX, float("nan"), x)
+    else:
+        special = tl.where(a == 65536.0, tl.where(x > 0, float("inf"), -float("inf")), float("nan"))
+        return tl.where(a > X_FP8_MAX, special, x)
 
 
 @triton.jit
-def _quantize_group_columns_kernel(x_ptr, starts_ptr, pstarts_ptr, qt_ptr, scales_ptr, N, C, P, stride_xn,
-                                   stride_xc, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-                                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _group_rows(x_ptr, rs_ptr, s, rows, r0, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R: tl.constexpr,
+                HAS_SCALES: tl.constexpr, X_FP8_MAX: tl.constexpr):
+    """(x [BLOCK_R, BLOCK_C] fp32, the expert's row numbers r0 + [0, BLOCK_R)): rows s + r (r below
+    the expert's rows and s + r in [0, N)) of columns offs_c, widened to fp32 (X_FP8_MAX > 0: x is
+    float8 of that largest value) and, with HAS_SCALES, times the row's scale (one fp32 multiply);
+    +0.0 elsewhere."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    row = s + offs_r
+    live = (offs_r < rows) & (row >= 0) & (row < N)
+    mask = live[:, None] & mask_c[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_xn + offs_c[None, :] * stride_xc, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if X_FP8_MAX > 0:
+        if _INTERPRETED:
+            x = _interpreted_fp8_specials(x, X_FP8_MAX)
+    if HAS_SCALES:
+        x = x * tl.load(rs_ptr + row, mask=live, other=0.0)[:, None]
+    return x, offs_r
+
+
+@triton.jit
+def _quantize_group_columns_kernel(x_ptr, row_scales_ptr, starts_ptr, pstarts_ptr, qt_ptr, scales_ptr, N, C, P,
+                                   stride_xn, stride_xc, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+                                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_SCALES: tl.constexpr,
+                                   X_FP8_MAX: tl.constexpr):
     """Expert e = program_id(1), columns program_id(0) * BLOCK_C + [0, BLOCK_C): pass 1 the column
-    amax over the expert's rows [s_e, s_{e+1}); scale and inv as in _quantize_rows_kernel; pass 2
-    q = _round_out(x * inv) transposed into qt's columns [p_e, p_e + n_e), +0.0 up to p_{e+1}
-    (torch_twin.quantize_group_columns). Every load is masked to [0, N) x [0, C) and every store to
-    [0, C) x [0, P), so starts that break the op's contract stay in bounds."""
+    amax over the expert's rows [s_e, s_{e+1}) (times their row scales with HAS_SCALES); scale and
+    inv as in _quantize_rows_kernel; pass 2 q = _round_out(x * inv) transposed into qt's columns
+    [p_e, p_e + n_e), +0.0 up to p_{e+1} (torch_twin.quantize_group_columns). Every load is masked
+    to [0, N) x [0, C) and every store to [0, C) x [0, P), so starts that break the op's contract
+    stay in bounds."""
     e = tl.program_id(1).to(tl.int64)
     offs_c = tl.program_id(0).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < C
@@ -913,7 +938,8 @@ def _quantize_group_columns_kernel(x_ptr, starts_ptr, pstarts_ptr, qt_ptr, scale
     # exact in any order.
     running = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for r0 in range(0, rows, BLOCK_R):
-        x, _ = _group_rows(x_ptr, s, rows, r0, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R)
+        x, _ = _group_rows(x_ptr, row_scales_ptr, s, rows, r0, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R,
+                           HAS_SCALES, X_FP8_MAX)
         a = tl.abs(x)
         running = tl.maximum(running, tl.where(a == a, a, float("inf")))
     amax = tl.max(running, axis=0)
@@ -924,7 +950,8 @@ def _quantize_group_columns_kernel(x_ptr, starts_ptr, pstarts_ptr, qt_ptr, scale
     inv = tl.where(small, 1.0, tl.math.div_rn(top, tl.where(small, 1.0, amax)))
     tl.store(scales_ptr + e * C + offs_c, tl.where(bad == 0, scale, float("nan")), mask=mask_c)
     for j0 in range(0, width, BLOCK_R):
-        x, offs_j = _group_rows(x_ptr, s, rows, j0, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R)
+        x, offs_j = _group_rows(x_ptr, row_scales_ptr, s, rows, j0, N, offs_c, mask_c, stride_xn, stride_xc,
+                                BLOCK_R, HAS_SCALES, X_FP8_MAX)
         q = tl.where((bad == 0)[None, :], x * inv[None, :], 0.0)  # rows past n_e: +0.0 * inv = +0.0
         col = p + offs_j
         mask = mask_c[:, None] & ((offs_j < width) & (col >= 0) & (col < P))[None, :]
@@ -932,10 +959,12 @@ def _quantize_group_columns_kernel(x_ptr, starts_ptr, pstarts_ptr, qt_ptr, scale
 
 
 def quantize_group_columns(x: torch.Tensor, row_starts: torch.Tensor, padded_starts: torch.Tensor,
-                           padded_rows: int, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher. x [N, C], row_starts and padded_starts [E + 1] int on x's device -> (qt [C, P]
-    fp8_dtype, scales [E, C] fp32); torch_twin.quantize_group_columns states the arithmetic. Reads
-    no device value on the host; starts that break the contract give unspecified values, in bounds."""
+                           padded_rows: int, fp8_dtype: torch.dtype,
+                           row_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher. x [N, C] (any strides), row_starts and padded_starts [E + 1] int on x's device,
+    row_scales [N] fp32 contiguous or None -> (qt [C, P] fp8_dtype, scales [E, C] fp32);
+    torch_twin.quantize_group_columns states the arithmetic. Reads no device value on the host;
+    starts that break the contract give unspecified values, in bounds."""
     N, C = x.shape
     E = row_starts.shape[0] - 1
     qt = torch.empty((C, padded_rows), dtype=fp8_dtype, device=x.device)
@@ -944,7 +973,9 @@ def quantize_group_columns(x: torch.Tensor, row_starts: torch.Tensor, padded_sta
         return qt, scales
     block_c = LAUNCH["group_columns_block_c"]
     _quantize_group_columns_kernel[(triton.cdiv(C, block_c), E)](
-        x, row_starts, padded_starts, _bytes_of(qt)[0], scales, N, C, padded_rows, x.stride(0), x.stride(1),
-        FP8_MAX=fp8_max(fp8_dtype), AMAX_FLOOR=torch_twin.AMAX_FLOOR, BLOCK_R=LAUNCH["group_columns_block_r"],
-        BLOCK_C=block_c, num_warps=LAUNCH["group_columns_warps"], **_launch_opts())
+        x, row_scales if row_scales is not None else scales, row_starts, padded_starts,
+        _bytes_of(qt)[0], scales, N, C, padded_rows, x.stride(0), x.stride(1), FP8_MAX=fp8_max(fp8_dtype),
+        AMAX_FLOOR=torch_twin.AMAX_FLOOR, BLOCK_R=LAUNCH["group_columns_block_r"], BLOCK_C=block_c,
+        HAS_SCALES=row_scales is not None, X_FP8_MAX=fp8_max(x.dtype), num_warps=LAUNCH["group_columns_warps"],
+        **_launch_opts())
     return qt, scales

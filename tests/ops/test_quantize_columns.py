@@ -112,6 +112,45 @@ def test_kernel_twin_and_old_algorithm_bitwise(monkeypatch, fp8, dtype):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("x_dtype", [*FP8, torch.bfloat16], ids=str)
+def test_row_scales(monkeypatch, x_dtype):
+    """With row_scales the values are x.float() * row_scales[:, None] (the FP8 GEMM's dequantised
+    forward rows), bitwise as if that product had been materialised first; a NaN scale or a float8
+    NaN makes its columns non-finite."""
+    from moe_dispatch.ops import triton_kernels as K
+
+    monkeypatch.setitem(K.LAUNCH, "group_columns_block_c", 8)
+    monkeypatch.setitem(K.LAUNCH, "group_columns_block_r", 16)
+    counts = [5, 17, 0, 20]
+    gen = torch.Generator().manual_seed(21)
+    x = (torch.randn((sum(counts), 16), generator=gen) * 8).to(x_dtype)
+    row_scales = torch.rand(sum(counts), generator=gen) * 2.0 ** torch.randint(-20, 20, (sum(counts),), generator=gen)
+    row_scales[7] = float("nan")
+    row_scales[30] = 0.0
+    if x_dtype in FP8:
+        x.view(torch.uint8)[40, 3] = 0x7F  # NaN in both formats
+    args = (x, *_starts(counts), torch.float8_e4m3fn)
+    twin = quantize_group_columns(*args, row_scales)
+    assert _same(twin, _old_quantize_group_columns(x.float() * row_scales[:, None], counts, torch.float8_e4m3fn))
+    assert twin[1][1].isnan().all() and bool(twin[1][3, 3].isnan()) == (x_dtype in FP8)
+    with set_backend("triton"):
+        assert _same(quantize_group_columns(*args, row_scales), twin)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("x_dtype", FP8, ids=str)
+def test_every_float8_byte_as_input(x_dtype):
+    """All 256 bytes of a float8 x (NaN and e5m2's inf included), with and without row scales."""
+    x = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(x_dtype).view(16, 16)
+    for row_scales in (None, torch.full((16,), 0.75)):
+        args = (x, *_starts([7, 9]), torch.float8_e5m2, row_scales)
+        twin = quantize_group_columns(*args)
+        assert twin[1].isnan().any()
+        with set_backend("triton"):
+            assert _same(quantize_group_columns(*args), twin)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_strided_input_int32_starts_and_the_values():
     """A transposed view and int32 starts; the scales and bytes are quantize_rows' of each block."""
     counts = [3, 0, 21]
@@ -165,6 +204,9 @@ def _good():
     (lambda a: (a[0], a[1], a[2], -1, a[4]), ValueError, "padded_rows"),
     (lambda a: (a[0], a[1], a[2], 32.0, a[4]), ValueError, "padded_rows"),
     (lambda a: (*a[:4], torch.bfloat16), TypeError, "fp8_dtype"),
+    (lambda a: (*a, torch.ones(5, dtype=torch.float64)), TypeError, "row_scales"),
+    (lambda a: (*a, torch.ones(4)), ValueError, "row_scales"),
+    (lambda a: (*a, [1.0] * 5), TypeError, "row_scales"),
     # Values the CPU twin checks (the kernel reads none on the host).
     (lambda a: (a[0], torch.tensor([0, 3, 4]), *a[2:]), ValueError, "row_starts must rise from 0 to the 5 rows"),
     (lambda a: (a[0], torch.tensor([0, 3, 2]), *a[2:]), ValueError, "row_starts"),
@@ -180,7 +222,7 @@ def test_bad_input_names_the_argument(change, exc, match):
 @pytest.mark.parametrize("fp8", FP8, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_kernel_matches_twin_bitwise(fp8, dtype):
-    """The compiled kernel (its float8 cast is the hardware's) against the CPU twin."""
+    """The compiled kernel (its float8 casts are the hardware's) against the CPU twin."""
     gen = torch.Generator().manual_seed(11)
     counts = torch.randint(0, 300, (64,), generator=gen).tolist()
     counts[3], counts[7], counts[9] = 0, 1, 4000
@@ -190,6 +232,12 @@ def test_cuda_kernel_matches_twin_bitwise(fp8, dtype):
     assert _same(twin, cuda)
     strided = quantize_group_columns(x.cuda().t().contiguous().t(), *_starts(counts, device="cuda"), fp8)
     assert _same(twin, strided)
+    # float8 rows with row scales (the FP8 GEMM's saved input): the hardware's widening cast.
+    q, row_scales = TW.quantize_rows(x, fp8)
+    q.view(torch.uint8)[5, :8] = 0x7F  # NaN
+    twin = quantize_group_columns(q, *_starts(counts), fp8, row_scales)
+    cuda = quantize_group_columns(q.cuda(), *_starts(counts, device="cuda"), fp8, row_scales.cuda())
+    assert _same(twin, cuda)
 
 
 _COMPILE = """
@@ -199,20 +247,23 @@ from moe_dispatch.ops import triton_kernels as K
 
 
 def variants():
-    for fp8, x, starts in ((C.E4M3, "*bf16", "*i64"), (C.E5M2, "*fp32", "*i32")):
-        yield K._quantize_group_columns_kernel, dict(FP8_MAX=fp8, AMAX_FLOOR=2.0 ** -64, BLOCK_R=64, BLOCK_C=64), \\
+    for fp8, x, starts, has_scales in ((C.E4M3, "*bf16", "*i64", False), (C.E5M2, "*fp32", "*i32", False),
+                                       (C.E4M3, "*fp8e4nv", "*i64", True), (C.E4M3, "*fp8e5", "*i64", True)):
+        yield K._quantize_group_columns_kernel, dict(FP8_MAX=fp8, AMAX_FLOOR=2.0 ** -64, BLOCK_R=64, BLOCK_C=64,
+                                                     HAS_SCALES=has_scales, X_FP8_MAX=C.E4M3 if "e4" in x else
+                                                     C.E5M2 if "e5" in x else 0.0), \\
             {"x_ptr": x, "starts_ptr": starts, "pstarts_ptr": starts}
 
 
 C.variants = variants
-C.POINTERS.update(starts_ptr="*i64", pstarts_ptr="*i64", qt_ptr="*u8")
+C.POINTERS.update(starts_ptr="*i64", pstarts_ptr="*i64", qt_ptr="*u8", row_scales_ptr="*fp32")
 sys.exit(C.main())
 """
 
 
 def test_kernel_compiles_for_sm90():
     """The real compiler path (the interpreter skips it), with compile_sm90.py's settings: both
-    float8 casts, bf16 and fp32 rows, int64 and int32 starts."""
+    float8 casts, bf16, fp32 and float8 rows (these with row scales), int64 and int32 starts."""
     import os
     import subprocess
     import sys
@@ -227,18 +278,22 @@ def test_kernel_compiles_for_sm90():
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, cwd=root, capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0 and proc.stdout.count("ok ") == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and proc.stdout.count("ok ") == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def test_experts_fp8_uses_the_op():
-    """experts/fp8.py's quantize_group_columns (host counts, pad 16) gives the old algorithm's bits
-    and refuses counts that do not cover x's rows, naming them."""
+    """experts/fp8.py's quantize_group_columns (host counts, pad 16) gives the old algorithm's bits,
+    float8 rows with row scales those of the old algorithm on the dequantised rows, and it refuses
+    counts that do not cover x's rows, naming them."""
     from moe_dispatch.experts import fp8 as F
 
     counts = [5, 0, 17, 1]
     x = _columns(sum(counts), 16, torch.bfloat16, seed=4)
     assert _same(F.quantize_group_columns(x, counts, torch.float8_e4m3fn),
                  _old_quantize_group_columns(x, counts, torch.float8_e4m3fn))
+    q, row_scales = TW.quantize_rows(x, torch.float8_e4m3fn)
+    assert _same(F.quantize_group_columns(q, counts, torch.float8_e4m3fn, row_scales=row_scales),
+                 _old_quantize_group_columns(q.float() * row_scales[:, None], counts, torch.float8_e4m3fn))
     for bad in ([5, 0, 17], [5, -1, 18, 1]):
         with pytest.raises(ValueError, match="counts"):
             F.quantize_group_columns(x, bad, torch.float8_e4m3fn)
