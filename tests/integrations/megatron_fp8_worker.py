@@ -59,7 +59,7 @@ def _ours_step(megatron_layer, group, x: torch.Tensor, dy: torch.Tensor) -> dict
     from moe_dispatch import MoELayer
     from moe_dispatch.integrations.megatron import moe_config_from_megatron
 
-    layer = MoELayer(moe_config_from_megatron(megatron_layer.config, fp8=FP8), group, layer_index=0)
+    layer = MoELayer(moe_config_from_megatron(megatron_layer.config, fp8=FP8), group, layer_index=0).to(x.device)
     assert layer.experts.local_expert_offset == megatron_layer.local_expert_indices[0]
     with torch.no_grad():
         layer.router.weight.copy_(megatron_layer.router.weight)
@@ -141,3 +141,35 @@ def fp8_worker(rank: int, world_size: int) -> dict:
             records[(dname, kind)] = rec
     records["errors"] = _errors(rank, pg2, pg1)
     return records
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_to_cpu(v) for v in value)
+    return value
+
+
+def gpu_fp8_worker(rank: int, world_size: int) -> dict:
+    """CUDA, one rank (nccl), EP 1, bf16 (the FP8 kernel's only output): per dispatcher kind, the
+    installed layer's step and our layer's, moved to the CPU."""
+    assert world_size == 1
+    import warnings
+
+    warnings.filterwarnings("ignore")  # Megatron's import-time notices (no TE, no apex, ...)
+    from moe_dispatch.integrations.megatron import install
+    from moe_dispatch.integrations.megatron.build import prepare_megatron, process_groups
+
+    device = torch.device("cuda")
+    prepare_megatron(device)
+    pg = process_groups(dist.group.WORLD, dist.group.WORLD)
+    x, dy = (t.to(device) for t in tokens(torch.bfloat16))
+    out = {}
+    for kind in KINDS:
+        layer = install(_megatron(kind, torch.bfloat16, 1, pg), pg, fp8=FP8).to(device)
+        out[kind] = _to_cpu({"megatron": _megatron_step(layer, x, dy),
+                             "ours": _ours_step(layer, dist.group.WORLD, x, dy)})
+    return out

@@ -8,7 +8,9 @@ scales to row-stable FP8 experts, on 2 CPU gloo ranks (one spawn, megatron_fp8_w
 - FP8 really on: the experts get the wire rows, and the results differ from fp8=None by a median
   per-token relative error inside [1e-2, 0.2];
 - bad values raise MoEConfig's own ValueError before any collective; unsupported settings
-  (Megatron's TE FP8, Megatron's experts, sizes, sync-free) raise naming the setting.
+  (Megatron's TE FP8, Megatron's experts, sizes, sync-free, CUDA graphs) raise naming the setting;
+- on CUDA (``-m gpu``, sm90+: torch._scaled_grouped_mm), EP 1, bf16: bitwise equal to our FP8
+  layer, and across the dispatchers.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from moe_dispatch import MoEConfig  # noqa: E402
 from moe_dispatch.dispatcher import wire_width  # noqa: E402
 from tests.dispatcher.harness import run_ranks  # noqa: E402
 
-from .megatron_fp8_worker import BAD_VALUES, H, fp8_worker  # noqa: E402
+from .megatron_fp8_worker import BAD_VALUES, H, fp8_worker, gpu_fp8_worker  # noqa: E402
 from .megatron_worker import DTYPES, KINDS, assert_equal  # noqa: E402
 
 CASES = [(d, k) for d in DTYPES for k in KINDS]
@@ -131,3 +133,20 @@ def test_unsupported_settings_name_the_setting(ranks):
         assert "install(layer, fp8='e4m3')" in errors["te_fp8"][1]  # where to go instead
         assert "install(fp8='e4m3')" in errors["cuda_graphs"][1]
         assert errors["none_after_fp8"] == ("ok", "")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_equals_our_fp8_layer():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the FP8 expert GEMMs (torch._scaled_grouped_mm) need sm90+")
+    results = run_ranks(gpu_fp8_worker, 1, timeout=300, backend="nccl")[0]
+    for kind, rec in results.items():
+        assert rec["megatron"]["rows"] == ("torch.bfloat16", wire_width(H)), kind
+        for field in ("out", "gx"):
+            assert_equal(rec["megatron"][field], rec["ours"][field], (kind, field))
+        _assert_experts_equal(rec["megatron"]["experts"], rec["ours"]["experts"], kind)
+    ag, a2a = results["allgather"]["megatron"], results["alltoall"]["megatron"]
+    for field in ("out", "gx"):
+        assert_equal(ag[field], a2a[field], ("dispatchers", field))
+    _assert_experts_equal(ag["experts"], a2a["experts"], "dispatchers")
