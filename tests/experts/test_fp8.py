@@ -191,9 +191,23 @@ def test_cuda_invariant_and_close_to_twin(prequant):
     assert torch.equal(got[0][sl], alone[0]) and torch.equal(got[1][sl], alone[1])
     assert torch.equal(got[2][3], alone[2][3])
     twin = _run(x, w, counts, g, prequant)
+    # dw sums up to 1068 rows per expert in fp32, in another order on each side: add the fp32
+    # summation bound on both, n * 2^-24 * sum_r |x[r, k] g[r, m]| (the operands' magnitudes,
+    # x1.2 for their quantisation: e4m3 moves a value by at most 2^-4). On the H200 dw was 1.38x
+    # the bound without this term (a 1068-row group).
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + n)
+    summed = torch.stack([2 * n * 2.0 ** -24 * 1.2 * (x[a:b].double().abs().t() @ g[a:b].double().abs())
+                          for n, a, b in zip(counts, starts, starts[1:])])
     for name, gpu, cpu in zip(("out", "dx", "dw"), got, twin):
         gpu, cpu = gpu.cpu().double(), cpu.double()
         scale = cpu.abs().amax(dim=-1, keepdim=True)
         bound = 2.0 ** -6 * cpu.abs() + 2.0 ** -12 * scale  # two bf16 ulps, plus the fp32 sums' share
-        excess = ((gpu - cpu).abs() / bound).max().item()
+        if name == "dw":
+            bound = bound + summed
+        diff = (gpu - cpu).abs()
+        # an expert of no rows: dw[e] is zeros on both, bound 0; there the two must be equal
+        zero = torch.where(diff == 0, 0.0, float("inf"))
+        excess = torch.where(bound > 0, diff / bound, zero).max().item()
         assert excess <= 1, f"{name}: the CUDA path is {excess:.3g}x the bound away from the twin"
