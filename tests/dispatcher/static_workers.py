@@ -142,3 +142,16 @@ def call_order_worker(rank: int, world_size: int, case: str) -> dict:
     nan = bool(outs) and all(bool(torch.isnan(o).all()) for o in outs)
     error = strict_error or value_error_of(lambda: layers[0](x))
     return {"nan": nan, "error": error, "strict": strict_error is not None}
+
+
+def exchange_worker(rank: int, world_size: int, cases: dict) -> dict:
+    """Every case of one world size in one spawn (spawning the ranks costs more than the cases):
+    {name: fit_worker(...) or overflow_worker(...)}; the overflow cases run last, so the fit cases
+    never start with a latched error."""
+    results = {}
+    for name, args in sorted(cases.items(), key=lambda item: item[1][0] == "overflow"):
+        if args[0] == "fit":
+            results[name] = fit_worker(rank, world_size, *args[1:])
+        else:
+            results[name] = overflow_worker(rank, world_size)
+    return results

@@ -86,24 +86,49 @@ def test_static_sizes_and_config_validation():
         cfg.replace(pad_multiple=2)
 
 
+# The cases of one world size share one spawn (starting 8 ranks on 2 cores costs more than the cases).
+EXCHANGE_CASES = {2: {"fit": ("fit", torch.float32, True), "overflow": ("overflow",)},
+                  4: {"fit": ("fit", torch.float32, False), "fit_bf16": ("fit", torch.bfloat16, True),
+                      "overflow": ("overflow",)},
+                  8: {"fit": ("fit", torch.float32, False), "overflow": ("overflow",)}}
+
+
+@pytest.fixture(scope="module")
+def exchange():
+    """exchange(world_size, case) -> that case's per-rank results; one spawn per world size."""
+    runs: dict = {}
+
+    def get(world_size: int, case: str) -> list:
+        if world_size not in runs:
+            try:
+                runs[world_size] = run_ranks(workers.exchange_worker, world_size, EXCHANGE_CASES[world_size],
+                                             timeout=360)
+            except Exception as exc:  # the other tests of this world size fail alike, without a second spawn
+                runs[world_size] = exc
+        if isinstance(runs[world_size], Exception):
+            raise runs[world_size]
+        return [rank[case] for rank in runs[world_size]]
+    return get
+
+
 @pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_static_exchange_fits_bitwise_equal_to_dropless(world_size):
-    for rank, result in enumerate(run_ranks(workers.fit_worker, world_size, torch.float32, world_size == 2,
-                                            timeout=240)):
+def test_static_exchange_fits_bitwise_equal_to_dropless(exchange, world_size):
+    """float32; probs_in_experts at EP 2 (the probs' gradient travels back through the exchange)."""
+    for rank, result in enumerate(exchange(world_size, "fit")):
         for kind, steps in result.items():
             for step, same in enumerate(steps):
                 assert all(same.values()), (rank, kind, step, same)
 
 
-def test_static_exchange_fits_bf16_ep4():
-    for rank, result in enumerate(run_ranks(workers.fit_worker, 4, torch.bfloat16, True, timeout=240)):
+def test_static_exchange_fits_bf16_ep4(exchange):
+    for rank, result in enumerate(exchange(4, "fit_bf16")):
         for kind, steps in result.items():
             assert all(all(s.values()) for s in steps), (rank, kind, steps)
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_static_exchange_overflow_nan_then_same_error_everywhere(world_size):
-    results = run_ranks(workers.overflow_worker, world_size, timeout=240)
+def test_static_exchange_overflow_nan_then_same_error_everywhere(exchange, world_size):
+    results = exchange(world_size, "overflow")
     for kind in results[0]:
         errors = {r[kind]["error"] for r in results}
         assert len(errors) == 1, errors  # the same message on every rank
