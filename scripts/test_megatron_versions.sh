@@ -7,9 +7,11 @@
 # Usage: bash scripts/test_megatron_versions.sh            (after scripts/setup_venv.sh)
 #   MEGATRON_VERSIONS="0.19.2" bash scripts/test_megatron_versions.sh
 #   MAIN_STATUS=<exit status of the main suite>: reported beside the main venv's version.
+#   MEGATRON_SOURCE=<a Megatron-LM checkout> bash scripts/test_megatron_versions.sh: also its
+#     megatron/core (Megatron-LM HEAD has no wheel), with that checkout first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-VERSIONS=${MEGATRON_VERSIONS:-"0.17.0 0.18.0 0.19.2"}
+VERSIONS=${MEGATRON_VERSIONS-"0.17.0 0.18.0 0.19.2"}  # set but empty: no release
 TESTS=(tests/integrations tests/dispatcher/test_megatron_reference.py)
 PY=.venv/bin/python
 version_of() {  # the megatron-core release that python imports with PYTHONPATH=$1 (local tag dropped)
@@ -38,6 +40,18 @@ for v in $VERSIONS; do
     if PYTHONPATH=$dir $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}"; then passed+=("$v"); else failed+=("$v"); fi
     echo "   ($((SECONDS - start)) s)"
 done
+if [ -n "${MEGATRON_SOURCE:-}" ]; then
+    got=$(version_of "$MEGATRON_SOURCE")
+    if [ ! -d "$MEGATRON_SOURCE/megatron/core" ] || [ -z "$got" ]; then
+        echo "MEGATRON_SOURCE=$MEGATRON_SOURCE: no megatron.core imports from it" >&2; failed+=("source(import)")
+    else
+        echo "== megatron-core $got from source (PYTHONPATH=$MEGATRON_SOURCE): ${TESTS[*]}"
+        start=$SECONDS
+        if PYTHONPATH=$MEGATRON_SOURCE $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}"; then
+            passed+=("$got(source)"); else failed+=("$got(source)"); fi
+        echo "   ($((SECONDS - start)) s)"
+    fi
+fi
 echo "megatron-core versions passed: ${passed[*]:-none}; failed: ${failed[*]:-none}"
 echo "megatron-core: ${#passed[@]} passed, ${#failed[@]} failed"
 [ ${#failed[@]} -eq 0 ]
