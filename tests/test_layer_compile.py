@@ -27,7 +27,7 @@ def _step(fn, layer: MoELayer, x: torch.Tensor) -> list[torch.Tensor]:
     return [out.detach(), x.grad, *grads]
 
 
-def _compile_worker(rank: int, world_size: int, backend: str, steps: int, dynamic: bool | None) -> dict:
+def _compile_case(rank: int, world_size: int, backend: str, steps: int, dynamic: bool | None) -> dict:
     import torch._dynamo
 
     result = {}
@@ -40,23 +40,60 @@ def _compile_worker(rank: int, world_size: int, backend: str, steps: int, dynami
         batches = [torch.randn(5 + rank, 8, generator=g), torch.randn(3 + 2 * rank, 8, generator=g)][:steps]
         eager = [_step(layer, layer, x) for x in batches]
         torch._dynamo.reset()
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # cumulative across resets and cases
         compiled = torch.compile(layer, backend=backend, dynamic=dynamic)
         got = [_step(compiled, layer, x) for x in batches]
         result[kind] = {
-            "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+            "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - before,
             "equal": [all(torch.equal(a, b) for a, b in zip(e, c)) for e, c in zip(eager, got)],
         }
     return result
 
 
+def _compile_worker(rank: int, world_size: int, cases: list) -> list:
+    """_compile_case for each (backend, steps, dynamic) of one world size: one spawn for all of them."""
+    import torch._inductor.config
+
+    # Inductor's default compiles in a pool of subprocesses (each importing torch); the ranks already
+    # share the 2 cores, so building in the rank's own process is faster and builds the same code.
+    torch._inductor.config.compile_threads = 1
+    return [_compile_case(rank, world_size, *case) for case in cases]
+
+
+CASES = [("aot_eager", 2, 2, None), ("aot_eager", 4, 1, None), ("aot_eager", 2, 2, True), ("inductor", 2, 1, None)]
+
+
+@pytest.fixture(scope="module")
+def compiled_runs(request):
+    """compiled_runs(backend, ep, steps, dynamic) -> per-rank results; the selected cases of one EP
+    size share one spawn (starting the ranks and torch.compile's first import cost more than a case)."""
+    selected = {tuple(item.callspec.params[k] for k in ("backend", "ep", "steps", "dynamic"))
+                for item in request.session.items
+                if item.originalname == "test_compiled_layer_is_bitwise_eager" and hasattr(item, "callspec")}
+    runs: dict = {}
+
+    def get(backend: str, ep: int, steps: int, dynamic: bool | None) -> list:
+        if ep not in runs:
+            cases = [c for c in CASES if c[1] == ep and (c in selected or c == (backend, ep, steps, dynamic))]
+            args = [(b, s, d) for b, _, s, d in cases]
+            try:
+                per_rank = run_ranks(_compile_worker, ep, args, timeout=850)
+                runs[ep] = {case: [rank[i] for rank in per_rank] for i, case in enumerate(cases)}
+            except Exception as exc:  # the other cases of this EP size fail alike, without a second spawn
+                runs[ep] = exc
+        if isinstance(runs[ep], Exception):
+            raise runs[ep]
+        return runs[ep][(backend, ep, steps, dynamic)]
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("backend, ep, steps, dynamic", [("aot_eager", 2, 2, None), ("aot_eager", 4, 1, None),
-                                                     ("aot_eager", 2, 2, True), ("inductor", 2, 1, None)])
-def test_compiled_layer_is_bitwise_eager(backend, ep, steps, dynamic):
+@pytest.mark.parametrize("backend, ep, steps, dynamic", CASES)
+def test_compiled_layer_is_bitwise_eager(compiled_runs, backend, ep, steps, dynamic):
     """Both dispatchers on every rank; ``steps`` batches (the second one recompiles, or with
     dynamic=True runs the same graphs at other sizes)."""
-    for rank, res in enumerate(run_ranks(_compile_worker, ep, backend, steps, dynamic, timeout=850)):
+    for rank, res in enumerate(compiled_runs(backend, ep, steps, dynamic)):
         for kind, r in res.items():
             assert r["graphs"] > 0, (rank, kind, r)
             assert r["equal"] == [True] * steps, (backend, ep, rank, kind, r)
