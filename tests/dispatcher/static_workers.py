@@ -146,12 +146,12 @@ def call_order_worker(rank: int, world_size: int, case: str) -> dict:
 
 def exchange_worker(rank: int, world_size: int, cases: dict) -> dict:
     """Every case of one world size in one spawn (spawning the ranks costs more than the cases):
-    {name: fit_worker(...) or overflow_worker(...)}; the overflow cases run last, so the fit cases
-    never start with a latched error."""
+    {name: fit_worker(...), overflow_worker(...), bad_input_worker(...) or call_order_worker(...)};
+    the fit cases run first, so they never start with a latched error (each other case reads its own
+    error back at its last dispatch)."""
     results = {}
-    for name, args in sorted(cases.items(), key=lambda item: item[1][0] == "overflow"):
-        if args[0] == "fit":
-            results[name] = fit_worker(rank, world_size, *args[1:])
-        else:
-            results[name] = overflow_worker(rank, world_size)
+    workers = {"fit": fit_worker, "overflow": overflow_worker, "bad_input": bad_input_worker,
+               "call_order": call_order_worker}
+    for name, args in sorted(cases.items(), key=lambda item: item[1][0] != "fit"):
+        results[name] = workers[args[0]](rank, world_size, *args[1:])
     return results

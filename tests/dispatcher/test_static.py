@@ -87,7 +87,9 @@ def test_static_sizes_and_config_validation():
 
 
 # The cases of one world size share one spawn (starting 8 ranks on 2 cores costs more than the cases).
-EXCHANGE_CASES = {2: {"fit": ("fit", torch.float32, True), "overflow": ("overflow",)},
+EXCHANGE_CASES = {2: {"fit": ("fit", torch.float32, True), "overflow": ("overflow",), "bad_input": ("bad_input",),
+                      # "swapped" keeps its own spawn: its message names the first two layers built (#0, #1)
+                      **{case: ("call_order", case) for case in ("combine", "strict")}},
                   4: {"fit": ("fit", torch.float32, False), "fit_bf16": ("fit", torch.bfloat16, True),
                       "overflow": ("overflow",)},
                   8: {"fit": ("fit", torch.float32, False), "overflow": ("overflow",)}}
@@ -140,8 +142,8 @@ def test_static_exchange_overflow_nan_then_same_error_everywhere(exchange, world
             assert r[kind]["polled"] is not None and "static-capacity overflow" in r[kind]["polled"]
 
 
-def test_static_exchange_bad_input_after_first_step_no_hang():
-    results = run_ranks(workers.bad_input_worker, 2, timeout=120)
+def test_static_exchange_bad_input_after_first_step_no_hang(exchange):
+    results = exchange(2, "bad_input")
     assert all(r["nan"] for r in results), results
     assert len({r["error"] for r in results}) == 1 and "EP rank 1 passed inputs" in results[0]["error"], results
 
@@ -172,10 +174,10 @@ def test_static_exchange_layers_called_in_another_order():
 
 
 @pytest.mark.parametrize("strict", [False, True])
-def test_static_exchange_micro_batches_combined_in_another_order(strict):
+def test_static_exchange_micro_batches_combined_in_another_order(exchange, strict):
     """Rank 1 combines its two micro-batches swapped: NaN and the same error at the next dispatch,
     or with strict_call_order the same error at once, before any row moves."""
-    results = run_ranks(workers.call_order_worker, 2, "strict" if strict else "combine", timeout=120)
+    results = exchange(2, "strict" if strict else "combine")
     assert len({r["error"] for r in results}) == 1, results
     error = results[0]["error"]
     if strict:
