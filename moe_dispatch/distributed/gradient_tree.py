@@ -262,16 +262,19 @@ class GradientTree:
     def _doubling(self, flat: torch.Tensor, entries: Sequence[_Entry]) -> None:
         """Recursive doubling over ``group`` in place on ``flat`` (the entries' partials, in order):
         step k adds group rank (rank xor 2^k)'s prefix of the entries that have joined by step k."""
-        steps = int(math.log2(self.world))
-        for k in range(steps):
-            n = sum(e.param.numel() for e in entries if e.start <= k)
-            if n == 0:
-                continue
-            peer = self.rank ^ (1 << k)
-            splits = [n if r == peer else 0 for r in range(self.world)]
-            received = torch.empty(n, dtype=flat.dtype, device=flat.device)
-            dist.all_to_all_single(received, flat[:n].contiguous(), splits, splits, group=self.group)
-            flat[:n].add_(received)  # a + b == b + a: both partners hold the same node
+        for k in range(int(math.log2(self.world))):
+            self._doubling_step(flat, entries, k)
+
+    def _doubling_step(self, flat: torch.Tensor, entries: Sequence[_Entry], k: int) -> None:
+        """Step k of `_doubling`: add group rank (rank xor 2^k)'s prefix of the joined entries."""
+        n = sum(e.param.numel() for e in entries if e.start <= k)
+        if n == 0:
+            return
+        peer = self.rank ^ (1 << k)
+        splits = [n if r == peer else 0 for r in range(self.world)]
+        received = torch.empty(n, dtype=flat.dtype, device=flat.device)
+        dist.all_to_all_single(received, flat[:n].contiguous(), splits, splits, group=self.group)
+        flat[:n].add_(received)  # a + b == b + a: both partners hold the same node
 
     # ---- the norm ------------------------------------------------------------------------------
     def _norm_pieces(self, model: nn.Module) -> List[Tuple[nn.Module, Optional[nn.Parameter]]]:

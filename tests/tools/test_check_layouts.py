@@ -24,14 +24,7 @@ ROWS = ["layouts: 3 training steps, (world 4, EP 4, A 1) vs (world 4, EP 1, A 1)
 def _reversed_doubling(self, flat: torch.Tensor, entries) -> None:
     """GradientTree._doubling with its steps in the other order: step log2(W)-1 first."""
     for k in reversed(range(int(math.log2(self.world)))):
-        n = sum(e.param.numel() for e in entries if e.start <= k)
-        if n == 0:
-            continue
-        peer = self.rank ^ (1 << k)
-        splits = [n if r == peer else 0 for r in range(self.world)]
-        received = torch.empty(n, dtype=flat.dtype, device=flat.device)
-        dist.all_to_all_single(received, flat[:n].contiguous(), splits, splits, group=self.group)
-        flat[:n].add_(received)
+        self._doubling_step(flat, entries, k)
 
 
 def _worker(rank: int, world: int) -> dict:
