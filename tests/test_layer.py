@@ -158,11 +158,16 @@ def test_gpu_layer_step_raises_on_sync_under_debug_mode():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
+        assert torch.cuda.get_sync_debug_mode() == 2  # "error": a synchronising call raises
         for _ in range(2):
+            x.grad = None
             layer.zero_grad(set_to_none=True)
             layer(x).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    # the steps ran to the end: every gradient written, finite
+    grads = [x.grad] + [p.grad for p in layer.parameters() if p.requires_grad]
+    assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
 
 
 @pytest.mark.gpu
