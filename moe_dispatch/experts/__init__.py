@@ -6,7 +6,7 @@ FP8 expert GEMMs (row-wise scales).
 """
 
 from .activations import activate, scale_rows
-from .fp8 import fp8_expert_gemm
+from .fp8 import fp8_expert_gemm, fp8_mlp
 from .gemm import expert_gemm, grouped_mm_row_stable, grouped_mm_supported, select_gemm
 from .init import WEIGHT1, WEIGHT2, expert_seed, init_expert_weights, layer_seed
 from .mlp import GroupedMLP, LocalExperts, SequentialMLP
@@ -21,6 +21,7 @@ __all__ = [
     "scale_rows",
     "expert_gemm",
     "fp8_expert_gemm",
+    "fp8_mlp",
     "select_gemm",
     "grouped_mm_supported",
     "grouped_mm_row_stable",

@@ -54,6 +54,7 @@ from ..numerics.fixed_order import ordered_mm
 from ..numerics.rounding import round_up
 from ..ops.quantize import quantize_group_columns as _quantize_group_columns
 from ..ops.quantize import quantize_rows
+from .activations import activate, scale_rows
 
 # wgrad's group row counts are padded to this for the CUDA kernel (rows multiple of 16).
 WGRAD_ROW_MULTIPLE = 16
@@ -249,3 +250,19 @@ def fp8_expert_gemm(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.
     if x.device.type == "cpu":
         offsets = None  # the twin reads the host counts
     return _Fp8ExpertGemm.apply(x, x_scales, w, grad_sink, tokens_per_expert, offsets, fp8_dtype, out_dtype)
+
+
+def fp8_mlp(rows: torch.Tensor, row_scales: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+            tokens_per_expert: torch.Tensor, offsets: Optional[torch.Tensor], fp8_dtype: torch.dtype,
+            activation: str, probs: Optional[torch.Tensor], row_grad_sink: torch.Tensor) -> torch.Tensor:
+    """The experts' MLP on the dispatch's FP8 rows: rows [N, H] fp8 with row_scales [N] fp32 ->
+    [N, H] in row_grad_sink's dtype. fc1 (w1 [E, H, F]) on the rows as they are (their gradient to
+    ``row_grad_sink`` [N, H]), the activation in that dtype, times ``probs`` [N] when given, then
+    fc2 (w2 [E, F, H]) quantising its input per row."""
+    out_dtype = row_grad_sink.dtype
+    h = fp8_expert_gemm(rows, row_scales, w1, tokens_per_expert, offsets, fp8_dtype, out_dtype,
+                        grad_sink=row_grad_sink)
+    act = activate(h, activation)
+    if probs is not None:
+        act = scale_rows(act, probs)
+    return fp8_expert_gemm(act, None, w2, tokens_per_expert, offsets, fp8_dtype, out_dtype)

@@ -46,7 +46,7 @@ from torch import nn
 from ..checkpoint import register_sharded
 from ..config import FP8_FORMATS
 from .activations import activate, scale_rows
-from .fp8 import fp8_expert_gemm
+from .fp8 import fp8_mlp
 from .gemm import GemmStrategy, SourceBlocks, expert_gemm, select_gemm
 from .init import WEIGHT1, WEIGHT2, init_expert_weights
 
@@ -234,13 +234,9 @@ class LocalExperts(nn.Module):
         if row_scales is None or row_grad_sink is None:
             raise ValueError("fp8 experts need row_scales [N] and row_grad_sink [N, H] (the dispatcher's FP8 rows, "
                              "handle.row_grad_sink)")
-        fp8_dtype, out_dtype = FP8_FORMATS[self.fp8], row_grad_sink.dtype
-        h = fp8_expert_gemm(x, row_scales, self.weight1, tokens_per_expert, offsets, fp8_dtype, out_dtype,
-                            grad_sink=row_grad_sink)
-        act = activate(h, self.activation)
-        if self.probs_in_experts and permuted_probs is not None:
-            act = scale_rows(act, permuted_probs)
-        return fp8_expert_gemm(act, None, self.weight2, tokens_per_expert, offsets, fp8_dtype, out_dtype)
+        probs = permuted_probs if self.probs_in_experts else None
+        return fp8_mlp(x, row_scales, self.weight1, self.weight2, tokens_per_expert, offsets, FP8_FORMATS[self.fp8],
+                       self.activation, probs, row_grad_sink)
 
     def _sink(self, name: str) -> Callable[[torch.Tensor], None]:
         """Where the per-source gradient of weight ``name`` goes (``source_grads``), cast to its dtype."""

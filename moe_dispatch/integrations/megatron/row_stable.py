@@ -98,7 +98,7 @@ def _fp8_experts(experts: Any, rows: "torch.Tensor", tokens_per_expert: "torch.T
     quantising it per row (``fp8_expert_gemm``), the weights read from their stacked storage."""
     from ...config import FP8_FORMATS
     from ...dispatcher import unpack_rows
-    from ...experts import activate, fp8_expert_gemm, scale_rows
+    from ...experts import fp8_mlp
     from .experts import expert_weights, stacked_weights
 
     dispatcher = _fp8_dispatcher(experts)
@@ -107,15 +107,12 @@ def _fp8_experts(experts: Any, rows: "torch.Tensor", tokens_per_expert: "torch.T
         raise ValueError("install(fp8=...): the experts take this step's FP8 rows with the plan's host counts "
                          "(dispatch_postprocess's tokens_per_expert), from the layer's dispatcher")
     q, scales = unpack_rows(rows, config.hidden_size, config.fp8)
-    fp8_dtype, out_dtype = FP8_FORMATS[config.fp8], handle.row_grad_sink.dtype
     # [El, out, in] stacks, transposed to fp8_expert_gemm's [E, K, M] (no copy)
     w1 = stacked_weights(expert_weights(experts, "linear_fc1"), experts).transpose(1, 2)
     w2 = stacked_weights(expert_weights(experts, "linear_fc2"), experts).transpose(1, 2)
-    h = fp8_expert_gemm(q, scales, w1, tokens_per_expert, offsets, fp8_dtype, out_dtype, grad_sink=handle.row_grad_sink)
-    act = activate(h, activation)
-    if _experts_apply_probs(experts):
-        act = scale_rows(act, permuted_probs)
-    return fp8_expert_gemm(act, None, w2, tokens_per_expert, offsets, fp8_dtype, out_dtype)
+    probs = permuted_probs if _experts_apply_probs(experts) else None
+    return fp8_mlp(q, scales, w1, w2, tokens_per_expert, offsets, FP8_FORMATS[config.fp8], activation, probs,
+                   handle.row_grad_sink)
 
 
 def _experts_apply_probs(experts: Any) -> bool:
