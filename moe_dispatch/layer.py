@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import MoEConfig
-from .dispatcher import DispatchHandle, build_dispatcher, host_tokens_per_expert, unpack_rows, with_host_counts
+from .dispatcher import DispatchHandle, build_dispatcher, host_tokens_per_expert, unpack_rows
 from .distributed.agreement import hidden_states_problem
 from .distributed.comm import group_key, group_size_rank
 from .experts import GroupedMLP, SequentialMLP, layer_seed
@@ -76,15 +76,14 @@ class MoELayer(nn.Module):
             self.shared_expert = experts_cls(shared_config, 1, 0)
 
     def _fp8_experts(self, expert_input: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, DispatchHandle]:
-        """The experts on the FP8 wire rows [N, W]: (expert_output [n, H], the handle for the combine).
-        Host counts (the FP8 weight gradient pads each expert's rows on the host); a sync-free
-        plan's trailing rows are cut (``with_host_counts``)."""
-        rows, counts, handle = with_host_counts(expert_input, handle)
-        n = rows.shape[0]
-        q, scales = unpack_rows(rows, self.config.hidden_size, self.config.fp8)
-        probs = handle.permuted_probs[:n] if handle.permuted_probs is not None else None
-        out = self.experts(q, counts, probs, offsets=handle.expert_offsets, row_scales=scales,
-                           row_grad_sink=handle.row_grad_sink[:n])
+        """The experts on the FP8 wire rows [N, W]: (expert_output [N, H], the handle for the combine).
+        A sync-free plan's device counts and whole buffer (its trailing rows belong to no expert:
+        the FP8 GEMMs lay out the weight gradient's padding on the device), else the host counts."""
+        trailing = handle.trailing_rows
+        counts = handle.device_expert_rows if trailing else host_tokens_per_expert(handle)
+        q, scales = unpack_rows(expert_input, self.config.hidden_size, self.config.fp8)
+        out = self.experts(q, counts, handle.permuted_probs, offsets=handle.expert_offsets, row_scales=scales,
+                           row_grad_sink=handle.row_grad_sink, trailing_rows=trailing)
         return out, handle
 
     @property

@@ -19,7 +19,8 @@ import sys
 
 import torch
 
-from moe_dispatch.experts.fp8 import _cuda_mm, _cuda_wgrad, fp8_expert_gemm, quantize_group_columns, quantize_rows
+from moe_dispatch.experts.fp8 import _cuda_mm, _cuda_wgrad, fp8_expert_gemm, quantize_rows, wgrad_layout
+from moe_dispatch.ops import quantize_group_columns
 
 PEAK = {"bf16": 989.4e12, "fp8": 1978.9e12}  # dense FLOP/s, H200 SXM datasheet
 E4M3 = torch.float8_e4m3fn
@@ -77,8 +78,9 @@ def main() -> None:
     wd, swd = quantize_rows(w.reshape(e * k, m), E4M3)
     wd, swd = wd.view(e, k, m), swd.view(e, k)
     dyq, sdy = quantize_rows(dy, E4M3)
-    xt, sxc = quantize_group_columns(xq.float() * sx[:, None], counts, E4M3)
-    dyt, sdyc = quantize_group_columns(dy, counts, E4M3)
+    layout = wgrad_layout(offs, n)  # (row starts, padded starts, P), on the device
+    xt, sxc = quantize_group_columns(xq, *layout, E4M3, sx)
+    dyt, sdyc = quantize_group_columns(dy, *layout, E4M3)
 
     def fwd_quant():
         q, s = quantize_rows(x, E4M3)
@@ -91,9 +93,9 @@ def main() -> None:
         return _cuda_mm(q, s, wq.view(e, k, m), sw.view(e, k), offs)
 
     def wgrad_quant():
-        a, sa = quantize_group_columns(xq.float() * sx[:, None], counts, E4M3)
-        b, sb = quantize_group_columns(dy, counts, E4M3)
-        return _cuda_wgrad(a, sa, b, sb, counts)
+        a, sa = quantize_group_columns(xq, *layout, E4M3, sx)
+        b, sb = quantize_group_columns(dy, *layout, E4M3)
+        return _cuda_wgrad(a, sa, b, sb, layout[1])
 
     xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
 
@@ -110,7 +112,7 @@ def main() -> None:
         ("dgrad", lambda: torch._grouped_mm(dy, w.transpose(1, 2), offs=offs),
          lambda: _cuda_mm(dyq, sdy, wd, swd, offs), dgrad_quant),
         ("wgrad", lambda: torch._grouped_mm(x.t(), dy, offs=offs),
-         lambda: _cuda_wgrad(xt, sxc, dyt, sdyc, counts), wgrad_quant),
+         lambda: _cuda_wgrad(xt, sxc, dyt, sdyc, layout[1]), wgrad_quant),
     ]
     flops = 2.0 * n * k * m
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: {n} rows, K {k}, M {m}, {e} experts, "

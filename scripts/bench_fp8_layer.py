@@ -3,9 +3,10 @@
     python scripts/bench_fp8_layer.py [--tokens 8192 --hidden 4096 --ffn 1024 --experts 64 --topk 6]
 
 Prints three tables:
-1. The layer's forward + backward, eager, bf16 and FP8 (median ms of CUDA-event timings), with the
-   FP8 step's bitwise checks beside it: both dispatchers give the same output and input gradient,
-   and so do 64 of its tokens alone.
+1. The layer's forward + backward, bf16 and FP8 (median ms of CUDA-event timings), eager and
+   captured in a CUDA graph (``moe_dispatch.tools.capture.capture_step``, gradients reset each
+   replay; the replay checked bitwise against the eager step), with the bitwise checks beside it:
+   both dispatchers give the same output and input gradient, and so do 64 of its tokens alone.
 2. The row quantisation (``ops.quantize_rows``) of the layer's tokens against its byte floor: each
    input read once and each output written once, over the device-to-device copy bandwidth
    measured in the same run.
@@ -15,9 +16,9 @@ Prints three tables:
    with one expert holding half of them, against its byte floor (x read once, qt and the scales
    written once), and a sweep of its LAUNCH settings (none changes a value).
 3. Where the FP8 step's time goes: torch.profiler's CUDA time per kernel, by category (the GEMMs,
-   zero fills, quantisation, permute/combine, the rest), so the non-GEMM time is itemised.
-The bf16 step is the eager dropless layer; neither step is captured here (the FP8 step reads its
-counts on the host: its weight gradient pads each expert's rows to 16 on the host).
+   zero fills, quantisation, permute/combine, the rest), so the non-GEMM time is itemised, then
+   the operators that launched the most GPU time, with their input shapes.
+Both layers run the EP-1 sync-free dispatch (no host read), so both capture.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.numerics.rounding import round_up
 from moe_dispatch.ops import quantize_group_columns, quantize_rows
 from moe_dispatch.ops import triton_kernels as KT
+from moe_dispatch.tools.capture import capture_step
 
 DEVICE = torch.device("cuda")
 
@@ -49,6 +51,23 @@ def median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def captured(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, eager: tuple) -> tuple[float, bool]:
+    """(median ms of a CUDA-graph replay of the layer's forward + backward, whether the replay's
+    output and input gradient are bitwise ``eager``'s: the same config builds the same weights)."""
+    layer = MoELayer(config, layer_index=0).to(DEVICE)
+    xs = x.detach().clone().requires_grad_()
+
+    def fwd_bwd() -> torch.Tensor:
+        out = layer(xs)
+        out.backward(upstream)
+        return out
+    graph, out = capture_step(layer, xs, fwd_bwd)
+    graph.replay()
+    torch.cuda.synchronize()
+    same = torch.equal(out, eager[0]) and torch.equal(xs.grad, eager[1])
+    return median_ms(graph.replay), same
 
 
 def layer_step(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor):
@@ -146,8 +165,9 @@ def main() -> None:
 
     print(f"## The layer, forward + backward, EP 1 ({T} tokens, H {H}, ffn {args.ffn}, E {args.experts}, "
           f"K {args.topk}, bf16 tokens, eager)\n")
-    print("| layer | ms | bitwise across dispatchers | 64 tokens alone bitwise | median rel. error vs bf16 |")
-    print("|---|---|---|---|---|")
+    print("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
+          "| 64 tokens alone bitwise | median rel. error vs bf16 |")
+    print("|---|---|---|---|---|---|---|")
     ref = None
     steps = {}
     for fp8 in (None, "e4m3"):
@@ -155,6 +175,7 @@ def main() -> None:
         ms = median_ms(step)
         out, gx = step()
         steps[fp8] = step
+        graph_ms, replay_same = captured(MoEConfig(fp8=fp8, **base), x, upstream, (out, gx))
         _, other = layer_step(MoEConfig(fp8=fp8, dispatcher="allgather", **base), x, upstream)
         out2, gx2 = other()
         same_kind = torch.equal(out, out2) and torch.equal(gx, gx2)
@@ -166,7 +187,8 @@ def main() -> None:
             ref, err = out.float(), "-"
         else:
             err = f"{((out.float() - ref).norm(dim=1) / ref.norm(dim=1)).median().item():.3g}"
-        print(f"| {'bf16' if fp8 is None else 'fp8 ' + fp8} | {ms:.3f} | {same_kind} | {same_alone} | {err} |")
+        print(f"| {'bf16' if fp8 is None else 'fp8 ' + fp8} | {ms:.3f} | {graph_ms:.3f} | {replay_same} | "
+              f"{same_kind} | {same_alone} | {err} |", flush=True)
 
     print("\n## Row quantisation (ops.quantize_rows), against its byte floor\n")
     src = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
@@ -188,13 +210,15 @@ def main() -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(5):
             step()
         torch.cuda.synchronize()
     totals: dict[str, float] = {}
     kernels: dict[str, float] = {}
     for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue  # kernels only: CPU operators carry their kernels' time too
         us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
         if us <= 0:
             continue
@@ -204,9 +228,19 @@ def main() -> None:
     print("| category | ms per step | share |\n|---|---|---|")
     for label, us in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"| {label} | {us / 1e3:.3f} | {us / whole:.0%} |")
-    print("\n| kernel (top 15) | category | ms per step |\n|---|---|---|")
-    for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]:
-        print(f"| {name[:90]} | {category(name)} | {us / 1e3:.3f} |")
+    print("\n| kernel (top 20) | category | ms per step |\n|---|---|---|")
+    for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:20]:
+        print(f"| {name[:110]} | {category(name)} | {us / 1e3:.3f} |")
+    print("\n| operator (top 20 by the GPU time of its own kernels) | input shapes | ms per step |\n|---|---|---|")
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.device_type == torch.autograd.DeviceType.CPU and _self_device_us(e) > 0]
+    for e in sorted(ops, key=lambda e: -_self_device_us(e))[:20]:
+        print(f"| {e.key} | {str(e.input_shapes)[:100]} | {_self_device_us(e) / 5e3:.3f} |")
+
+
+def _self_device_us(event) -> float:
+    """The GPU time of the kernels an operator launched itself (torch 2.11+ names it device time)."""
+    return event.self_device_time_total if hasattr(event, "self_device_time_total") else event.self_cuda_time_total
 
 
 if __name__ == "__main__":

@@ -45,10 +45,15 @@ def run_layer(config: MoEConfig, group, ep_rank: int, ids: range) -> dict:
 
 
 def ep_worker(rank: int, world: int) -> dict:
-    """EP 4 (the world) and EP 2 (two groups of 2), both dispatchers."""
+    """EP 4 (the world) and EP 2 (two groups of 2), both dispatchers; and EP 2 sync-free
+    (``ep_capacity_factor``: static buffers with trailing rows), half the tokens on each rank."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     results = {}
+    half = T_GLOBAL // 2
     for kind in ("alltoall", "allgather"):
         results[(kind, 4)] = run_layer(fp8_config(kind), dist.group.WORLD, rank, splits(4)[rank])
         results[(kind, 2)] = run_layer(fp8_config(kind), pairs[rank // 2], rank % 2, splits(2)[rank % 2])
+        # capacity 2x the balanced load: a rank can receive every token's topk rows, so nothing drops
+        results[(kind, "sync-free")] = run_layer(fp8_config(kind, ep_capacity_factor=2.0), pairs[rank // 2],
+                                                 rank % 2, range(half * (rank % 2), half * (rank % 2 + 1)))
     return results

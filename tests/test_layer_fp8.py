@@ -100,6 +100,13 @@ def test_ep2_and_ep4_bitwise_to_ep1():
                     assert torch.equal(g1, ref["experts"][e][0]) and torch.equal(g2, ref["experts"][e][1])
         for r in range(4):  # the router's: bitwise across the dispatchers
             assert torch.equal(ranks[r][("alltoall", ep)]["router"], ranks[r][("allgather", ep)]["router"])
+    for kind in ("alltoall", "allgather"):  # EP 2 sync-free: the trailing rows of its buffers change nothing
+        parts = [ranks[r][(kind, "sync-free")] for r in range(2)]
+        assert torch.equal(torch.cat([p["out"] for p in parts]), ref["out"]), f"{kind} sync-free: outputs"
+        assert torch.equal(torch.cat([p["gx"] for p in parts]), ref["gx"]), f"{kind} sync-free: input gradients"
+        for p in parts:
+            for e, (g1, g2) in p["experts"].items():
+                assert torch.equal(g1, ref["experts"][e][0]) and torch.equal(g2, ref["experts"][e][1])
 
 
 @pytest.mark.gpu

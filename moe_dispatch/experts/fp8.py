@@ -3,7 +3,8 @@
 Interface (the one public function)::
 
     fp8_expert_gemm(x, x_scales, w, tokens_per_expert, offsets=None,
-                    fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, *, grad_sink=None) -> out [N, M]
+                    fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, *, grad_sink=None,
+                    trailing_rows=False) -> out [N, M]
 
 - ``x`` [N, K], rows expert-major (expert 0's rows, then expert 1's, ...), either
   * already quantised: ``fp8_dtype`` rows with ``x_scales`` [N] float32, value = ``x.float() * x_scales[:, None]``
@@ -16,6 +17,9 @@ Interface (the one public function)::
 - ``w`` [E, K, M] bf16/fp16/fp32 master weights, the gradient in w's dtype. ``tokens_per_expert`` [E]
   int (CPU or device), summing to N. ``offsets``: optional int32 [E] cumulative row ends on x's device
   (as for `expert_gemm`), saving a host-to-device copy when ``tokens_per_expert`` is on the CPU.
+  ``trailing_rows`` (a sync-free dispatch's buffer): the counts may sum to n <= N; rows [n, N) belong
+  to no expert, their outputs and gradients are unspecified on CUDA (zeros on the CPU) and they add
+  nothing to w's gradient.
 - ``fp8_dtype``: ``torch.float8_e4m3fn`` only (the one float8 ``torch._scaled_grouped_mm`` takes on sm90).
 - ``out_dtype``: bf16 (CUDA: the only output of the sm90 kernel); the CPU also takes fp16 and fp32.
 
@@ -31,12 +35,15 @@ CPU, bitwise alike; per row: scale = amax / fp8_max), wgrad's per column by ``op
 
 Every GEMM result is rounded once to ``out_dtype``, then cast to its destination's dtype.
 
-Devices. CUDA: ``torch._scaled_grouped_mm`` (e4m3, fp32 row-wise scales, bf16 out): forward and dgrad
-2d x 3d, sync-free; wgrad 2d x 2d with groups along the rows. That kernel needs each group's row
-count to be a multiple of 16, so wgrad pads every expert's rows with zeros to the next multiple of
-16 (zeros add nothing to the sums, and the padded count depends on the expert's own count only, so a
-group's wgrad still depends on its rows alone); it reads the counts on the host (one sync when
-``tokens_per_expert`` is on the device). K and M must be multiples of 16 (16-byte fp8 rows).
+Devices. CUDA: ``torch._scaled_grouped_mm`` (e4m3, fp32 row-wise scales, bf16 out): forward, dgrad
+(2d x 3d) and wgrad (2d x 2d with groups along the rows), all sync-free: no count is read on the host,
+so the step captures in a CUDA graph. The wgrad kernel needs each group's row count to be a multiple
+of 16, so its operands are laid out on the device (`wgrad_layout`): expert e's rows padded with zero
+columns to round_up(max(n_e, 1), 16) (zeros add nothing to the sums; the width depends on the
+expert's own count only, so a group's wgrad still depends on its rows alone, and an expert of no
+rows gets 16 zero columns, hence exact zeros), then one slack group that takes the trailing rows and
+the rest of a width fixed by the shapes (P = round_up(N, 16) + 16 E), whose result is dropped. K and
+M must be multiples of 16 (16-byte fp8 rows).
 CPU (the twin): the same quantised operands; each expert's products of the float8 values (exact in
 fp32) summed by `ordered_mm`'s fixed tree, then ``(acc * a_scale) * b_scale`` in fp32, then one
 rounding. No BLAS call, so a row's bits depend on the row and w[e] only, and wgrad[e] on expert
@@ -45,15 +52,14 @@ e's rows only. The twin and CUDA agree closely, not bitwise (the kernel's summat
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..numerics.autograd import refuse_double_backward
 from ..numerics.fixed_order import ordered_mm
 from ..numerics.rounding import round_up
-from ..ops.quantize import quantize_group_columns as _quantize_group_columns
-from ..ops.quantize import quantize_rows
+from ..ops.quantize import quantize_group_columns, quantize_rows
 from .activations import activate, scale_rows
 
 # wgrad's group row counts are padded to this for the CUDA kernel (rows multiple of 16).
@@ -67,29 +73,33 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.clone(memory_format=torch.contiguous_format)
 
 
-def quantize_group_columns(x: torch.Tensor, counts: Sequence[int], fp8_dtype: torch.dtype,
-                           pad_to: int = WGRAD_ROW_MULTIPLE,
-                           row_scales: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x [N, C], rows grouped by counts -> (qt [C, P] fp8, scales [E, C] fp32): expert e's rows x_e
-    quantised per column, i.e. ``quantize_rows(x_e.T)``, written to qt's columns [p_e, p_e + n_e) with
-    zero columns up to p_e + round_up(n_e, pad_to) = p_{e+1} (P = sum of the padded counts). With
-    ``row_scales`` [N] fp32 the rows are ``x.float() * row_scales[:, None]`` (float8 x's dequantised
-    rows, bitwise, never materialised).
+def wgrad_layout(row_ends: torch.Tensor, n_rows: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """The weight gradient's operand layout, computed on row_ends' device without a host read.
 
-    One ``ops.quantize_group_columns`` call (one kernel on CUDA); the host counts become the op's
-    row and padded starts in one small host-to-device copy."""
-    counts = [int(n) for n in counts]
-    if sum(counts) != x.shape[0] or min(counts, default=0) < 0:
-        raise ValueError(f"counts {counts} must be >= 0 and sum to the {x.shape[0]} rows of x")
-    padded = [round_up(n, pad_to) for n in counts]
-    starts = torch.tensor([[0, *counts], [0, *padded]], dtype=torch.int64).cumsum(1).to(x.device)
-    return _quantize_group_columns(x, starts[0], starts[1], sum(padded), fp8_dtype, row_scales)
+    row_ends: [E] int, the experts' cumulative row ends (``offsets``; the last <= n_rows, the rest
+    of the N = n_rows rows trailing). Returns (row_starts [E + 2] int64, padded_starts [E + 2] int64,
+    P): groups 0..E-1 the experts, expert e's rows [s_e, s_{e+1}) in columns [p_e, p_{e+1}) of
+    width round_up(max(n_e, 1), WGRAD_ROW_MULTIPLE); group E the slack, rows [s_E, N) in columns
+    [p_E, P), with P = round_up(N, 16) + 16 E fixed by the shapes (every width a multiple of 16:
+    each expert's is at most n_e + 16, so the slack's is >= N - s_E)."""
+    e = row_ends.shape[0]
+    zero = row_ends.new_zeros(1, dtype=torch.int64)
+    ends = row_ends.to(torch.int64)
+    counts = torch.diff(ends, prepend=zero)
+    widths = (counts.clamp(min=1) + (WGRAD_ROW_MULTIPLE - 1)) // WGRAD_ROW_MULTIPLE * WGRAD_ROW_MULTIPLE
+    padded_rows = round_up(n_rows, WGRAD_ROW_MULTIPLE) + WGRAD_ROW_MULTIPLE * e
+    row_starts = torch.cat([zero, ends, torch.full_like(zero, n_rows)])
+    padded_starts = torch.cat([zero, torch.cumsum(widths, 0), torch.full_like(zero, padded_rows)])
+    return row_starts, padded_starts, padded_rows
 
 
-def _host_counts(tokens_per_expert: torch.Tensor, n_rows: int) -> List[int]:
+def _host_counts(tokens_per_expert: torch.Tensor, n_rows: int, trailing_rows: bool) -> List[int]:
+    """The CPU twin's counts (a CPU tensor: no device read)."""
     counts = [int(n) for n in tokens_per_expert.tolist()]
-    if sum(counts) != n_rows or min(counts, default=0) < 0:
-        raise ValueError(f"tokens_per_expert {counts} must be >= 0 and sum to the {n_rows} rows of x")
+    total = sum(counts)
+    if (total > n_rows if trailing_rows else total != n_rows) or min(counts, default=0) < 0:
+        raise ValueError(f"tokens_per_expert {counts} must be >= 0 and sum to {'at most ' if trailing_rows else ''}"
+                         f"the {n_rows} rows of x")
     return counts
 
 
@@ -97,6 +107,7 @@ def _twin_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
              out_dtype: torch.dtype) -> torch.Tensor:
     """CPU: a [N, C] fp8 (scales sa [N]) times b[e]^T, b [E, D, C] fp8 (scales sb [E, D]) -> [N, D]."""
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype)
+    out[sum(counts):] = 0  # trailing rows
     start = 0
     for e, n in enumerate(counts):
         acc = ordered_mm(a[start : start + n].float(), b[e].float().t())
@@ -106,14 +117,13 @@ def _twin_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
 
 
 def _twin_wgrad(xt: torch.Tensor, sx: torch.Tensor, dyt: torch.Tensor, sdy: torch.Tensor, counts: List[int],
-                out_dtype: torch.dtype) -> torch.Tensor:
-    """CPU: dw[e] [K, M] = xt[:, rows of e] @ dyt[:, rows of e]^T, scales sx [E, K] and sdy [E, M]."""
+                padded_starts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """CPU: dw[e] [K, M] = xt[:, rows of e] @ dyt[:, rows of e]^T (`wgrad_layout`'s columns), scales
+    sx [E + 1, K] and sdy [E + 1, M] (the slack group's unused)."""
     dw = torch.empty(len(counts), xt.shape[0], dyt.shape[0], dtype=out_dtype)
-    start = 0
-    for e, n in enumerate(counts):
+    for e, (n, start) in enumerate(zip(counts, padded_starts.tolist())):
         acc = ordered_mm(xt[:, start : start + n].float(), dyt[:, start : start + n].float().t())
         dw[e] = (acc * sx[e][:, None] * sdy[e][None, :]).to(out_dtype)
-        start += round_up(n, WGRAD_ROW_MULTIPLE)
     return dw
 
 
@@ -126,25 +136,20 @@ def _cuda_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
 
 
 def _cuda_wgrad(xt: torch.Tensor, sx: torch.Tensor, dyt: torch.Tensor, sdy: torch.Tensor,
-                counts: List[int]) -> torch.Tensor:
-    """CUDA: `_twin_wgrad`'s product, 2d x 2d with groups along the padded rows -> [E, K, M] bf16."""
-    e, k, m = len(counts), xt.shape[0], dyt.shape[0]
-    if xt.shape[1] == 0:
-        return xt.new_zeros(e, k, m, dtype=torch.bfloat16)
-    padded = torch.tensor([round_up(n, WGRAD_ROW_MULTIPLE) for n in counts], dtype=torch.int64)
-    offs = torch.cumsum(padded, 0).to(device=xt.device, dtype=torch.int32)
+                padded_starts: torch.Tensor) -> torch.Tensor:
+    """CUDA: `_twin_wgrad`'s product, 2d x 2d with groups along `wgrad_layout`'s columns (every
+    group at least 16 wide, the slack group last) -> [E, K, M] bf16 (the slack's result dropped)."""
+    offs = padded_starts[1:].to(torch.int32)
     dw = torch._scaled_grouped_mm(xt, dyt.t(), sx.reshape(-1), sdy.reshape(-1), offs=offs, out_dtype=torch.bfloat16)
-    empty = [i for i, n in enumerate(counts) if n == 0]
-    if empty:  # the kernel's output for a group of no rows is not documented: exact zeros
-        dw[torch.tensor(empty, device=dw.device)] = 0
-    return dw
+    return dw[:-1]
 
 
 class _Fp8ExpertGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, x_scales, w, grad_sink, tokens_per_expert, offsets, fp8_dtype, out_dtype):  # type: ignore[override]
+    def forward(ctx, x, x_scales, w, grad_sink, tokens_per_expert, offsets, fp8_dtype, out_dtype,  # type: ignore[override]
+                trailing_rows):
         cuda = x.device.type == "cuda"
-        counts = None if cuda else _host_counts(tokens_per_expert, x.shape[0])
+        counts = None if cuda else _host_counts(tokens_per_expert, x.shape[0], trailing_rows)
         # Where the rows' gradient goes: x itself (quantised here), or the sink of pre-quantised rows.
         sink_dtype = None if grad_sink is None else grad_sink.dtype
         ctx.rows_index, ctx.rows_grad_dtype = (0, x.dtype) if x_scales is None else (3, sink_dtype)
@@ -182,15 +187,17 @@ class _Fp8ExpertGemm(torch.autograd.Function):
                 gx = _twin_mm(dyq, sdy, wq, sw, counts, out_dtype)
             gx = gx.to(ctx.rows_grad_dtype)
         if ctx.needs_input_grad[2]:
-            counts = counts if counts is not None else _host_counts(tokens_per_expert, x.shape[0])
-            xt, sx = quantize_group_columns(x, counts, fp8_dtype, row_scales=x_scales)  # the dequantised rows
-            dyt, sdy = quantize_group_columns(grad, counts, fp8_dtype)
+            row_ends = offsets if cuda else torch.tensor(counts, dtype=torch.int64).cumsum(0)
+            row_starts, padded_starts, padded_rows = wgrad_layout(row_ends, x.shape[0])
+            # the forward's rows dequantised by their scales inside the kernel, and dy, per (expert, column)
+            xt, sx = quantize_group_columns(x, row_starts, padded_starts, padded_rows, fp8_dtype, x_scales)
+            dyt, sdy = quantize_group_columns(grad, row_starts, padded_starts, padded_rows, fp8_dtype)
             if cuda:
-                gw = _cuda_wgrad(xt, sx, dyt, sdy, counts)
+                gw = _cuda_wgrad(xt, sx, dyt, sdy, padded_starts)
             else:
-                gw = _twin_wgrad(xt, sx, dyt, sdy, counts, out_dtype)
+                gw = _twin_wgrad(xt, sx, dyt, sdy, counts, padded_starts, out_dtype)
             gw = gw.to(w.dtype)
-        grads = [None] * 8
+        grads = [None] * 9
         grads[rows_index], grads[2] = gx, gw
         return tuple(grads)
 
@@ -239,30 +246,34 @@ def _check(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.Tensor, t
 def fp8_expert_gemm(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.Tensor,
                     tokens_per_expert: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                     fp8_dtype: torch.dtype = torch.float8_e4m3fn, out_dtype: torch.dtype = torch.bfloat16, *,
-                    grad_sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    grad_sink: Optional[torch.Tensor] = None, trailing_rows: bool = False) -> torch.Tensor:
     """out [N, M] out_dtype: ``out[rows of e] = deq(x[rows of e]) @ deq(w[e])`` in FP8, differentiable
     (rows' gradient to x, or to ``grad_sink`` for pre-quantised x; w's to w). The module docstring
-    states the shapes, the scales and the devices."""
+    states the shapes, the scales, ``trailing_rows`` and the devices."""
     _check(x, x_scales, w, tokens_per_expert, offsets, fp8_dtype, out_dtype, grad_sink)
     if x.device.type == "cuda" and offsets is None:
         # A CPU tensor here is a pageable host-to-device copy per call: pass offsets to avoid it.
         offsets = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
     if x.device.type == "cpu":
         offsets = None  # the twin reads the host counts
-    return _Fp8ExpertGemm.apply(x, x_scales, w, grad_sink, tokens_per_expert, offsets, fp8_dtype, out_dtype)
+    return _Fp8ExpertGemm.apply(x, x_scales, w, grad_sink, tokens_per_expert, offsets, fp8_dtype, out_dtype,
+                                trailing_rows)
 
 
 def fp8_mlp(rows: torch.Tensor, row_scales: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             tokens_per_expert: torch.Tensor, offsets: Optional[torch.Tensor], fp8_dtype: torch.dtype,
-            activation: str, probs: Optional[torch.Tensor], row_grad_sink: torch.Tensor) -> torch.Tensor:
+            activation: str, probs: Optional[torch.Tensor], row_grad_sink: torch.Tensor,
+            trailing_rows: bool = False) -> torch.Tensor:
     """The experts' MLP on the dispatch's FP8 rows: rows [N, H] fp8 with row_scales [N] fp32 ->
     [N, H] in row_grad_sink's dtype. fc1 (w1 [E, H, F]) on the rows as they are (their gradient to
     ``row_grad_sink`` [N, H]), the activation in that dtype, times ``probs`` [N] when given, then
-    fc2 (w2 [E, F, H]) quantising its input per row."""
+    fc2 (w2 [E, F, H]) quantising its input per row. ``trailing_rows``: as `fp8_expert_gemm`'s (a
+    sync-free dispatch's device counts and buffer)."""
     out_dtype = row_grad_sink.dtype
     h = fp8_expert_gemm(rows, row_scales, w1, tokens_per_expert, offsets, fp8_dtype, out_dtype,
-                        grad_sink=row_grad_sink)
+                        grad_sink=row_grad_sink, trailing_rows=trailing_rows)
     act = activate(h, activation)
     if probs is not None:
         act = scale_rows(act, probs)
-    return fp8_expert_gemm(act, None, w2, tokens_per_expert, offsets, fp8_dtype, out_dtype)
+    return fp8_expert_gemm(act, None, w2, tokens_per_expert, offsets, fp8_dtype, out_dtype,
+                           trailing_rows=trailing_rows)

@@ -202,8 +202,10 @@ class LocalExperts(nn.Module):
         (`moe_dispatch.experts.fp8.fp8_expert_gemm`); the activation in the output dtype.
         """
         if self.fp8 is not None:
+            if source_blocks is not None:
+                raise ValueError("source_blocks (per-source weight gradients, GradientTree) are not supported with fp8")
             return self._forward_fp8(permuted_tokens, tokens_per_expert, permuted_probs, offsets, row_scales,
-                                     row_grad_sink, trailing_rows or source_blocks is not None)
+                                     row_grad_sink, trailing_rows)
         x = permuted_tokens
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"permuted_tokens must be [N, {self.hidden_size}], got {tuple(x.shape)}")
@@ -227,16 +229,13 @@ class LocalExperts(nn.Module):
 
     def _forward_fp8(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: Optional[torch.Tensor],
                      offsets: Optional[torch.Tensor], row_scales: Optional[torch.Tensor],
-                     row_grad_sink: Optional[torch.Tensor], unsupported: bool) -> torch.Tensor:
-        if unsupported:
-            raise ValueError("fp8 experts take dropless rows with host counts: trailing_rows and source_blocks "
-                             "(per-source weight gradients, GradientTree) are not supported with fp8")
+                     row_grad_sink: Optional[torch.Tensor], trailing_rows: bool) -> torch.Tensor:
         if row_scales is None or row_grad_sink is None:
             raise ValueError("fp8 experts need row_scales [N] and row_grad_sink [N, H] (the dispatcher's FP8 rows, "
                              "handle.row_grad_sink)")
         probs = permuted_probs if self.probs_in_experts else None
         return fp8_mlp(x, row_scales, self.weight1, self.weight2, tokens_per_expert, offsets, FP8_FORMATS[self.fp8],
-                       self.activation, probs, row_grad_sink)
+                       self.activation, probs, row_grad_sink, trailing_rows)
 
     def _sink(self, name: str) -> Callable[[torch.Tensor], None]:
         """Where the per-source gradient of weight ``name`` goes (``source_grads``), cast to its dtype."""

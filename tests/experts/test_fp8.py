@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from moe_dispatch.experts.fp8 import fp8_expert_gemm, quantize_group_columns, quantize_rows
+from moe_dispatch.experts.fp8 import fp8_expert_gemm, quantize_rows, wgrad_layout
+from moe_dispatch.ops import quantize_group_columns
 
 E4M3 = torch.float8_e4m3fn
 
@@ -126,19 +127,53 @@ def test_float64_bound(out_dtype):
 
 
 def test_group_columns_match_one_call_per_expert():
-    """The padded, chunked quantisation equals quantize_rows(x_e.T) per expert, zeros in the padding."""
+    """The wgrad operands (wgrad_layout's padding) equal quantize_rows(x_e.T) per expert, zeros in
+    the padding; an expert of no rows gets 16 zero columns."""
     counts = [40, 1, 0, 3, 17]
     x = _rows(sum(counts), 24, 8)
-    qt, scales = quantize_group_columns(x, counts, E4M3)
-    assert qt.shape == (24, 48 + 16 + 0 + 16 + 32)
+    row_starts, padded_starts, P = wgrad_layout(torch.tensor(counts).cumsum(0), x.shape[0])
+    qt, scales = quantize_group_columns(x, row_starts, padded_starts, P, E4M3)
+    assert qt.shape == (24, 48 + 16 + 16 + 16 + 32 + 16)  # the experts, then the slack (none here)
     start = pstart = 0
     for e, rows in enumerate(counts):
         q, s = quantize_rows(x[start : start + rows].t(), E4M3)
-        padded = -(-rows // 16) * 16
+        padded = -(-max(rows, 1) // 16) * 16
         assert torch.equal(qt[:, pstart : pstart + rows].view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(scales[e], s)
         assert not qt[:, pstart + rows : pstart + padded].view(torch.uint8).any()
         start, pstart = start + rows, pstart + padded
+
+
+@pytest.mark.parametrize("prequant", [False, True])
+def test_trailing_rows_change_nothing(prequant):
+    """trailing_rows: rows after sum(counts) (a sync-free buffer, here holding large values and a
+    NaN) change no real row's output or gradient nor w's gradient, bitwise, and give zero output
+    rows on the CPU; without trailing_rows the same counts are refused."""
+    counts, k, m = [9, 0, 21], 32, 16
+    w = _weights(3, k, m)
+    x, g = _rows(30, k, 11), _rows(30, m, 12)
+    junk_x, junk_g = 1e4 * _rows(7, k, 13), _rows(7, m, 14)
+    junk_x[2, 3] = float("nan")
+    ref = _run(x, w, counts, g, prequant)
+    xb, gb = torch.cat([x, junk_x]), torch.cat([g, junk_g])
+    wb = w.detach().clone().requires_grad_()
+    tokens = torch.tensor(counts)
+    if prequant:
+        q, s = quantize_rows(xb, E4M3)
+        sink = torch.zeros((), dtype=xb.dtype).expand(xb.shape).requires_grad_()
+        out = fp8_expert_gemm(q, s, wb, tokens, grad_sink=sink, trailing_rows=True)
+        out.backward(gb)
+        gx = sink.grad
+    else:
+        xr = xb.detach().clone().requires_grad_()
+        out = fp8_expert_gemm(xr, None, wb, tokens, trailing_rows=True)
+        out.backward(gb)
+        gx = xr.grad
+    assert torch.equal(out[:30], ref[0]) and torch.equal(gx[:30], ref[1]) and torch.equal(wb.grad, ref[2])
+    assert not out[30:].any()
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        fp8_expert_gemm(xb, None, w, tokens)
+
 
 
 @pytest.mark.parametrize("bad", [torch.float8_e5m2, torch.float16, torch.int8])
@@ -211,3 +246,32 @@ def test_cuda_invariant_and_close_to_twin(prequant):
         zero = torch.where(diff == 0, 0.0, float("inf"))
         excess = torch.where(bound > 0, diff / bound, zero).max().item()
         assert excess <= 1, f"{name}: the CUDA path is {excess:.3g}x the bound away from the twin"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sync_free_with_trailing_rows():
+    """CUDA, device counts and trailing rows (a sync-free buffer, holding junk): forward and
+    backward run with CUDA's sync debug mode set to 'error' (no host read), and every real row's
+    output and gradient and w's gradient are bitwise those of the call without the trailing rows."""
+    counts, k, m = [1068, 0, 13, 128], 256, 128
+    n = sum(counts)
+    w = _weights(4, k, m)
+    x, g = _rows(n, k, 21), _rows(n, m, 22)
+    ref = _run(x, w, counts, g, True, device="cuda")
+    dev = torch.device("cuda")
+    xb = torch.cat([x, 1e4 * _rows(37, k, 23)]).to(dev)
+    gb = torch.cat([g, _rows(37, m, 24)]).to(dev)
+    wb = w.to(dev).requires_grad_()
+    tokens = torch.tensor(counts, device=dev)
+    offsets = torch.cumsum(tokens, 0).to(torch.int32)
+    q, s = quantize_rows(xb, E4M3)
+    sink = torch.zeros((), dtype=xb.dtype, device=dev).expand(xb.shape).requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fp8_expert_gemm(q, s, wb, tokens, offsets, grad_sink=sink, trailing_rows=True)
+        out.backward(gb)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out[:n], ref[0]) and torch.equal(sink.grad[:n], ref[1]) and torch.equal(wb.grad, ref[2])

@@ -281,19 +281,30 @@ def test_kernel_compiles_for_sm90():
     assert proc.returncode == 0 and proc.stdout.count("ok ") == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_experts_fp8_uses_the_op():
-    """experts/fp8.py's quantize_group_columns (host counts, pad 16) gives the old algorithm's bits,
-    float8 rows with row scales those of the old algorithm on the dequantised rows, and it refuses
-    counts that do not cover x's rows, naming them."""
+@pytest.mark.parametrize("counts,n_rows", [([5, 0, 17, 1], 23), ([5, 0, 17, 1], 40), ([0, 0], 0), ([16, 32], 48)])
+def test_wgrad_layout_feeds_the_op(counts, n_rows):
+    """experts/fp8.py's wgrad_layout (device starts from the row ends, no host read): each expert
+    round_up(max(n, 1), 16) columns, then a slack group of the trailing rows up to P = round_up(N, 16)
+    + 16 E; the op on that layout gives each expert the old algorithm's bits (float8 rows with row
+    scales those of the old algorithm on the dequantised rows) and zeros in its padding."""
     from moe_dispatch.experts import fp8 as F
 
-    counts = [5, 0, 17, 1]
-    x = _columns(sum(counts), 16, torch.bfloat16, seed=4)
-    assert _same(F.quantize_group_columns(x, counts, torch.float8_e4m3fn),
-                 _old_quantize_group_columns(x, counts, torch.float8_e4m3fn))
+    row_ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    row_starts, padded_starts, P = F.wgrad_layout(row_ends, n_rows)
+    widths = [round_up(max(n, 1), 16) for n in counts]
+    assert P == round_up(n_rows, 16) + 16 * len(counts)
+    assert row_starts.tolist() == [0, *row_ends.tolist(), n_rows]
+    assert padded_starts.tolist() == [0, *torch.tensor(widths).cumsum(0).tolist(), P]
+    x = _columns(n_rows, 16, torch.bfloat16, seed=4)
     q, row_scales = TW.quantize_rows(x, torch.float8_e4m3fn)
-    assert _same(F.quantize_group_columns(q, counts, torch.float8_e4m3fn, row_scales=row_scales),
-                 _old_quantize_group_columns(q.float() * row_scales[:, None], counts, torch.float8_e4m3fn))
-    for bad in ([5, 0, 17], [5, -1, 18, 1]):
-        with pytest.raises(ValueError, match="counts"):
-            F.quantize_group_columns(x, bad, torch.float8_e4m3fn)
+    n = sum(counts)
+    for rows, scales in ((x, None), (q, row_scales)):
+        qt, s = quantize_group_columns(rows, row_starts, padded_starts, P, torch.float8_e4m3fn, scales)
+        real = x[:n] if scales is None else q[:n].float() * row_scales[:n, None]
+        old_qt, old_s = _old_quantize_group_columns(real, counts, torch.float8_e4m3fn)
+        assert torch.equal(_bits(s[:-1]), _bits(old_s))
+        old_start = 0
+        for e, (count, start) in enumerate(zip(counts, padded_starts.tolist())):
+            assert torch.equal(_bits(qt[:, start : start + count]), _bits(old_qt[:, old_start : old_start + count]))
+            assert not _bits(qt[:, start + count : start + widths[e]]).any()
+            old_start += round_up(count, 16)
