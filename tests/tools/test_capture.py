@@ -39,9 +39,11 @@ def _capture(layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor):
     return graph, out, [x.grad] + [p.grad for p in layer.parameters()]
 
 
-@pytest.mark.parametrize("probs_in_experts", [False, True])
-def test_graph_replay_is_bitwise_eager(probs_in_experts):
-    layer = MoELayer(_config(probs_in_experts=probs_in_experts), layer_index=0).cuda()
+@pytest.mark.parametrize("probs_in_experts,fp8", [(False, None), (True, None), (False, "e4m3"), (True, "e4m3")])
+def test_graph_replay_is_bitwise_eager(probs_in_experts, fp8):
+    """The sync-free EP-1 step captures, bf16 and FP8 (whose weight gradient lays out its padding on
+    the device), and each replay on new tokens is bitwise the eager step: output and every gradient."""
+    layer = MoELayer(_config(probs_in_experts=probs_in_experts, fp8=fp8), layer_index=0).cuda()
     assert layer.dispatcher.sync_free
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     upstream = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
@@ -57,10 +59,12 @@ def test_graph_replay_is_bitwise_eager(probs_in_experts):
     check_device_errors()
 
 
-def test_graph_replay_equals_dropless_eager():
-    layer = MoELayer(_config(), layer_index=0).cuda()
-    dropless = MoELayer(_config(), layer_index=0).cuda()
-    dropless.dispatcher = AllToAllDispatcher(_config())
+@pytest.mark.parametrize("fp8", [None, "e4m3"])
+def test_graph_replay_equals_dropless_eager(fp8):
+    """The captured sync-free step is bitwise the dropless dispatch's eager step (host counts)."""
+    layer = MoELayer(_config(fp8=fp8), layer_index=0).cuda()
+    dropless = MoELayer(_config(fp8=fp8), layer_index=0).cuda()
+    dropless.dispatcher = AllToAllDispatcher(_config(fp8=fp8))
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     upstream = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     graph, out, grads = _capture(layer, x, upstream)
