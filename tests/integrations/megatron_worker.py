@@ -48,8 +48,13 @@ def _build(cfg, pg, ours_from_spec: bool, row_stable_gemms: bool = False):
     with or without our row-stable GEMMs), with the deterministic weights."""
     from moe_dispatch.integrations.megatron.build import build_moe_layer
 
-    layer = build_moe_layer(cfg, pg, ours=ours_from_spec, row_stable_gemms=row_stable_gemms)
-    dtype = cfg.params_dtype
+    return _seed(build_moe_layer(cfg, pg, ours=ours_from_spec, row_stable_gemms=row_stable_gemms))
+
+
+def _seed(layer):
+    """The deterministic weights (router: seed 7; expert e: seed 1000 + e) and the experts' input
+    hook, on a layer built by ``_build`` or from a spec; returns the layer."""
+    dtype = layer.config.params_dtype
     with torch.no_grad():
         gen = torch.Generator().manual_seed(7)
         layer.router.weight.copy_(torch.randn(E, H, generator=gen) * H ** -0.5)
@@ -157,7 +162,68 @@ def plugin_worker(rank: int, world_size: int) -> dict:
             records[(dname, kind)] = rec
     records["extra"] = _extra_cases(rank, pg2, world, singles)
     records["row_stable"] = _row_stable_cases(rank, pg2, pg1)
+    records["spec_fp8"] = _spec_fp8_cases(rank, pg2, pg1)
     return records
+
+
+def _spec_fp8_cases(rank: int, pg2, pg1) -> dict:
+    """The spec helpers' ``fp8``: per (dtype, dispatcher), EP 2, a DeterministicMoELayer built from
+    ``get_moe_module_spec(..., fp8="e4m3")`` and a stock MoELayer with ``install(layer, fp8="e4m3")``,
+    the same weights and tokens (their steps, and the spec layer's dispatcher config fp8); and the
+    errors of a bad fp8 value (the spec helpers, and the class itself on an EP-1 config)."""
+    from moe_dispatch.integrations.megatron import (
+        deterministic_moe_layer_class,
+        deterministic_moe_spec,
+        get_moe_module_spec,
+        install,
+    )
+    from moe_dispatch.integrations.megatron.build import build_from_spec
+
+    mine = slice(rank * 128, (rank + 1) * 128)
+    records = {}
+    for dname, dtype in DTYPES.items():
+        x, dy = _tokens(dtype, "full")
+        for kind in KINDS:
+            cfg = _config(kind, dtype, 2)
+            spec = get_moe_module_spec(use_te=False, num_experts=E, fp8="e4m3")
+            layer = _seed(build_from_spec(spec, config=cfg, pg_collection=pg2).train())
+            stock = install(_build(_config(kind, dtype, 2), pg2, ours_from_spec=False), pg2, fp8="e4m3")
+            records[(dname, kind)] = dict(spec=_step(layer, x[mine], dy[mine]), install=_step(stock, x[mine], dy[mine]),
+                                          spec_fp8=layer.token_dispatcher.config.fp8, spec_class=type(layer).__name__,
+                                          default_fp8=_default_spec_fp8(cfg, pg2))
+
+    def outcome(fn) -> tuple:
+        try:
+            fn()
+            return ("ok", "")
+        except ValueError as exc:
+            return ("ValueError", str(exc))
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    cfg1 = _config("alltoall", torch.bfloat16, 1)
+    submodules = get_moe_module_spec(use_te=False, num_experts=E)
+    submodules = submodules.submodules if hasattr(submodules, "submodules") else submodules.keywords["submodules"]
+    records["errors"] = {
+        "get_moe_module_spec": outcome(lambda: get_moe_module_spec(use_te=False, num_experts=E, fp8="e5m2")),
+        "deterministic_moe_spec": outcome(lambda: deterministic_moe_spec(get_gpt_layer_local_spec(num_experts=E),
+                                                                         fp8="E4M3")),
+        "class": outcome(lambda: deterministic_moe_layer_class()(config=cfg1, submodules=submodules,
+                                                                  pg_collection=pg1, fp8="e5m2")),
+        "class_hidden": outcome(lambda: deterministic_moe_layer_class()(
+            config=_config("alltoall", torch.bfloat16, 1, hidden_size=40), submodules=submodules,
+            pg_collection=pg1, fp8="e4m3")),
+    }
+    return records
+
+
+def _default_spec_fp8(cfg, pg):
+    """The dispatcher config's fp8 of a layer from the spec helper without ``fp8`` (the default)."""
+    from moe_dispatch.integrations.megatron import get_moe_module_spec
+    from moe_dispatch.integrations.megatron.build import build_from_spec
+
+    return build_from_spec(get_moe_module_spec(use_te=False, num_experts=E), config=cfg,
+                           pg_collection=pg).token_dispatcher.config.fp8
 
 
 def _row_stable_cases(rank: int, pg2, pg1) -> dict:

@@ -27,7 +27,7 @@ pytest.importorskip("megatron.core")
 
 from tests.dispatcher.harness import run_ranks  # noqa: E402
 
-from .megatron_worker import DTYPES, KINDS, TRUNC, plugin_worker  # noqa: E402
+from .megatron_worker import DTYPES, KINDS, TRUNC, assert_equal, plugin_worker  # noqa: E402
 
 CASES = [(d, k) for d in DTYPES for k in KINDS]
 FIELDS = ("out", "gx", "router")
@@ -181,6 +181,34 @@ def test_install_errors_and_spec_helper(ranks):
         kind, message = extra[key]
         assert kind == "ValueError" and text in message, (key, extra[key])
     assert extra["gpt_spec_mlp"] == "DeterministicMoELayer"
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_spec_fp8_equals_install_fp8(ranks, case):
+    """get_moe_module_spec(..., fp8="e4m3") builds layers running our FP8 (their dispatcher's config
+    says so; the default stays None) whose step is bitwise that of a stock layer with
+    install(layer, fp8="e4m3"), same weights and tokens, EP 2: output, input, router and expert
+    weight gradients."""
+    for r, rank in enumerate(ranks):
+        rec = rank["spec_fp8"][case]
+        assert (rec["spec_class"], rec["spec_fp8"], rec["default_fp8"]) == ("DeterministicMoELayer", "e4m3", None)
+        for field in FIELDS:
+            assert_equal(rec["spec"][field], rec["install"][field], (case, r, field))
+        assert sorted(rec["spec"]["experts"]) == sorted(rec["install"]["experts"]) == list(range(4 * r, 4 * r + 4))
+        for e, grads in rec["spec"]["experts"].items():
+            for i in range(2):
+                assert_equal(grads[i], rec["install"]["experts"][e][i], (case, r, "expert", e, i))
+
+
+def test_spec_fp8_bad_values_name_fp8(ranks):
+    errors = ranks[0]["spec_fp8"]["errors"]
+    expect = {"get_moe_module_spec": "get_moe_module_spec: fp8='e5m2' is not one of ('e4m3',)",
+              "deterministic_moe_spec": "deterministic_moe_spec: fp8='E4M3' is not one of ('e4m3',)",
+              "class": "fp8='e5m2' is not one of ('e4m3',)",
+              "class_hidden": "install(fp8='e4m3') needs hidden_size a multiple of 16"}
+    for key, text in expect.items():
+        kind, message = errors[key]
+        assert kind == "ValueError" and text in message, (key, errors[key])
 
 
 # --- install(row_stable_gemms=True), the default: Megatron's GEMMs swapped for row-stable ones ---

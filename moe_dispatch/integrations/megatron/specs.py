@@ -9,8 +9,9 @@ import functools
 import inspect
 from typing import Any, Optional
 
+from ...config import FP8_FORMATS
 from .install import install
-from .supported import check_supported, megatron_field
+from .supported import check_fp8, check_supported, megatron_field
 
 _MOE_LAYER_PATH = ("megatron.core.transformer.moe.moe_layer", "MoELayer")
 # The package that exports DeterministicMoELayer (lazily, through its __getattr__).
@@ -37,10 +38,15 @@ def deterministic_moe_layer_class() -> type:
             """megatron.core MoELayer with our dispatcher of the same kind installed.
 
             Same constructor as MoELayer (HEAD's: ``is_mtp_layer`` and ``name`` are passed on where
-            the installed release takes them), plus ``row_stable_gemms`` (default True; see
-            ``install``, set it through ``get_moe_module_spec`` / ``deterministic_moe_spec``);
-            raises ValueError up front (before Megatron builds its own dispatcher) for the settings
-            that ``check_supported`` rejects.
+            the installed release takes them), plus ``row_stable_gemms`` (default True) and
+            ``fp8`` (default None: the layer's dtype on the wire; 'e4m3': our per-token FP8, each
+            token's row quantised once with its own fp32 scale before the dispatch and both expert
+            GEMMs in FP8), both passed on to ``install`` (see there) and set through
+            ``get_moe_module_spec`` / ``deterministic_moe_spec``; raises ValueError up front
+            (before Megatron builds its own dispatcher) for the settings that ``check_supported``
+            and ``check_fp8`` reject (an ``fp8`` outside ``FP8_FORMATS``, hidden or expert ffn
+            sizes not multiples of 16, TransformerEngine FP8 in the config, ``row_stable_gemms``
+            False).
 
             megatron-core 0.16 and 0.17 build a ModuleSpec MLP with ``pg_collection`` (and 0.17
             ``is_mtp_layer``) only when its module is MoELayer itself, and log "Unknown MLP type"
@@ -50,8 +56,10 @@ def deterministic_moe_layer_class() -> type:
 
             def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None,
                          pg_collection: Optional[Any] = None, is_mtp_layer: bool = False,
-                         name: Optional[str] = None, row_stable_gemms: bool = True) -> None:
+                         name: Optional[str] = None, row_stable_gemms: bool = True,
+                         fp8: Optional[str] = None) -> None:
                 check_supported(config, row_stable_gemms=row_stable_gemms)
+                check_fp8(config, fp8, row_stable_gemms, sync_free=None)
                 extra = {}
                 for key, value, default in (("is_mtp_layer", is_mtp_layer, False), ("name", name, None)):
                     if key in accepted:
@@ -61,7 +69,7 @@ def deterministic_moe_layer_class() -> type:
                                         f"MoELayer takes {key} (this one does not)")
                 super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                                  pg_collection=pg_collection, **extra)
-                install(self, pg_collection, row_stable_gemms=row_stable_gemms)
+                install(self, pg_collection, row_stable_gemms=row_stable_gemms, fp8=fp8)
                 ep = megatron_field(config, "expert_model_parallel_size")
                 if pg_collection is None and ep is not None and ep != self.token_dispatcher.ep_size:
                     # megatron-core <= 0.17's TransformerLayer passes pg_collection only to a spec
@@ -80,16 +88,32 @@ def _is_moe_layer(module: Any, moe_layer: type) -> bool:
     return module is moe_layer or (isinstance(module, tuple) and tuple(module) == _MOE_LAYER_PATH)
 
 
-def deterministic_moe_spec(spec: Any, row_stable_gemms: bool = True) -> Any:
+def _check_fp8_value(fp8: Any, where: str) -> None:
+    """The spec helpers' early check of ``fp8`` (the value only; the layer checks the config)."""
+    if fp8 is not None and (not isinstance(fp8, str) or fp8 not in FP8_FORMATS):
+        raise ValueError(f"{where}: fp8={fp8!r} is not one of {tuple(FP8_FORMATS)} (or None)")
+
+
+def deterministic_moe_spec(spec: Any, row_stable_gemms: bool = True, fp8: Optional[str] = None) -> Any:
     """A copy of a Megatron spec tree where every MoELayer is DeterministicMoELayer, built with
-    ``row_stable_gemms`` (see ``install``).
+    ``row_stable_gemms`` and ``fp8`` (see ``install``).
+
+    ``fp8``: None (default: the layers dispatch and compute in the model's dtype, as before), or
+    'e4m3' (a key of ``moe_dispatch.config.FP8_FORMATS``): every MoE layer of the tree runs our
+    per-token FP8 (each token's [hidden] row quantised once before the dispatch with its own fp32
+    scale, FP8 rows and scales on the wire, both expert GEMMs in FP8, the combine the fp32
+    weighted sum; the rest of the model keeps its dtype). A value outside ``FP8_FORMATS`` raises
+    ValueError here; the layers check the rest when built (hidden and expert ffn sizes multiples
+    of 16, the TransformerConfig's own ``fp8`` None, ``row_stable_gemms`` True).
 
     ``spec``: a layer spec, a block spec, a list of them, a TransformerBlockSubmodules, or an MoE
     spec itself. Both kinds of MoE spec are handled: a ``ModuleSpec(module=MoELayer, ...)``
     (megatron-core <= 0.17) and a ``functools.partial(MoELayer, submodules=...)`` (0.18+); each
     keeps its kind."""
+    _check_fp8_value(fp8, "deterministic_moe_spec")
     moe_layer = _megatron_moe_layer()
     deterministic = deterministic_moe_layer_class()
+    options = dict(row_stable_gemms=row_stable_gemms, fp8=fp8)
     seen: dict = {}
 
     def visit(node: Any) -> Any:
@@ -103,7 +127,7 @@ def deterministic_moe_spec(spec: Any, row_stable_gemms: bool = True) -> Any:
             args = tuple(visit(a) for a in node.args)
             keywords = {k: visit(v) for k, v in node.keywords.items()}
             if _is_moe_layer(node.func, moe_layer):
-                replaced = functools.partial(deterministic, *args, **keywords, row_stable_gemms=row_stable_gemms)
+                replaced = functools.partial(deterministic, *args, **{**keywords, **options})
             else:
                 replaced = functools.partial(node.func, *args, **keywords)
             seen[id(node)] = replaced
@@ -123,7 +147,7 @@ def deterministic_moe_spec(spec: Any, row_stable_gemms: bool = True) -> Any:
         module = megatron_field(node, "module")
         if _is_moe_layer(module, moe_layer):
             node.module = deterministic
-            node.params = dict(megatron_field(node, "params") or {}, row_stable_gemms=row_stable_gemms)
+            node.params = dict(megatron_field(node, "params") or {}, **options)
         if dataclasses.is_dataclass(node) and not isinstance(node, type):
             for f in dataclasses.fields(node):
                 value = getattr(node, f.name)
@@ -135,10 +159,14 @@ def deterministic_moe_spec(spec: Any, row_stable_gemms: bool = True) -> Any:
     return visit(copy.deepcopy(spec))
 
 
-def get_moe_module_spec(*args: Any, row_stable_gemms: bool = True, **kwargs: Any) -> Any:
+def get_moe_module_spec(*args: Any, row_stable_gemms: bool = True, fp8: Optional[str] = None,
+                        **kwargs: Any) -> Any:
     """megatron.core.models.gpt.moe_module_specs.get_moe_module_spec (same arguments, same kind of
     spec: a ModuleSpec up to 0.17, a functools.partial from 0.18), with the module
-    DeterministicMoELayer built with ``row_stable_gemms`` (see ``install``)."""
+    DeterministicMoELayer built with ``row_stable_gemms`` and ``fp8`` (None by default, or 'e4m3':
+    our per-token FP8 dispatch and expert GEMMs; see ``deterministic_moe_spec`` and ``install``).
+    A bad ``fp8`` raises ValueError before Megatron's spec is built."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as megatron_spec
 
-    return deterministic_moe_spec(megatron_spec(*args, **kwargs), row_stable_gemms)
+    _check_fp8_value(fp8, "get_moe_module_spec")
+    return deterministic_moe_spec(megatron_spec(*args, **kwargs), row_stable_gemms, fp8)
