@@ -26,11 +26,14 @@ def test_fp8_needs_16_byte_rows():
 
 
 def test_wire_rows_are_fp8_bytes_and_a_scale():
-    """(H + 4) bytes a token against 2H for bf16 rows; unpacking returns quantize_rows' own bits."""
+    """(H + 16) bytes a token against 2H for bf16 rows (the fp8 row, its scale, 12 zero bytes: rows
+    16-byte aligned); unpacking returns quantize_rows' own bits, the rows as views of the wire."""
     x = torch.randn(5, 64).to(torch.bfloat16)
     wire = pack_rows(x, "e4m3")
-    assert wire.shape == (5, wire_width(64)) and wire.shape[1] * wire.element_size() == 64 + 4
+    assert wire.shape == (5, wire_width(64)) and wire.shape[1] * wire.element_size() == 64 + 16
+    assert not wire.view(torch.uint8)[:, 64 + 4:].any()
     q, scales = unpack_rows(wire, 64, "e4m3")
+    assert q.data_ptr() == wire.data_ptr() and q.stride() == (64 + 16, 1)
     from moe_dispatch.ops import quantize_rows
     ref_q, ref_s = quantize_rows(x, torch.float8_e4m3fn)
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scales, ref_s)

@@ -2,10 +2,12 @@
 
 Each token's row [H] is quantised once, before the dispatch, by ``ops.quantize_rows`` (per row:
 scale = amax / fp8_max, so a token's bytes depend on the token alone). The wire row holds the fp8
-row (H bytes) and its fp32 scale (4 bytes): H + 4 bytes, viewed as (H + 4) / 2 bfloat16 elements so
-that the exchanges, ``permute`` and its zero padding move it as plain 16-bit rows: bitwise copies,
-never arithmetic. The probs travel beside it in fp32 as ever. Against bf16 rows (2H bytes) that is
-(H + 4) / 2H of the bytes: 0.5005 at H = 4096.
+row (H bytes), its fp32 scale (4 bytes) and 12 zero bytes: H + 16 bytes, so that every row starts
+16-byte aligned and the FP8 GEMMs read the received rows in place (``unpack_rows`` returns views,
+no copy). It is viewed as (H + 16) / 2 bfloat16 elements so that the exchanges, ``permute`` and its
+zero padding move it as plain 16-bit rows: bitwise copies, never arithmetic. The probs travel
+beside it in fp32 as ever. Against bf16 rows (2H bytes) that is (H + 16) / 2H of the bytes: 0.502
+at H = 4096.
 
 The rows carry no gradient (quantised bytes): the dispatch's autograd links to the unquantised
 tokens instead, and the rows' gradient [N, H] reaches it through ``DispatchHandle.row_grad_sink``
@@ -21,6 +23,7 @@ from ..config import FP8_FORMATS, DispatchConfig
 from ..ops import quantize_rows
 
 SCALE_BYTES = 4  # the fp32 scale after the fp8 row
+ROW_ALIGN = 16  # wire row bytes: a multiple of 16 (the FP8 GEMMs' row alignment), zero-filled after the scale
 WIRE_DTYPE = torch.bfloat16  # how the wire row's bytes are viewed: 2 bytes an element
 
 
@@ -30,18 +33,19 @@ def fp8_dtype(fp8: str) -> torch.dtype:
 
 
 def wire_width(hidden_size: int) -> int:
-    """W, the wire row's elements: (H + 4) / 2 (H even: the config asks a multiple of 16)."""
-    return (hidden_size + SCALE_BYTES) // WIRE_DTYPE.itemsize
+    """W, the wire row's elements: (H + 16) / 2 (the config asks H a multiple of 16)."""
+    return (hidden_size + ROW_ALIGN) // WIRE_DTYPE.itemsize
 
 
 def pack_rows(x: torch.Tensor, fp8: str) -> torch.Tensor:
     """x [T, H] float -> the wire rows [T, W] (WIRE_DTYPE; no autograd): each row's fp8 bytes, then
-    its fp32 scale's."""
+    its fp32 scale's, then zeros up to W."""
     T, H = x.shape
     q, scales = quantize_rows(x.detach(), fp8_dtype(fp8))
-    buf = torch.empty((T, H + SCALE_BYTES), dtype=torch.uint8, device=x.device)
+    buf = torch.empty((T, H + ROW_ALIGN), dtype=torch.uint8, device=x.device)
     buf[:, :H].copy_(q.view(torch.uint8))
-    buf[:, H:].copy_(scales.view(torch.uint8).view(T, SCALE_BYTES))
+    buf[:, H : H + SCALE_BYTES].copy_(scales.view(torch.uint8).view(T, SCALE_BYTES))
+    buf[:, H + SCALE_BYTES :].zero_()
     return buf.view(WIRE_DTYPE)
 
 
@@ -51,13 +55,13 @@ def wire_rows(x: torch.Tensor, cfg: DispatchConfig) -> Optional[torch.Tensor]:
 
 
 def unpack_rows(rows: torch.Tensor, hidden_size: int, fp8: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The wire rows [N, W] -> (q [N, H] fp8, contiguous; scales [N] fp32). Zero rows (padding) give
-    zeros and scale 0."""
+    """The wire rows [N, W] -> (q [N, H] fp8, a view of the rows' bytes: row-major, row stride 2W
+    bytes, 16-byte aligned; scales [N] fp32, contiguous). Zero rows (padding) give zeros and scale 0."""
     N, H = rows.shape[0], hidden_size
     if rows.shape[1] != wire_width(H) or rows.dtype != WIRE_DTYPE:
         raise ValueError(f"fp8 wire rows must be [N, {wire_width(H)}] {WIRE_DTYPE}, got {rows.dtype} "
                          f"{list(rows.shape)}")
     raw = rows.contiguous().view(torch.uint8)
-    q = raw[:, :H].contiguous().view(fp8_dtype(fp8))
-    scales = raw[:, H:].contiguous().view(torch.float32).view(N)
+    q = raw[:, :H].view(fp8_dtype(fp8))
+    scales = raw[:, H : H + SCALE_BYTES].view(torch.float32).reshape(N).contiguous()
     return q, scales

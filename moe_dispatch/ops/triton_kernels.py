@@ -878,7 +878,7 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor
 # "group_columns_block_c" / "group_columns_block_r": columns per program and rows per step of its
 # two passes over the expert's rows; "group_columns_warps". None changes a value: a column's amax
 # is a max (exact in any order) and every element is quantised alone.
-LAUNCH.update({"group_columns_block_c": 64, "group_columns_block_r": 64, "group_columns_warps": 4})
+LAUNCH.update({"group_columns_block_c": 64, "group_columns_block_r": 128, "group_columns_warps": 4})
 
 
 @triton.jit

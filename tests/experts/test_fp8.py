@@ -144,6 +144,24 @@ def test_group_columns_match_one_call_per_expert():
         start, pstart = start + rows, pstart + padded
 
 
+@pytest.mark.parametrize("layout", ["D contiguous", "C contiguous", "strided"])
+def test_weight_operand_is_quantize_rows_per_expert(layout):
+    """weight_operand of w [E, D, C] gives quantize_rows(w[e])'s bits for every expert, C contiguous
+    with 16-byte rows, whichever way w is laid out (in place by quantize_rows or by the op's
+    transposing quantisation, or after a copy)."""
+    from moe_dispatch.experts.fp8 import weight_operand
+
+    base = _weights(3, 48, 32)  # [E, D=48, C=32]
+    w = {"C contiguous": base, "D contiguous": base.transpose(1, 2).contiguous().transpose(1, 2),
+         "strided": torch.stack([base, base], dim=3)[..., 0]}[layout]
+    assert torch.equal(w, base)
+    q, s = weight_operand(w, E4M3)
+    assert q.shape == (3, 48, 32) and q.stride(2) == 1 and q.stride(1) % 16 == 0 and s.shape == (3, 48)
+    for e in range(3):
+        ref_q, ref_s = quantize_rows(base[e], E4M3)
+        assert torch.equal(q[e].contiguous().view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s[e], ref_s)
+
+
 @pytest.mark.parametrize("prequant", [False, True])
 def test_trailing_rows_change_nothing(prequant):
     """trailing_rows: rows after sum(counts) (a sync-free buffer, here holding large values and a
@@ -226,14 +244,16 @@ def test_cuda_invariant_and_close_to_twin(prequant):
     assert torch.equal(got[0][sl], alone[0]) and torch.equal(got[1][sl], alone[1])
     assert torch.equal(got[2][3], alone[2][3])
     twin = _run(x, w, counts, g, prequant)
-    # dw sums up to 1068 rows per expert in fp32, in another order on each side: add the fp32
-    # summation bound on both, n * 2^-24 * sum_r |x[r, k] g[r, m]| (the operands' magnitudes,
-    # x1.2 for their quantisation: e4m3 moves a value by at most 2^-4). On the H200 dw was 1.38x
-    # the bound without this term (a 1068-row group).
+    # dw sums up to 1068 rows per expert, in another order on each side: add a summation bound,
+    # n * 2^-24 * sum_r |x[r, k] g[r, m]| per side (the operands' magnitudes, x1.2 for their
+    # quantisation: e4m3 moves a value by at most 2^-4), twice over on the CUDA side, whose FP8
+    # MMA accumulates with fewer bits than fp32 between its promotions to fp32 (DeepSeek-V3's
+    # report, section 3.3.2). On the H200 dw was 1.38x the bound without this term, and 1.09x with
+    # one n * 2^-24 term per side (a 1068-row group).
     starts = [0]
     for n in counts:
         starts.append(starts[-1] + n)
-    summed = torch.stack([2 * n * 2.0 ** -24 * 1.2 * (x[a:b].double().abs().t() @ g[a:b].double().abs())
+    summed = torch.stack([3 * n * 2.0 ** -24 * 1.2 * (x[a:b].double().abs().t() @ g[a:b].double().abs())
                           for n, a, b in zip(counts, starts, starts[1:])])
     for name, gpu, cpu in zip(("out", "dx", "dw"), got, twin):
         gpu, cpu = gpu.cpu().double(), cpu.double()
