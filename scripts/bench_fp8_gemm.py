@@ -3,7 +3,9 @@
 For forward (X @ W), dgrad (dY @ W^T) and wgrad (X^T @ dY per expert) it prints, in ms (median of
 CUDA-event timings): the bf16 grouped GEMM; the FP8 GEMM alone on operands quantised beforehand; the
 FP8 GEMM with its quantisation, as `fp8_expert_gemm` runs it (x per row for the forward: fc2's case;
-wgrad's per-(expert, column) operands, zero-padded to 16 rows per expert); and the FLOP floors at the
+the weights by ``weight_operand``; wgrad's per-(expert, column) operands, zero-padded to 16 rows per
+expert). "fwd, B dense" is the forward on the same weight bytes with each expert's block contiguous
+(its last column times a bitwise comparison of the two forwards); and the FLOP floors at the
 H200 SXM's dense peaks (989 TFLOP/s bf16, 1979 TFLOP/s fp8: NVIDIA's H200 datasheet). A last row
 times the whole autograd step (forward + backward) of each.
 
@@ -19,7 +21,7 @@ import sys
 
 import torch
 
-from moe_dispatch.experts.fp8 import _cuda_mm, _cuda_wgrad, fp8_expert_gemm, quantize_rows, wgrad_layout
+from moe_dispatch.experts.fp8 import _cuda_mm, _cuda_wgrad, fp8_expert_gemm, quantize_rows, weight_operand, wgrad_layout
 from moe_dispatch.ops import quantize_group_columns
 
 PEAK = {"bf16": 989.4e12, "fp8": 1978.9e12}  # dense FLOP/s, H200 SXM datasheet
@@ -73,10 +75,9 @@ def main() -> None:
 
     # Operands quantised once, for the GEMM-only column.
     xq, sx = quantize_rows(x, E4M3)
-    wf, swf = quantize_rows(w.transpose(1, 2).reshape(e * m, k), E4M3)
-    wf, swf = wf.view(e, m, k), swf.view(e, m)
-    wd, swd = quantize_rows(w.reshape(e * k, m), E4M3)
-    wd, swd = wd.view(e, k, m), swd.view(e, k)
+    wf, swf = weight_operand(w.transpose(1, 2), E4M3)  # [E, M, K], as fp8_expert_gemm's forward
+    wf_dense = wf.contiguous()  # the same bytes, each expert's [M, K] block contiguous
+    wd, swd = weight_operand(w, E4M3)  # [E, K, M], as its dgrad
     dyq, sdy = quantize_rows(dy, E4M3)
     layout = wgrad_layout(offs, n)  # (row starts, padded starts, P), on the device
     xt, sxc = quantize_group_columns(xq, *layout, E4M3, sx)
@@ -84,13 +85,11 @@ def main() -> None:
 
     def fwd_quant():
         q, s = quantize_rows(x, E4M3)
-        wq, sw = quantize_rows(w.transpose(1, 2).reshape(e * m, k), E4M3)
-        return _cuda_mm(q, s, wq.view(e, m, k), sw.view(e, m), offs)
+        return _cuda_mm(q, s, *weight_operand(w.transpose(1, 2), E4M3), offs)
 
     def dgrad_quant():
         q, s = quantize_rows(dy, E4M3)
-        wq, sw = quantize_rows(w.reshape(e * k, m), E4M3)
-        return _cuda_mm(q, s, wq.view(e, k, m), sw.view(e, k), offs)
+        return _cuda_mm(q, s, *weight_operand(w, E4M3), offs)
 
     def wgrad_quant():
         a, sa = quantize_group_columns(xq, *layout, E4M3, sx)
@@ -109,6 +108,8 @@ def main() -> None:
 
     rows = [
         ("forward", lambda: torch._grouped_mm(x, w, offs=offs), lambda: _cuda_mm(xq, sx, wf, swf, offs), fwd_quant),
+        ("fwd, B dense", lambda: torch._grouped_mm(x, w, offs=offs), lambda: _cuda_mm(xq, sx, wf_dense, swf, offs),
+         lambda: torch.equal(_cuda_mm(xq, sx, wf_dense, swf, offs), _cuda_mm(xq, sx, wf, swf, offs))),
         ("dgrad", lambda: torch._grouped_mm(dy, w.transpose(1, 2), offs=offs),
          lambda: _cuda_mm(dyq, sdy, wd, swd, offs), dgrad_quant),
         ("wgrad", lambda: torch._grouped_mm(x.t(), dy, offs=offs),
