@@ -18,9 +18,16 @@ What it shows, per EP size, for each dispatcher (allgather, alltoall):
   the run; stock Megatron: shown for comparison);
 - with ``--data same`` (every rank reads the same tokens), that every rank reports the same loss.
 
+FP8 (``--fp8 e4m3``): our layers run our per-token FP8 (``deterministic_moe_spec(spec, fp8=...)``:
+each token's row quantised once before the dispatch, both expert GEMMs in FP8), and the claims
+above are made of those runs. ``--compare-fp8`` trains every seed (``--seeds``) twice, without and
+with FP8, from the same weights on the same tokens, and prints per seed the mean loss over the last
+20 steps of both and the gap (``--fp8-svg``: both runs' loss curves for every seed in one panel).
+
 Where it runs:
     python scripts/train_moe_gpt.py --ep-sizes 1 --stock   # CUDA: one rank per GPU on NCCL
     python scripts/train_moe_gpt.py --share-gpu 2 --ep-sizes 2   # 2 ranks on one GPU, over gloo
+    python scripts/train_moe_gpt.py --ep-sizes 1 --steps 100 --seeds 1,2,3 --compare-fp8 --fp8-svg fp8.svg
 megatron-core's MoE code needs CUDA, so this script refuses CPU ranks. The test suite runs it on
 CPU gloo ranks (2 by default, EP 1 and 2) through its test-only shims, from a checkout:
     python -m tests.integrations.train_moe_gpt_cpu --stock --svg BENCHMARKS_train_loss.svg
@@ -43,7 +50,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from moe_dispatch.config import DISPATCHER_KINDS
+from moe_dispatch.config import DISPATCHER_KINDS, FP8_FORMATS
 from moe_dispatch.distributed.launch import end_spawned_rank, set_rank_env, spawn_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -75,14 +82,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", choices=["split", "same"], default="split",
                    help="split: each rank its own tokens; same: every rank the same tokens")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated seeds, each its own initial weights and token stream (default: --seed)")
+    p.add_argument("--fp8", choices=sorted(FP8_FORMATS), default=None,
+                   help="our layers with our per-token FP8 dispatch and expert GEMMs (not with --stock)")
+    p.add_argument("--compare-fp8", action="store_true",
+                   help="train every seed without and with FP8 (--fp8, default e4m3) and print the loss gap "
+                        f"over the last {LAST_STEPS} steps")
+    p.add_argument("--fp8-svg", default=None,
+                   help="with --compare-fp8: write both runs' loss curves for every seed to this SVG file")
     p.add_argument("--svg", default=None,
                    help="write the loss curves to this SVG file (one panel, a colour per EP size and variant)")
     p.add_argument("--diff-svg", default=None,
                    help="write, per step, the largest loss difference between the two dispatchers on any rank "
                         "(ours and, with --stock, stock Megatron) to this SVG file, log scale, 0 drawn")
     p.add_argument("--json", default=None,
-                   help="write every run's per-step losses and gradient digests to this JSON file")
+                   help="write every run's per-step losses and gradient digests to this JSON file (with "
+                        "--compare-fp8 also the table's numbers, under the key 'fp8_comparison')")
     return p
+
+
+LAST_STEPS = 20  # --compare-fp8: the loss is averaged over this many last steps
+
+
+def check_args(args: argparse.Namespace, cuda: bool) -> None:
+    """Parse --seeds into ``args.seed_list`` and ``args.fp8_formats`` (the fp8 values each seed
+    trains with); SystemExit naming the flag for a combination the script cannot run."""
+    try:
+        seeds = [int(v) for v in args.seeds.split(",")] if args.seeds is not None else [args.seed]
+    except ValueError:
+        raise SystemExit(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds: expected distinct seeds, got {args.seeds!r}")
+    args.seed_list = seeds
+    args.fp8_formats = [None, args.fp8 or "e4m3"] if args.compare_fp8 else [args.fp8]
+    uses_fp8 = args.fp8_formats != [None]
+    if uses_fp8 and args.stock:
+        raise SystemExit(f"--{'compare-fp8' if args.compare_fp8 else 'fp8'} with --stock: stock Megatron has no "
+                         "per-token FP8 (its FP8 is TransformerEngine's), so FP8 runs are ours only; drop --stock")
+    if args.fp8_svg and not args.compare_fp8:
+        raise SystemExit("--fp8-svg draws the --compare-fp8 runs: add --compare-fp8")
+    if uses_fp8 and (args.hidden % 16 or args.ffn % 16):
+        raise SystemExit(f"--fp8: --hidden and --ffn must be multiples of 16 (FP8 GEMM rows of 16 bytes), got "
+                         f"{args.hidden} and {args.ffn}")
+    if uses_fp8 and cuda and args.dtype != "bf16":
+        raise SystemExit(f"--fp8 on CUDA needs --dtype bf16 (the FP8 expert GEMM's only output), got {args.dtype}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +173,9 @@ def transformer_config(args: argparse.Namespace, kind: str, ep: int):
         params_dtype=dtype, bf16=dtype == torch.bfloat16, expert_model_parallel_size=ep)
 
 
-def build_model(args: argparse.Namespace, kind: str, ep: int, stock: bool, device: torch.device):
+def build_model(args: argparse.Namespace, kind: str, ep: int, stock: bool, device: torch.device,
+                fp8: str | None = None):
+    """The GPTModel with stock Megatron's MoE layers, or ours (with ``fp8``: our per-token FP8)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -137,7 +183,7 @@ def build_model(args: argparse.Namespace, kind: str, ep: int, stock: bool, devic
 
     spec = get_gpt_layer_local_spec(num_experts=args.experts)
     if not stock:
-        spec = deterministic_moe_spec(spec)
+        spec = deterministic_moe_spec(spec, fp8=fp8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = transformer_config(args, kind, ep)
@@ -279,16 +325,19 @@ def rank_main(local_rank: int, world: int, port: int, ep: int, args: argparse.Na
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
     prepare_megatron(device)
-    stream = token_stream(args.vocab, 1 << 16, args.seed)
     runs = {}
-    for stock in ((False, True) if args.stock else (False,)):
-        for kind in DISPATCHER_KINDS:
-            torch.manual_seed(args.seed)
-            model_parallel_cuda_manual_seed(args.seed)
-            model = build_model(args, kind, ep, stock, device)
-            seed_weights(model, args.seed)  # every run, at every EP size, starts from the same weights
-            name = f"{'stock' if stock else 'ours'}-{kind}"
-            runs[name] = train(args, model, device, stream, name=f"EP {ep} {name}")
+    for seed in args.seed_list:
+        stream = token_stream(args.vocab, 1 << 16, seed)
+        for stock, fp8 in [*((False, f) for f in args.fp8_formats), *([(True, None)] if args.stock else [])]:
+            variant = variant_name(stock, fp8, seed if len(args.seed_list) > 1 else None)
+            for kind in DISPATCHER_KINDS:
+                torch.manual_seed(seed)
+                model_parallel_cuda_manual_seed(seed)
+                model = build_model(args, kind, ep, stock, device, fp8)
+                seed_weights(model, seed)  # every run of a seed, at every EP size, starts from the same weights
+                name = f"{variant}-{kind}"
+                runs[name] = dict(train(args, model, device, stream, name=f"EP {ep} {name}"),
+                                  variant=variant, kind=kind, seed=seed, fp8=fp8, stock=stock)
     with open(os.path.join(out_dir, f"ep{ep}-rank{dist.get_rank()}.json"), "w") as f:
         json.dump(runs, f)
     parallel_state.destroy_model_parallel()
@@ -296,9 +345,27 @@ def rank_main(local_rank: int, world: int, port: int, ep: int, args: argparse.Na
     end_spawned_rank()
 
 
+def variant_name(stock: bool, fp8: str | None, seed: int | None) -> str:
+    """A run's name less its dispatcher: 'ours' or 'stock', then 'FP8 <format>' and 'seed <s>' where
+    they apply (no '-': the dispatcher follows the last one)."""
+    return " ".join(["stock" if stock else "ours", *([f"FP8 {fp8}"] if fp8 else []),
+                     *([f"seed {seed}"] if seed is not None else [])])
+
+
 # ---------------------------------------------------------------------------------------------
 # Claims and the plot
 # ---------------------------------------------------------------------------------------------
+def describe(variant: str) -> str:
+    """A variant as the table and the plots name it: 'moe-dispatch ...' or 'stock Megatron ...'."""
+    first, _, rest = variant.partition(" ")
+    return " ".join([{"ours": "moe-dispatch", "stock": "stock Megatron"}.get(first, first), *([rest] if rest else [])])
+
+
+def _variants(runs: dict) -> list[str]:
+    """The variants of one rank's runs ({"<variant>-<kind>": run}), in the order they ran."""
+    return list(dict.fromkeys(name.rpartition("-")[0] for name in runs))
+
+
 def _first_difference(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), -1)
 
@@ -306,12 +373,12 @@ def _first_difference(a: list, b: list) -> int:
 def claims(ep: int, ranks: list[dict], data: str) -> list[tuple[str, bool, str, bool]]:
     """(claim, holds, detail, counts) rows for one EP size; counts=False rows are stock references."""
     rows = []
-    for variant in ("ours", "stock"):
+    for variant in _variants(ranks[0]):
         ag, a2a = f"{variant}-allgather", f"{variant}-alltoall"
-        if ag not in ranks[0]:
+        if ag not in ranks[0] or a2a not in ranks[0]:
             continue
-        counts = variant == "ours"
-        label = f"EP {ep} {'moe-dispatch' if counts else 'stock Megatron'}"
+        counts = not variant.startswith("stock")
+        label = f"EP {ep} {describe(variant)}"
         step = max(_first_difference(r[ag]["losses"], r[a2a]["losses"]) for r in ranks)
         rows.append((f"{label}: loss bitwise, allgather vs alltoall (every rank, every step)", step < 0,
                      "" if step < 0 else f"first differs at step {step}", counts))
@@ -339,14 +406,15 @@ def ep_claims(by_ep: dict) -> list[tuple[str, bool, str, bool]]:
     over tokens is split differently (see the README), so they are shown, not claimed."""
     rows = []
     sizes = sorted(by_ep)
-    for variant, counts in (("ours", True), ("stock", False)):
+    for variant in _variants(by_ep[sizes[0]][0]):
+        counts = not variant.startswith("stock")
         for ep in sizes[1:]:
             first, other = by_ep[sizes[0]], by_ep[ep]
             for kind in DISPATCHER_KINDS:
                 name = f"{variant}-{kind}"
                 if name not in first[0]:
                     continue
-                label = f"EP {sizes[0]} vs EP {ep} {'moe-dispatch' if counts else 'stock Megatron'} ({kind})"
+                label = f"EP {sizes[0]} vs EP {ep} {describe(variant)} ({kind})"
                 same0 = all(a[name]["losses"][0] == b[name]["losses"][0] for a, b in zip(first, other))
                 rows.append((f"{label}: step-0 loss bitwise on every rank", same0, "", counts))
                 for what, counted in (("router", counts), ("expert", False)):
@@ -388,11 +456,11 @@ def dispatcher_differences(dump: dict) -> dict:
     out = {}
     for key, run in dump.items():
         ep, name = key.split(" ", 2)[1], key.split(" ", 2)[2]
-        variant, kind = name.split("-", 1)
+        variant, _, kind = name.rpartition("-")
         other = dump.get(f"EP {ep} {variant}-{DISPATCHER_KINDS[1]}")
         if kind != DISPATCHER_KINDS[0] or other is None:
             continue
-        label = f"EP {ep} {'moe-dispatch' if variant == 'ours' else 'stock Megatron'}"
+        label = f"EP {ep} {describe(variant)}"
         out[label] = [max(abs(a - b) for a, b in zip(ranks_a, ranks_b))
                       for ranks_a, ranks_b in zip(zip(*run["rank_losses"]), zip(*other["rank_losses"]))]
     return out
@@ -534,12 +602,138 @@ def write_svg(path: str, series: dict, title: str) -> None:
     svg_plot.write(path, out)
 
 
+def fp8_comparison(dump: dict, last: int = LAST_STEPS) -> dict:
+    """The --compare-fp8 numbers from main's dump: per EP size and seed, the mean over the last
+    ``last`` steps of the loss (mean over ranks) of our run without FP8 (``base``) and with it
+    (``fp8``), their gap (``fp8 - base``) and relative gap (over ``base``); then per EP size the
+    mean of each over the seeds. The allgather runs (the claims say whether alltoall's are the
+    same bits)."""
+    pairs: dict = {}
+    for key, run in dump.items():
+        if run["stock"] or run["kind"] != DISPATCHER_KINDS[0]:
+            continue
+        ep = int(key.split(" ", 2)[1])
+        pairs.setdefault((ep, run["seed"]), {})["fp8" if run["fp8"] else "base"] = run
+    rows = []
+    for (ep, seed), pair in pairs.items():
+        if set(pair) != {"base", "fp8"}:
+            continue
+        base, fp8 = (sum(pair[k]["mean_losses"][-last:]) / len(pair[k]["mean_losses"][-last:]) for k in ("base", "fp8"))
+        rows.append(dict(ep=ep, seed=seed, format=pair["fp8"]["fp8"], base=base, fp8=fp8, gap=fp8 - base,
+                         relative_gap=(fp8 - base) / base, base_losses=pair["base"]["mean_losses"],
+                         fp8_losses=pair["fp8"]["mean_losses"]))
+    means = []
+    for ep in dict.fromkeys(r["ep"] for r in rows):
+        mine = [r for r in rows if r["ep"] == ep]
+        means.append(dict(ep=ep, seeds=len(mine),
+                          **{k: sum(r[k] for r in mine) / len(mine) for k in ("base", "fp8", "gap", "relative_gap")}))
+    return dict(last_steps=min(last, *(len(r["base_losses"]) for r in rows)) if rows else last, rows=rows,
+                mean_over_seeds=means)
+
+
+def print_fp8_table(comparison: dict, dtype: str) -> None:
+    """The --compare-fp8 table: a row per EP size and seed, then the mean over the seeds."""
+    rows = comparison["rows"]
+    if not rows:
+        return
+    fmt = f"FP8 {rows[0]['format']}"
+    print(f"\nFP8 vs {dtype} (ours, allgather): mean loss (mean over ranks) over the last "
+          f"{comparison['last_steps']} steps")
+    print(f"{'run':<14} | {dtype:>9} | {fmt:>9} | {'FP8 - ' + dtype:>10} | relative")
+    for r in [*rows, *comparison["mean_over_seeds"]]:
+        name = f"EP {r['ep']} seed {r['seed']}" if "seed" in r else f"EP {r['ep']} mean ({r['seeds']})"
+        print(f"{name:<14} | {r['base']:>9.5f} | {r['fp8']:>9.5f} | {r['gap']:>+10.5f} | "
+              f"{100 * r['relative_gap']:+.3f}%")
+
+
+def write_fp8_svg(path: str, series: dict, title: str, last: int = LAST_STEPS) -> None:
+    """A plain SVG of {"<run> <dtype>" / "<run> FP8 <format>": [loss per step]} (pairs in that
+    order) in one panel: a colour per run (seed), the run without FP8 solid and wide, with FP8
+    dashed over it, and a legend entry per curve with its mean over the last ``last`` steps (the
+    FP8 entry also its gap). The legend is as wide as its longest entry; the title wraps."""
+    import svg_plot
+
+    names = list(series)
+
+    def tail(ys: list) -> float:
+        return sum(ys[-last:]) / len(ys[-last:])
+
+    counted = min(last, len(series[names[0]]))
+    entries = {}
+    for n, name in enumerate(names):
+        entries[name] = f"{name}: last {counted} mean {tail(series[name]):.4f}"
+        if n % 2:
+            base = tail(series[names[n - 1]])
+            entries[name] += f" ({tail(series[name]) - base:+.4f}, {100 * (tail(series[name]) - base) / base:+.2f}%)"
+    left, pw, ph, bottom = 60, 480, 300, 45
+    marker = f"from here: the last {counted} steps"
+    width = left + pw + 12 + 34 + max(svg_plot.text_width(e) for e in [*entries.values(), marker]) + 10
+    titles = svg_plot.wrap(title, width - 20, 14)
+    top = 34 + 18 * (len(titles) - 1)
+    height = top + max(ph, 18 * (len(names) + 2) + 8) + bottom
+    values = [v for ys in series.values() for v in ys]
+    pad = (max(values) - min(values)) * 0.03 or 0.5
+    lo, hi = min(values) - pad, max(values) + pad
+    steps = max(len(ys) for ys in series.values())
+
+    def x_of(i: float) -> float:
+        return left + pw * i / max(1, steps - 1)
+
+    def y_of(v: float) -> float:
+        return top + ph * (hi - v) / (hi - lo)
+
+    out = [*svg_plot.header(width, height),
+           svg_plot.metadata("train_moe_gpt:write_fp8_svg", series=series, title=title, last=last)]
+    out += [svg_plot.text(10, 20 + 18 * n, line, font_size=14) for n, line in enumerate(titles)]
+    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
+    for v in svg_plot.nice_ticks(lo, hi):
+        out.append(f'<line x1="{left}" y1="{y_of(v):.1f}" x2="{left + pw}" y2="{y_of(v):.1f}" stroke="#eee"/>'
+                   + svg_plot.text(left - 6, y_of(v) + 4, f"{v:g}", text_anchor="end"))
+    for i in svg_plot.nice_ticks(0, steps - 1):
+        out.append(svg_plot.text(x_of(i), top + ph + 16, f"{i:g}", text_anchor="middle"))
+    first = x_of(max(0, steps - last))  # where the averaged steps start
+    out.append(f'<line x1="{first:.1f}" y1="{top}" x2="{first:.1f}" y2="{top + ph}" stroke="#aaa" '
+               'stroke-dasharray="2,3"/>')
+    out.append(svg_plot.text(left + pw / 2, top + ph + 36, "step", text_anchor="middle"))
+    mid = top + ph / 2
+    out.append(svg_plot.text(16, mid, "loss (mean over ranks)", text_anchor="middle",
+                             transform=f"rotate(-90 16 {mid})"))
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
+    styles = ['stroke-width="3.5" stroke-opacity="0.45"', 'stroke-width="1.5" stroke-dasharray="6,3"']
+    lx = left + pw + 12
+    for n, name in enumerate(names):
+        color, style = colors[(n // 2) % len(colors)], styles[n % 2]
+        points = " ".join(f"{x_of(i):.1f},{y_of(v):.1f}" for i, v in enumerate(series[name]))
+        out.append(f'<polyline fill="none" stroke="{color}" {style} points="{points}"/>')
+        ly = top + 8 + 18 * n
+        out.append(f'<line x1="{lx}" y1="{ly}" x2="{lx + 28}" y2="{ly}" stroke="{color}" {style}/>'
+                   + svg_plot.text(lx + 34, ly + 4, entries[name]))
+    ly = top + 8 + 18 * (len(names) + 1)
+    out.append(f'<line x1="{lx + 14}" y1="{ly - 7}" x2="{lx + 14}" y2="{ly + 7}" stroke="#aaa" stroke-dasharray="2,3"/>'
+               + svg_plot.text(lx + 34, ly + 4, marker))
+    svg_plot.write(path, out)
+
+
+def fp8_series(comparison: dict, dtype: str) -> dict:
+    """write_fp8_svg's series from fp8_comparison's rows: each seed's pair (EP size named where
+    there are several)."""
+    rows = comparison["rows"]
+    several = len({r["ep"] for r in rows}) > 1
+    out = {}
+    for r in rows:
+        name = (f"EP {r['ep']} " if several else "") + f"seed {r['seed']}"
+        out[f"{name} {dtype}"] = r["base_losses"]
+        out[f"{name} FP8 {r['format']}"] = r["fp8_losses"]
+    return out
+
+
 def main(argv: list[str] | None = None, rank_fn: Callable = rank_main) -> int:
     """The run; ``rank_fn`` (``rank_main`` or a wrapper of it with the same arguments) runs each
     spawned rank."""
     args = build_parser().parse_args(argv)
     args.t0 = time.perf_counter()  # progress lines show the time since the start (spawned ranks get a copy)
     cuda = torch.cuda.is_available() and not args.cpu
+    check_args(args, cuda)
     if args.share_gpu and not cuda:
         raise SystemExit("--share-gpu needs CUDA")
     if not cuda and rank_fn is rank_main:
@@ -559,7 +753,8 @@ def main(argv: list[str] | None = None, rank_fn: Callable = rank_main) -> int:
     where = f"{world} ranks, {args.backend}, " + ("GPU 0 shared" if args.share_gpu else "CUDA" if cuda else "CPU")
     print(f"train_moe_gpt: GPTModel {args.layers} layers, H {args.hidden}, E {args.experts}, K {args.topk}, "
           f"{args.dtype}, {args.batch}x{args.seq} tokens per rank per step, {args.steps} steps, Adam lr {args.lr}, "
-          f"data {args.data}; {where}", flush=True)
+          f"data {args.data}, seeds {','.join(map(str, args.seed_list))}, fp8 "
+          f"{' and '.join(str(f) for f in args.fp8_formats)}; {where}", flush=True)
     rows, series, dump, by_ep = [], {}, {}, {}
     with tempfile.TemporaryDirectory() as out_dir:
         for ep in sizes:
@@ -577,13 +772,15 @@ def main(argv: list[str] | None = None, rank_fn: Callable = rank_main) -> int:
                                                rank_grads=[r[name]["grads"] for r in ranks],
                                                dispatchers=run["dispatchers"],
                                                seconds=max(r[name]["seconds"] for r in ranks),
-                                               step_seconds=max(r[name]["step_seconds"] for r in ranks))
+                                               step_seconds=max(r[name]["step_seconds"] for r in ranks),
+                                               **{k: run[k] for k in ("variant", "kind", "seed", "fp8", "stock")})
     rows += ep_claims(by_ep)
     last = f"loss step {args.steps - 1}"
-    print(f"\n{'run':<28} | loss step 0 | {last} | s per step (median of steps {WARMUP_STEPS}+, "
+    width = max(28, *(len(name) for name in dump))
+    print(f"\n{'run':<{width}} | loss step 0 | {last} | s per step (median of steps {WARMUP_STEPS}+, "
           "gradient digests not counted)")
     for name, run in dump.items():
-        print(f"{name:<28} | {run['mean_losses'][0]:>11.5f} | {run['mean_losses'][-1]:>{len(last)}.5f} | "
+        print(f"{name:<{width}} | {run['mean_losses'][0]:>11.5f} | {run['mean_losses'][-1]:>{len(last)}.5f} | "
               f"{run['step_seconds']:.4f}")
     print("\n" + TABLE_LEGEND)
     width = max(len(r[0]) for r in rows)
@@ -601,8 +798,17 @@ def main(argv: list[str] | None = None, rank_fn: Callable = rank_main) -> int:
                        f"allgather vs alltoall: loss difference per step; GPTModel {args.layers}x MoE "
                        f"(E {args.experts}, K {args.topk}), {args.dtype}, {where}")
         print(f"wrote {args.diff_svg}")
+    comparison = fp8_comparison(dump) if args.compare_fp8 else None
+    if comparison:
+        print_fp8_table(comparison, args.dtype)
+    if args.fp8_svg:
+        write_fp8_svg(args.fp8_svg, fp8_series(comparison, args.dtype),
+                      f"FP8 vs {args.dtype}: loss per step, ours (allgather); GPTModel {args.layers}x MoE "
+                      f"(E {args.experts}, K {args.topk}, H {args.hidden}, ffn {args.ffn}), {where}")
+        print(f"wrote {args.fp8_svg}")
     if args.json:
-        Path(args.json).write_text(json.dumps(dump, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({**dump, **({"fp8_comparison": comparison} if comparison else {})},
+                                              indent=1) + "\n")
     print("ALL PASS" if not failed else f"{failed} FAIL", flush=True)
     return 1 if failed else 0
 

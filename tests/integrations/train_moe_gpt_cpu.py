@@ -5,6 +5,7 @@ script's own ``main`` and rank code unchanged, with the test-only CPU shims (tes
 applied in each rank first.
 
     python -m tests.integrations.train_moe_gpt_cpu --stock --svg BENCHMARKS_train_loss.svg
+    python -m tests.integrations.train_moe_gpt_cpu --ep-sizes 1 --compare-fp8 --fp8-svg fp8.svg   # FP8 vs bf16
 """
 from __future__ import annotations
 
