@@ -99,14 +99,15 @@ def _errors(rank: int, pg2, pg1) -> dict:
     for value in BAD_VALUES:
         out[("value", value)] = _outcome(lambda value=value: install(layer, fp8=value))
     out["row_stable_gemms"] = _outcome(lambda: install(layer, row_stable_gemms=False, fp8=FP8))
-    out["sync_free"] = _outcome(lambda: install(layer, sync_free=True, fp8=FP8))
+    out["sync_free"] = _outcome(lambda: install(layer2, sync_free=True, fp8=FP8))  # EP 2: as without FP8
     out["ffn"] = _outcome(lambda: install(SimpleNamespace(config=_config("alltoall", dtype, 1, moe_ffn_hidden_size=24,
                                                                          ffn_hidden_size=24)), fp8=FP8))
     out["hidden"] = _outcome(lambda: install(SimpleNamespace(config=_config("alltoall", dtype, 1, hidden_size=40)),
                                              fp8=FP8))
     graphs = _megatron("alltoall", dtype, 1, pg1)
     graphs.config.cuda_graph_impl, graphs.config.cuda_graph_scope = "local", "moe"  # the whole MoE layer
-    out["cuda_graphs"] = _outcome(lambda: install(graphs, fp8=FP8))
+    out["cuda_graphs"] = _outcome(lambda: install(graphs, fp8=FP8))  # EP 1: sync-free, so it may capture
+    out["cuda_graphs_sync_free"] = graphs.token_dispatcher.config.sync_free
     te = _megatron("alltoall", dtype, 1, pg1)
     te.config.fp8 = "hybrid"  # Megatron's TE FP8 (--fp8-format hybrid), set after the config's checks
     out["te_fp8"] = _outcome(lambda: install(te))
@@ -138,6 +139,9 @@ def fp8_worker(rank: int, world_size: int) -> dict:
             layer1 = install(_megatron(kind, dtype, 1, pg1), fp8=FP8)
             rec["megatron_ep1"] = _megatron_step(layer1, x, dy)
             rec["ours_ep1"] = _ours_step(layer1, singles[rank], x, dy)
+            synced = install(_megatron(kind, dtype, 1, pg1), fp8=FP8, sync_free=True)
+            assert synced.token_dispatcher.config.sync_free
+            rec["megatron_ep1_sync_free"] = _megatron_step(synced, x, dy)
             records[(dname, kind)] = rec
     records["errors"] = _errors(rank, pg2, pg1)
     return records

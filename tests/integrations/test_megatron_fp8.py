@@ -7,8 +7,10 @@ scales to row-stable FP8 experts, on 2 CPU gloo ranks (one spawn, megatron_fp8_w
 - bitwise across our two dispatchers and across EP sizes (EP 1 vs EP 2 on the same global batch);
 - FP8 really on: the experts get the wire rows, and the results differ from fp8=None by a median
   per-token relative error inside [1e-2, 0.2];
+- sync-free at EP 1 (``install(fp8=..., sync_free=True)``, and by default under CUDA graphs of the
+  whole layer): bitwise the dropless dispatch's step;
 - bad values raise MoEConfig's own ValueError before any collective; unsupported settings
-  (Megatron's TE FP8, Megatron's experts, sizes, sync-free, CUDA graphs) raise naming the setting;
+  (Megatron's TE FP8, Megatron's experts, sizes, sync-free at EP 2) raise naming the setting;
 - on CUDA (``-m gpu``, sm90+: torch._scaled_grouped_mm), EP 1, bf16: bitwise equal to our FP8
   layer, and across the dispatchers.
 """
@@ -71,6 +73,17 @@ def test_bitwise_across_dispatchers(ranks, dtype):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_sync_free_bitwise_dropless(ranks, case):
+    """install(fp8=..., sync_free=True) at EP 1: the sync-free plan's device counts and trailing rows
+    give bitwise the dropless step (outputs, input gradients, every expert's weight gradients)."""
+    for r, rank in enumerate(ranks):
+        synced, dropless = rank[case]["megatron_ep1_sync_free"], rank[case]["megatron_ep1"]
+        for field in ("out", "gx"):
+            assert_equal(synced[field], dropless[field], (case, r, field))
+        _assert_experts_equal(synced["experts"], dropless["experts"], (case, r))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_bitwise_across_ep_sizes(ranks, case):
     """EP 1 (each rank alone, all 64 tokens) vs EP 2 (32 tokens per rank), same global batch."""
     for field in ("out", "gx"):
@@ -118,8 +131,7 @@ def test_bad_values_raise_moe_configs_error_before_any_collective(ranks):
 def test_unsupported_settings_name_the_setting(ranks):
     expect = {
         "row_stable_gemms": "needs row_stable_gemms=True",
-        "sync_free": "with sync_free=True",
-        "cuda_graphs": "capturable only sync-free",
+        "sync_free": "the layer's EP group has size 2",
         "ffn": "needs moe_ffn_hidden_size a multiple of 16",
         "hidden": "needs hidden_size a multiple of 16",
         "te_fp8": "fp8='hybrid' (TransformerEngine FP8",
@@ -131,7 +143,7 @@ def test_unsupported_settings_name_the_setting(ranks):
             kind, message = errors[key]
             assert kind == "ValueError" and text in message, (r, key, errors[key])
         assert "install(layer, fp8='e4m3')" in errors["te_fp8"][1]  # where to go instead
-        assert "install(fp8='e4m3')" in errors["cuda_graphs"][1]
+        assert errors["cuda_graphs"] == ("ok", "") and errors["cuda_graphs_sync_free"], r
         assert errors["none_after_fp8"] == ("ok", "")
 
 

@@ -20,7 +20,6 @@ from .supported import (
     check_groups,
     check_row_stable_supported,
     check_supported,
-    fp8_obstacle,
     megatron_field,
     sync_free_obstacle,
     warn_if_untested,
@@ -82,21 +81,21 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
     and the row-stable experts run both GEMMs in FP8 (``moe_dispatch.experts.fp8_expert_gemm``:
     fc1 on the dispatched rows and scales, fc2 quantising its input per row); the combine stays
     the fp32 weighted sum. Needs ``row_stable_gemms``, hidden and expert ffn sizes multiples of 16,
-    the TransformerConfig's own ``fp8`` (TransformerEngine) None, and not ``sync_free``
-    (``check_fp8``). Shared experts and the rest of the model keep Megatron's dtype.
+    the TransformerConfig's own ``fp8`` (TransformerEngine) None (``check_fp8``); it runs sync-free
+    (and so captures) where the layer would without FP8. Shared experts and the rest of the model
+    keep Megatron's dtype.
     Idempotent: installing twice keeps one of ours (rebuilt from the same groups). Call it
     before the first forward; the dispatcher keeps one step's state between dispatch and combine.
     """
     config = moe_layer.config
     check_supported(config, row_stable_gemms=row_stable_gemms)
-    check_fp8(config, fp8, row_stable_gemms, sync_free)
+    check_fp8(config, fp8, row_stable_gemms)
     warn_if_untested()
     if row_stable_gemms:
         check_row_stable_supported(moe_layer)
     groups = _groups_of(moe_layer, pg_collection)
     ep = check_groups(groups)
     obstacle = sync_free_obstacle(config, 1 if ep is None else dist.get_world_size(ep), row_stable_gemms)
-    obstacle = obstacle or fp8_obstacle(fp8)
     if sync_free is False:
         obstacle = obstacle or "install(sync_free=False)"
     elif sync_free and obstacle is not None:

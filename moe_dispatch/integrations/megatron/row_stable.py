@@ -95,7 +95,8 @@ def _fp8_experts(experts: Any, rows: "torch.Tensor", tokens_per_expert: "torch.T
     """The SequentialMLP experts on the dispatch's FP8 wire rows [N, W] -> [N, H] in the tokens'
     dtype, as our LocalExperts in FP8: fc1 on the rows' fp8 values and per-row scales (their
     gradient to the handle's ``row_grad_sink``), the activation in the tokens' dtype, fc2
-    quantising it per row (``fp8_expert_gemm``), the weights read from their stacked storage."""
+    quantising it per row (``fp8_expert_gemm``), the weights read from their stacked storage. A
+    sync-free plan's device counts and trailing rows as they come (nothing read on the host)."""
     from ...config import FP8_FORMATS
     from ...dispatcher import unpack_rows
     from ...experts import fp8_mlp
@@ -103,8 +104,8 @@ def _fp8_experts(experts: Any, rows: "torch.Tensor", tokens_per_expert: "torch.T
 
     dispatcher = _fp8_dispatcher(experts)
     handle, config = dispatcher.handle, dispatcher.config
-    if handle is None or handle.row_grad_sink is None or trailing or offsets is None:
-        raise ValueError("install(fp8=...): the experts take this step's FP8 rows with the plan's host counts "
+    if handle is None or handle.row_grad_sink is None or offsets is None:
+        raise ValueError("install(fp8=...): the experts take this step's FP8 rows with the plan's counts "
                          "(dispatch_postprocess's tokens_per_expert), from the layer's dispatcher")
     q, scales = unpack_rows(rows, config.hidden_size, config.fp8)
     # [El, out, in] stacks, transposed to fp8_expert_gemm's [E, K, M] (no copy)
@@ -112,7 +113,7 @@ def _fp8_experts(experts: Any, rows: "torch.Tensor", tokens_per_expert: "torch.T
     w2 = stacked_weights(expert_weights(experts, "linear_fc2"), experts).transpose(1, 2)
     probs = permuted_probs if _experts_apply_probs(experts) else None
     return fp8_mlp(q, scales, w1, w2, tokens_per_expert, offsets, FP8_FORMATS[config.fp8], activation, probs,
-                   handle.row_grad_sink)
+                   handle.row_grad_sink, trailing)
 
 
 def _experts_apply_probs(experts: Any) -> bool:

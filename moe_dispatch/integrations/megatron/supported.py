@@ -304,12 +304,13 @@ def check_row_stable_supported(moe_layer: Any) -> None:
         raise ValueError("row_stable_gemms: the router must have a weight and no bias (add_bias_linear=False)")
 
 
-def check_fp8(config: Any, fp8: Any, row_stable_gemms: bool, sync_free: Optional[bool]) -> None:
+def check_fp8(config: Any, fp8: Any, row_stable_gemms: bool) -> None:
     """Raise ValueError, naming the argument or field, when ``install(fp8=...)`` cannot run: a value
     outside ``FP8_FORMATS`` (MoEConfig's own error), Megatron's own FP8 (``config.fp8``, TE) at the
-    same time, Megatron's experts (``row_stable_gemms=False``: they cannot take FP8 rows), hidden or
-    expert ffn sizes not multiples of 16 (16-byte FP8 GEMM rows), or the sync-free dispatch (the
-    FP8 weight gradient reads each expert's rows on the host). None: nothing to check."""
+    same time, Megatron's experts (``row_stable_gemms=False``: they cannot take FP8 rows), or hidden
+    or expert ffn sizes not multiples of 16 (16-byte FP8 GEMM rows). None: nothing to check. The
+    sync-free dispatch is ``sync_free_obstacle``'s to allow or refuse, as without FP8 (the FP8
+    experts read no count on the host)."""
     if fp8 is None:
         return
     if not isinstance(fp8, str) or fp8 not in FP8_FORMATS:
@@ -326,14 +327,3 @@ def check_fp8(config: Any, fp8: Any, row_stable_gemms: bool, sync_free: Optional
         if size is None or size % 16:
             raise ValueError(f"install(fp8={fp8!r}) needs {name} a multiple of 16 (FP8 GEMM rows of 16 bytes), "
                              f"got {size}")
-    if sync_free:
-        raise ValueError(f"install(fp8={fp8!r}) with sync_free=True: the FP8 experts' weight gradient reads each "
-                         "expert's row count on the host; expected sync_free None or False")
-
-
-def fp8_obstacle(fp8: Optional[str]) -> Optional[str]:
-    """Why install(fp8=...) cannot run sync-free (``sync_free_obstacle``'s kind of answer), or None."""
-    if fp8 is None:
-        return None
-    return (f"install(fp8={fp8!r}): the FP8 experts' weight gradient reads each expert's row count on the host; "
-            "expected fp8=None")
