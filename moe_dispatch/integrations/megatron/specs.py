@@ -59,7 +59,7 @@ def deterministic_moe_layer_class() -> type:
                          name: Optional[str] = None, row_stable_gemms: bool = True,
                          fp8: Optional[str] = None) -> None:
                 check_supported(config, row_stable_gemms=row_stable_gemms)
-                check_fp8(config, fp8, row_stable_gemms, sync_free=None)
+                check_fp8(config, fp8, row_stable_gemms)
                 extra = {}
                 for key, value, default in (("is_mtp_layer", is_mtp_layer, False), ("name", name, None)):
                     if key in accepted:
