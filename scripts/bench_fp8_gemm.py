@@ -139,7 +139,8 @@ def main() -> None:
     same = torch.equal(_cuda_mm(xq, sx, wf_dense, swf, offs), _cuda_mm(xq, sx, wf, swf, offs))
     print(f"forward with weight_operand's strided [E, M, K] bitwise the dense copy's: {same}")
     exact, fast = _cuda_mm(xq, sx, wf, swf, offs).double(), fast_accum(wf).double()
-    print(f"use_fast_accum=True against the default: relative error {((fast - exact).norm() / exact.norm()).item():.3g}")
+    rel = ((fast - exact).norm() / exact.norm()).item()
+    print(f"use_fast_accum=True against the default: relative error {rel:.3g}")
 
 
 if __name__ == "__main__":
