@@ -62,6 +62,7 @@ from ..numerics.fixed_order import ordered_mm
 from ..numerics.rounding import round_up
 from ..ops.quantize import quantize_group_columns, quantize_rows
 from .activations import activate, scale_rows
+from .gemm import _counts as host_counts
 
 # wgrad's group row counts are padded to this for the CUDA kernel (rows multiple of 16).
 WGRAD_ROW_MULTIPLE = 16
@@ -116,21 +117,11 @@ def wgrad_layout(row_ends: torch.Tensor, n_rows: int) -> Tuple[torch.Tensor, tor
     zero = row_ends.new_zeros(1, dtype=torch.int64)
     ends = row_ends.to(torch.int64)
     counts = torch.diff(ends, prepend=zero)
-    widths = (counts.clamp(min=1) + (WGRAD_ROW_MULTIPLE - 1)) // WGRAD_ROW_MULTIPLE * WGRAD_ROW_MULTIPLE
+    widths = round_up(counts.clamp(min=1), WGRAD_ROW_MULTIPLE)
     padded_rows = round_up(n_rows, WGRAD_ROW_MULTIPLE) + WGRAD_ROW_MULTIPLE * e
     row_starts = torch.cat([zero, ends, torch.full_like(zero, n_rows)])
     padded_starts = torch.cat([zero, torch.cumsum(widths, 0), torch.full_like(zero, padded_rows)])
     return row_starts, padded_starts, padded_rows
-
-
-def _host_counts(tokens_per_expert: torch.Tensor, n_rows: int, trailing_rows: bool) -> List[int]:
-    """The CPU twin's counts (a CPU tensor: no device read)."""
-    counts = [int(n) for n in tokens_per_expert.tolist()]
-    total = sum(counts)
-    if (total > n_rows if trailing_rows else total != n_rows) or min(counts, default=0) < 0:
-        raise ValueError(f"tokens_per_expert {counts} must be >= 0 and sum to {'at most ' if trailing_rows else ''}"
-                         f"the {n_rows} rows of x")
-    return counts
 
 
 def _twin_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, counts: List[int],
@@ -182,7 +173,7 @@ class _Fp8ExpertGemm(torch.autograd.Function):
     def forward(ctx, x, x_scales, w, grad_sink, tokens_per_expert, offsets, fp8_dtype, out_dtype,  # type: ignore[override]
                 trailing_rows):
         cuda = x.device.type == "cuda"
-        counts = None if cuda else _host_counts(tokens_per_expert, x.shape[0], trailing_rows)
+        counts = None if cuda else host_counts(tokens_per_expert, x.shape[0], trailing_rows)  # a CPU tensor
         # Where the rows' gradient goes: x itself (quantised here), or the sink of pre-quantised rows.
         sink_dtype = None if grad_sink is None else grad_sink.dtype
         ctx.rows_index, ctx.rows_grad_dtype = (0, x.dtype) if x_scales is None else (3, sink_dtype)
