@@ -1,9 +1,10 @@
 """The process-wide tables of the dispatchers and of their collectives, in one place.
 
 Each table is keyed by an EP process group (``comm.group_key``: None and the default group are one
-key), sometimes with a second key, and lives for the process: what it holds belongs to the group,
-not to one object, because several objects (every layer's dispatcher, the functional dispatch,
-the staged API's callers) run collectives on the same group and must see the same state.
+key), sometimes with a second key, and lives for the process (an entry as long as its group): what
+it holds belongs to the group, not to one object, because several objects (every layer's
+dispatcher, the functional dispatch, the staged API's callers) run collectives on the same group
+and must see the same state.
 
 - ``LAYER_IDS`` (distributed/identity.py): group -> dispatchers built on it so far, the next
   layer id. A counter per group (not per model): every rank numbers its layers in construction
@@ -38,6 +39,7 @@ Process-wide state elsewhere, kept where it lives (a module of its own concern):
 """
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Generic, Hashable, Iterator, Optional, TypeVar
 
 from .comm import ProcessGroup, group_key
@@ -52,38 +54,55 @@ V = TypeVar("V")
 
 class GroupTable(Generic[V]):
     """A process-wide table keyed by an EP group (None and the default group are one key) and
-    an optional second key ``sub``."""
+    an optional second key ``sub``.
+
+    The table holds its groups weakly: a group's entries die with the group. A strong reference
+    would keep a destroyed group (``destroy_process_group``) alive until interpreter exit, where
+    gloo's worker threads are torn down after the runtime they need, and the process aborts
+    ("terminate called without an active exception") after the user's code has finished."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._entries: dict[tuple[Any, Hashable], V] = {}
+        self._groups: "weakref.WeakKeyDictionary[Any, dict[Hashable, V]]" = weakref.WeakKeyDictionary()
+        self._no_group: dict[Hashable, V] = {}  # torch.distributed not initialised: one process
 
-    @staticmethod
-    def _key(group: ProcessGroup, sub: Hashable) -> tuple[Any, Hashable]:
-        return group_key(group), sub
+    def _entries(self, group: ProcessGroup, create: bool) -> Optional[dict[Hashable, V]]:
+        key = group_key(group)
+        if key is None:
+            return self._no_group
+        entries = self._groups.get(key)
+        if entries is None and create:
+            entries = self._groups[key] = {}
+        return entries
 
     def get(self, group: ProcessGroup, sub: Hashable = None) -> Optional[V]:
-        return self._entries.get(self._key(group, sub))
+        entries = self._entries(group, create=False)
+        return None if entries is None else entries.get(sub)
 
     def set(self, group: ProcessGroup, value: V, sub: Hashable = None) -> V:
-        self._entries[self._key(group, sub)] = value
+        self._entries(group, create=True)[sub] = value
         return value
 
     def setdefault(self, group: ProcessGroup, make: Callable[[], V], sub: Hashable = None) -> V:
         """The entry, made by ``make()`` if there is none."""
-        key = self._key(group, sub)
-        if key not in self._entries:
-            self._entries[key] = make()
-        return self._entries[key]
+        entries = self._entries(group, create=True)
+        if sub not in entries:
+            entries[sub] = make()
+        return entries[sub]
 
     def pop(self, group: ProcessGroup, sub: Hashable = None) -> Optional[V]:
-        return self._entries.pop(self._key(group, sub), None)
+        entries = self._entries(group, create=False)
+        return None if entries is None else entries.pop(sub, None)
 
     def values(self) -> Iterator[V]:
-        return iter(list(self._entries.values()))
+        found = list(self._no_group.values())
+        for entries in list(self._groups.values()):
+            found += entries.values()
+        return iter(found)
 
     def __repr__(self) -> str:
-        return f"GroupTable({self.name!r}, {len(self._entries)} entries)"
+        count = len(self._no_group) + sum(len(e) for e in list(self._groups.values()))
+        return f"GroupTable({self.name!r}, {count} entries)"
 
 
 LAYER_IDS: GroupTable[int] = GroupTable("layer ids")
