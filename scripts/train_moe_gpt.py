@@ -530,6 +530,46 @@ def write_diff_svg(path: str, series: dict, title: str) -> None:
     svg_plot.write(path, out)
 
 
+def _loss_frame(svg_plot, series: dict, title: str, legend_width: float, body_height: float,
+                meta: str) -> tuple[list, dict]:
+    """The loss plots' shared frame: (the SVG lines so far: header, ``meta``, the wrapped title,
+    the panel's box, the loss ticks and the step ticks; the geometry: left, pw, ph, top, height,
+    steps, x_of and y_of). The panel is 480 x 300 with the legend (``legend_width``) to its right;
+    the drawing is ``body_height`` (at least the panel's) tall below the title."""
+    left, pw, ph, bottom = 60, 480, 300, 45
+    width = left + pw + legend_width
+    titles = svg_plot.wrap(title, width - 20, 14)
+    top = 34 + 18 * (len(titles) - 1)
+    height = top + body_height + bottom
+    values = [v for ys in series.values() for v in ys]
+    pad = (max(values) - min(values)) * 0.03 or 0.5
+    lo, hi = min(values) - pad, max(values) + pad
+    steps = max(len(ys) for ys in series.values())
+
+    def x_of(i: float) -> float:
+        return left + pw * i / max(1, steps - 1)
+
+    def y_of(v: float) -> float:
+        return top + ph * (hi - v) / (hi - lo)
+
+    out = [*svg_plot.header(width, height), meta]
+    out += [svg_plot.text(10, 20 + 18 * n, line, font_size=14) for n, line in enumerate(titles)]
+    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
+    for v in svg_plot.nice_ticks(lo, hi):
+        out.append(f'<line x1="{left}" y1="{y_of(v):.1f}" x2="{left + pw}" y2="{y_of(v):.1f}" stroke="#eee"/>'
+                   + svg_plot.text(left - 6, y_of(v) + 4, f"{v:g}", text_anchor="end"))
+    for i in svg_plot.nice_ticks(0, steps - 1):
+        out.append(svg_plot.text(x_of(i), top + ph + 16, f"{i:g}", text_anchor="middle"))
+    return out, dict(left=left, pw=pw, ph=ph, top=top, height=height, steps=steps, x_of=x_of, y_of=y_of)
+
+
+def _axis_titles(svg_plot, g: dict, step_y: float) -> list:
+    """The "step" title at ``step_y`` and the rotated loss title, for `_loss_frame`'s geometry g."""
+    mid = g["top"] + g["ph"] / 2
+    return [svg_plot.text(g["left"] + g["pw"] / 2, step_y, "step", text_anchor="middle"),
+            svg_plot.text(16, mid, "loss (mean over ranks)", text_anchor="middle", transform=f"rotate(-90 16 {mid})")]
+
+
 def write_svg(path: str, series: dict, title: str) -> None:
     """A plain SVG of {"EP e variant-kind": [loss per step]} in one panel: a colour and a dash per
     (EP size, variant), its two dispatchers drawn in it (allgather wide and pale, alltoall narrow
@@ -550,35 +590,11 @@ def write_svg(path: str, series: dict, title: str) -> None:
                           f"step {len(next(iter(curves.values()))) - 1}: {last}")
     kinds = {DISPATCHER_KINDS[0]: f"{DISPATCHER_KINDS[0]} (wide, pale)",
              DISPATCHER_KINDS[1]: f"{DISPATCHER_KINDS[1]} (narrow, over it)"}
-    left, pw, ph, bottom = 60, 480, 300, 45
     legend_w = 12 + 34 + max(svg_plot.text_width(e) for e in [*entries.values(), *kinds.values()]) + 10
-    width = left + pw + legend_w
-    titles = svg_plot.wrap(title, width - 20, 14)
-    top = 34 + 18 * (len(titles) - 1)
-    height = top + ph + bottom
-    values = [v for ys in series.values() for v in ys]
-    pad = (max(values) - min(values)) * 0.03 or 0.5
-    lo, hi = min(values) - pad, max(values) + pad
-    steps = max(len(ys) for ys in series.values())
-
-    def x_of(i: int) -> float:
-        return left + pw * i / max(1, steps - 1)
-
-    def y_of(v: float) -> float:
-        return top + ph * (hi - v) / (hi - lo)
-
-    out = [*svg_plot.header(width, height), svg_plot.metadata("train_moe_gpt:write_svg", series=series, title=title)]
-    out += [svg_plot.text(10, 20 + 18 * n, line, font_size=14) for n, line in enumerate(titles)]
-    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
-    for v in svg_plot.nice_ticks(lo, hi):
-        out.append(f'<line x1="{left}" y1="{y_of(v):.1f}" x2="{left + pw}" y2="{y_of(v):.1f}" stroke="#eee"/>'
-                   + svg_plot.text(left - 6, y_of(v) + 4, f"{v:g}", text_anchor="end"))
-    for i in svg_plot.nice_ticks(0, steps - 1):
-        out.append(svg_plot.text(x_of(i), top + ph + 16, f"{i:g}", text_anchor="middle"))
-    out.append(svg_plot.text(left + pw / 2, height - 8, "step", text_anchor="middle"))
-    mid = top + ph / 2
-    out.append(svg_plot.text(16, mid, "loss (mean over ranks)", text_anchor="middle",
-                             transform=f"rotate(-90 16 {mid})"))
+    out, g = _loss_frame(svg_plot, series, title, legend_w, 300,
+                         svg_plot.metadata("train_moe_gpt:write_svg", series=series, title=title))
+    left, pw, top, x_of, y_of = g["left"], g["pw"], g["top"], g["x_of"], g["y_of"]
+    out += _axis_titles(svg_plot, g, g["height"] - 8)
     # A colour and a dash per (EP size, variant), so that curves drawn over each other stay apart;
     # allgather wide and pale, alltoall narrow over it (one narrow line inside a wide one: equal).
     colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
@@ -665,39 +681,15 @@ def write_fp8_svg(path: str, series: dict, title: str, last: int = LAST_STEPS) -
         if n % 2:
             base = tail(series[names[n - 1]])
             entries[name] += f" ({tail(series[name]) - base:+.4f}, {100 * (tail(series[name]) - base) / base:+.2f}%)"
-    left, pw, ph, bottom = 60, 480, 300, 45
     marker = f"from here: the last {counted} steps"
-    width = left + pw + 12 + 34 + max(svg_plot.text_width(e) for e in [*entries.values(), marker]) + 10
-    titles = svg_plot.wrap(title, width - 20, 14)
-    top = 34 + 18 * (len(titles) - 1)
-    height = top + max(ph, 18 * (len(names) + 2) + 8) + bottom
-    values = [v for ys in series.values() for v in ys]
-    pad = (max(values) - min(values)) * 0.03 or 0.5
-    lo, hi = min(values) - pad, max(values) + pad
-    steps = max(len(ys) for ys in series.values())
-
-    def x_of(i: float) -> float:
-        return left + pw * i / max(1, steps - 1)
-
-    def y_of(v: float) -> float:
-        return top + ph * (hi - v) / (hi - lo)
-
-    out = [*svg_plot.header(width, height),
-           svg_plot.metadata("train_moe_gpt:write_fp8_svg", series=series, title=title, last=last)]
-    out += [svg_plot.text(10, 20 + 18 * n, line, font_size=14) for n, line in enumerate(titles)]
-    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
-    for v in svg_plot.nice_ticks(lo, hi):
-        out.append(f'<line x1="{left}" y1="{y_of(v):.1f}" x2="{left + pw}" y2="{y_of(v):.1f}" stroke="#eee"/>'
-                   + svg_plot.text(left - 6, y_of(v) + 4, f"{v:g}", text_anchor="end"))
-    for i in svg_plot.nice_ticks(0, steps - 1):
-        out.append(svg_plot.text(x_of(i), top + ph + 16, f"{i:g}", text_anchor="middle"))
-    first = x_of(max(0, steps - last))  # where the averaged steps start
+    legend_w = 12 + 34 + max(svg_plot.text_width(e) for e in [*entries.values(), marker]) + 10
+    out, g = _loss_frame(svg_plot, series, title, legend_w, max(300, 18 * (len(names) + 2) + 8),
+                         svg_plot.metadata("train_moe_gpt:write_fp8_svg", series=series, title=title, last=last))
+    left, pw, ph, top, x_of, y_of = g["left"], g["pw"], g["ph"], g["top"], g["x_of"], g["y_of"]
+    first = x_of(max(0, g["steps"] - last))  # where the averaged steps start
     out.append(f'<line x1="{first:.1f}" y1="{top}" x2="{first:.1f}" y2="{top + ph}" stroke="#aaa" '
                'stroke-dasharray="2,3"/>')
-    out.append(svg_plot.text(left + pw / 2, top + ph + 36, "step", text_anchor="middle"))
-    mid = top + ph / 2
-    out.append(svg_plot.text(16, mid, "loss (mean over ranks)", text_anchor="middle",
-                             transform=f"rotate(-90 16 {mid})"))
+    out += _axis_titles(svg_plot, g, top + ph + 36)
     colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
     styles = ['stroke-width="3.5" stroke-opacity="0.45"', 'stroke-width="1.5" stroke-dasharray="6,3"']
     lx = left + pw + 12

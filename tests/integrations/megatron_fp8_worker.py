@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from .megatron_worker import DTYPES, KINDS, H, _build, _config, _pg, _setup
+from .megatron_worker import DTYPES, KINDS, H, _build, _config, _pg, _setup, outcome
 
 G, B = 64, 2
 FP8 = "e4m3"
@@ -76,14 +76,6 @@ def _ours_step(megatron_layer, group, x: torch.Tensor, dy: torch.Tensor) -> dict
     return dict(out=out.detach().clone(), gx=xi.grad.clone(), experts=experts)
 
 
-def _outcome(fn) -> tuple[str, str]:
-    try:
-        fn()
-        return ("ok", "")
-    except ValueError as exc:
-        return ("ValueError", str(exc))
-
-
 def _errors(rank: int, pg2, pg1) -> dict:
     """install()'s refusals; rank 0 alone tries a bad value on the EP-2 layer first (the other rank
     waits in a barrier): an error raised after a collective would hang there instead."""
@@ -93,26 +85,26 @@ def _errors(rank: int, pg2, pg1) -> dict:
     out = {}
     layer2 = _megatron("alltoall", dtype, 2, pg2)
     if rank == 0:
-        out["rank0_alone"] = _outcome(lambda: install(layer2, fp8="e5m2"))
+        out["rank0_alone"] = outcome(lambda: install(layer2, fp8="e5m2"))
     dist.barrier()
     layer = _megatron("alltoall", dtype, 1, pg1)
     for value in BAD_VALUES:
-        out[("value", value)] = _outcome(lambda value=value: install(layer, fp8=value))
-    out["row_stable_gemms"] = _outcome(lambda: install(layer, row_stable_gemms=False, fp8=FP8))
-    out["sync_free"] = _outcome(lambda: install(layer2, sync_free=True, fp8=FP8))  # EP 2: as without FP8
-    out["ffn"] = _outcome(lambda: install(SimpleNamespace(config=_config("alltoall", dtype, 1, moe_ffn_hidden_size=24,
+        out[("value", value)] = outcome(lambda value=value: install(layer, fp8=value))
+    out["row_stable_gemms"] = outcome(lambda: install(layer, row_stable_gemms=False, fp8=FP8))
+    out["sync_free"] = outcome(lambda: install(layer2, sync_free=True, fp8=FP8))  # EP 2: as without FP8
+    out["ffn"] = outcome(lambda: install(SimpleNamespace(config=_config("alltoall", dtype, 1, moe_ffn_hidden_size=24,
                                                                          ffn_hidden_size=24)), fp8=FP8))
-    out["hidden"] = _outcome(lambda: install(SimpleNamespace(config=_config("alltoall", dtype, 1, hidden_size=40)),
+    out["hidden"] = outcome(lambda: install(SimpleNamespace(config=_config("alltoall", dtype, 1, hidden_size=40)),
                                              fp8=FP8))
     graphs = _megatron("alltoall", dtype, 1, pg1)
     graphs.config.cuda_graph_impl, graphs.config.cuda_graph_scope = "local", "moe"  # the whole MoE layer
-    out["cuda_graphs"] = _outcome(lambda: install(graphs, fp8=FP8))  # EP 1: sync-free, so it may capture
+    out["cuda_graphs"] = outcome(lambda: install(graphs, fp8=FP8))  # EP 1: sync-free, so it may capture
     out["cuda_graphs_sync_free"] = graphs.token_dispatcher.config.sync_free
     te = _megatron("alltoall", dtype, 1, pg1)
     te.config.fp8 = "hybrid"  # Megatron's TE FP8 (--fp8-format hybrid), set after the config's checks
-    out["te_fp8"] = _outcome(lambda: install(te))
-    out["te_fp8_and_ours"] = _outcome(lambda: install(te, fp8=FP8))
-    out["none_after_fp8"] = _outcome(lambda: install(layer, fp8=None))  # fp8=None: no FP8 checks
+    out["te_fp8"] = outcome(lambda: install(te))
+    out["te_fp8_and_ours"] = outcome(lambda: install(te, fp8=FP8))
+    out["none_after_fp8"] = outcome(lambda: install(layer, fp8=None))  # fp8=None: no FP8 checks
     return out
 
 

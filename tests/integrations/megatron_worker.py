@@ -192,13 +192,6 @@ def _spec_fp8_cases(rank: int, pg2, pg1) -> dict:
                                           spec_fp8=layer.token_dispatcher.config.fp8, spec_class=type(layer).__name__,
                                           default_fp8=_default_spec_fp8(cfg, pg2))
 
-    def outcome(fn) -> tuple:
-        try:
-            fn()
-            return ("ok", "")
-        except ValueError as exc:
-            return ("ValueError", str(exc))
-
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     cfg1 = _config("alltoall", torch.bfloat16, 1)
@@ -215,6 +208,15 @@ def _spec_fp8_cases(rank: int, pg2, pg1) -> dict:
             pg_collection=pg1, fp8="e4m3")),
     }
     return records
+
+
+def outcome(fn) -> tuple[str, str]:
+    """("ok", "") if fn() returns, ("ValueError", its message) if it raises one (others propagate)."""
+    try:
+        fn()
+        return ("ok", "")
+    except ValueError as exc:
+        return ("ValueError", str(exc))
 
 
 def _default_spec_fp8(cfg, pg):
@@ -277,13 +279,6 @@ def _extra_cases(rank: int, pg2, world, singles) -> dict:
         rec["ours"] = _step(layer, x[mine], dy[mine])
         rec["same"] = _step(layer, x[:128], dy[:128])
         out[name] = rec
-
-    def outcome(fn) -> tuple:
-        try:
-            fn()
-            return ("ok", "")
-        except ValueError as exc:
-            return ("ValueError", str(exc))
 
     base = _config("alltoall", torch.bfloat16, 2)
     flex = SimpleNamespace(config=_config("alltoall", torch.bfloat16, 2, moe_token_dispatcher_type="flex"))
