@@ -64,15 +64,20 @@ class GroupTable(Generic[V]):
     def __init__(self, name: str) -> None:
         self.name = name
         self._groups: "weakref.WeakKeyDictionary[Any, dict[Hashable, V]]" = weakref.WeakKeyDictionary()
-        self._no_group: dict[Hashable, V] = {}  # torch.distributed not initialised: one process
+        # Keys that take no weak reference, held strongly: None (torch.distributed not initialised,
+        # one process) and the int torch's new_group returns to a rank outside the group.
+        self._plain: dict[Any, dict[Hashable, V]] = {}
 
     def _entries(self, group: ProcessGroup, create: bool) -> Optional[dict[Hashable, V]]:
         key = group_key(group)
-        if key is None:
-            return self._no_group
-        entries = self._groups.get(key)
+        try:
+            weakref.ref(key)
+            table = self._groups
+        except TypeError:
+            table = self._plain
+        entries = table.get(key)
         if entries is None and create:
-            entries = self._groups[key] = {}
+            entries = table[key] = {}
         return entries
 
     def get(self, group: ProcessGroup, sub: Hashable = None) -> Optional[V]:
@@ -95,13 +100,11 @@ class GroupTable(Generic[V]):
         return None if entries is None else entries.pop(sub, None)
 
     def values(self) -> Iterator[V]:
-        found = list(self._no_group.values())
-        for entries in list(self._groups.values()):
-            found += entries.values()
-        return iter(found)
+        tables = [*self._plain.values(), *list(self._groups.values())]
+        return iter([value for entries in tables for value in entries.values()])
 
     def __repr__(self) -> str:
-        count = len(self._no_group) + sum(len(e) for e in list(self._groups.values()))
+        count = sum(len(e) for e in [*self._plain.values(), *list(self._groups.values())])
         return f"GroupTable({self.name!r}, {count} entries)"
 
 

@@ -46,6 +46,8 @@ def test_group_table_keys_none_and_a_second_key():
     assert table.get(None, "b") == 5 and table.get(None) == 3
     assert sorted(table.values()) == [3, 5]
     assert table.pop(None, "b") == 5 and table.pop(None, "b") is None
+    table.set(-100, 7)  # the int new_group returns outside the group takes no weak reference
+    assert table.get(-100) == 7 and sorted(table.values()) == [3, 7]
 
 
 def test_a_groups_entries_die_with_the_group():
