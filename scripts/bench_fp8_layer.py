@@ -15,6 +15,8 @@ Prints three tables:
    row scales inside the kernel, and the bf16 output gradients), rows split over the experts at random and
    with one expert holding half of them, against its byte floor (x read once, qt and the scales
    written once), and a sweep of its LAUNCH settings (none changes a value).
+   Then every quantisation of one FP8 step at its byte floor (``--floor-only TB_PER_S`` prints
+   only this table, from the shapes, without a GPU).
 3. Where the FP8 step's time goes: torch.profiler's CUDA time per kernel, by category (the GEMMs,
    zero fills, quantisation, permute/combine, the rest), so the non-GEMM time is itemised, then
    the operators that launched the most GPU time, with their input shapes.
@@ -141,6 +143,46 @@ def bench_group_columns(args, bandwidth: float) -> None:
         KT.LAUNCH.update(saved)
 
 
+def quantisation_floor(T: int, H: int, ffn: int, E: int, K: int) -> list[tuple[str, int]]:
+    """(what, bytes) of each quantisation in one FP8 step of the layer (gelu: fc1 is [E, H, ffn]),
+    at the least: its input read once, the float8 values and the fp32 scales written once. The
+    weights are quantised twice per call (per output column for the forward, along the other axis
+    for dgrad); the weight gradient's operands per (expert, column)."""
+    N = T * K
+
+    def rows(n: int, cols: int, in_bytes: int) -> int:  # n rows in, float8 out, a scale per row
+        return n * cols * (in_bytes + 1) + 4 * n
+
+    weight = E * H * ffn
+    return [
+        ("tokens, before the dispatch", rows(T, H, 2)),
+        ("fc1 weight, forward (per output column)", 3 * weight + 4 * E * ffn),
+        ("fc2 weight, forward", 3 * weight + 4 * E * H),
+        ("the activation rows (fc2's input)", rows(N, ffn, 2)),
+        ("fc2's output gradient rows (dgrad)", rows(N, H, 2)),
+        ("fc2 weight, dgrad (the other axis)", 3 * weight + 4 * E * ffn),
+        ("fc1's output gradient rows", rows(N, ffn, 2)),
+        ("fc1 weight, dgrad", 3 * weight + 4 * E * H),
+        ("wgrad fc1 x (the saved float8 rows and their scales)", N * H * 2 + 4 * N + 4 * E * H),
+        ("wgrad fc1 dy", N * ffn * 3 + 4 * E * ffn),
+        ("wgrad fc2 x (the saved float8 activation rows)", N * ffn * 2 + 4 * N + 4 * E * ffn),
+        ("wgrad fc2 dy", N * H * 3 + 4 * E * H),
+    ]
+
+
+def print_quantisation_floor(args, bandwidth: float) -> None:
+    """The table of ``quantisation_floor`` at ``bandwidth`` bytes/s (read + write)."""
+    parts = quantisation_floor(args.tokens, args.hidden, args.ffn, args.experts, args.topk)
+    print(f"\n## The FP8 step's quantisations at their byte floor ({bandwidth / 1e12:.2f} TB/s, read + write)\n")
+    print("| quantisation | MB moved | floor ms |\n|---|---|---|")
+    for what, moved in parts:
+        print(f"| {what} | {moved / 1e6:.1f} | {moved / bandwidth * 1e3:.4f} |")
+    total = sum(moved for _, moved in parts)
+    weights = sum(moved for what, moved in parts if "weight" in what)
+    print(f"| **all** (the weights' four: {weights / bandwidth * 1e3:.4f} ms) | {total / 1e6:.1f} | "
+          f"**{total / bandwidth * 1e3:.4f}** |")
+
+
 def category(name: str) -> str:
     for label, pattern in CATEGORIES:
         if re.search(pattern, name, re.IGNORECASE):
@@ -155,7 +197,12 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--topk", type=int, default=6)
+    parser.add_argument("--floor-only", type=float, metavar="TB_PER_S", default=None,
+                        help="print only the quantisations' byte-floor table at this copy bandwidth (no GPU)")
     args = parser.parse_args()
+    if args.floor_only is not None:
+        print_quantisation_floor(args, args.floor_only * 1e12)
+        return
     T, H = args.tokens, args.hidden
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -204,6 +251,7 @@ def main() -> None:
         floor = moved / bandwidth * 1e3
         print(f"| {rows} x {H} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} |")
     bench_group_columns(args, bandwidth)
+    print_quantisation_floor(args, bandwidth)
 
     print("\n## Where the FP8 step's CUDA time goes (torch.profiler, 5 steps, per step)\n")
     step = steps["e4m3"]
