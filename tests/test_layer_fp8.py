@@ -83,6 +83,23 @@ def test_ep1_both_dispatchers_and_batch_composition_bitwise():
     assert gx.abs().sum() > 0
 
 
+def test_hidden_16_where_a_wire_row_is_as_wide_as_a_token():
+    """H = 16, the least the FP8 rows allow: a wire row is (16 + 16) / 2 = 16 elements, as wide as a
+    token's row, so the dispatch must be told that its rows are the wire's (it once inferred it from
+    the widths, and every FP8 step at H = 16 raised)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 16, generator=gen).to(torch.bfloat16)
+    upstream = torch.randn(12, 16, generator=gen).to(torch.bfloat16)
+    kw = dict(hidden_size=16, num_experts=4, topk=2, ffn_hidden_size=16, params_dtype=torch.bfloat16, fp8="e4m3")
+    assert wire_width(16) == 16
+    a, b = (_layer_run(MoEConfig(dispatcher=kind, **kw), x, upstream) for kind in ("alltoall", "allgather"))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[1].abs().sum() > 0
+    assert torch.equal(a[2].experts.weight1.grad, b[2].experts.weight1.grad)
+    keep = torch.tensor([0, 3, 7])
+    out, gx, _ = _layer_run(MoEConfig(dispatcher="alltoall", **kw), x[keep], upstream[keep])
+    assert torch.equal(out, a[0][keep]) and torch.equal(gx, a[1][keep])
+
+
 def test_ep2_and_ep4_bitwise_to_ep1():
     x, upstream = global_data()
     ref = run_layer(fp8_config("alltoall"), None, 0, range(T_GLOBAL))

@@ -101,7 +101,7 @@ class DroplessPlan(Plan):
                           send_probs_grad=self.config.probs_in_experts and self.layout.probs_grad,
                           zero_fill=expert_map.has_pad_rows)
         rows, row_probs, sink = Expand.apply(sent.x, probs_in, sent.recv.hidden, sent.recv.probs, path, expert_map,
-                                       self.config.probs_in_experts, anchor)
+                                       self.config.probs_in_experts, self.config.fp8 is not None, anchor)
         offsets = torch.cumsum(expert_map.padded_expert_rows, 0).to(torch.int32)
         owner_map = expert_map if self.owner_map is None else self.owner_map
         return rows, DispatchHandle(plan=self, expert_map=expert_map, owner_map=owner_map, probs=sent.probs,

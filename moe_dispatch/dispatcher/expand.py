@@ -68,21 +68,22 @@ class Expand(torch.autograd.Function):
     received tensors recv_x [R, H] and recv_probs [R, E] (detached, views of the exchange's
     buffer) carry the values; expert_map: the receiver's RowIdMap; probs_in_experts: the experts
     multiply by the returned row probs [N] (else they are returned non-differentiable, for
-    inspection); anchor: a leaf that makes the output require grad, or None (the plans' anchors).
-    Returns (rows [N, H], row_probs [N], None).
+    inspection); fp8_wire: recv_x holds FP8 wire rows (config.fp8; said, never inferred from the
+    widths, which are equal at H = 16); anchor: a leaf that makes the output require grad, or None
+    (the plans' anchors). Returns (rows [N, H], row_probs [N], None).
 
-    FP8 wire rows (recv_x [R, W], W != H: quantised bytes, fp8_wire.py): rows [N, W] carry no
-    gradient; the third output, sink [N, H] zeros in x's dtype, does: its gradient is the rows'."""
+    FP8 wire rows (recv_x [R, W]: quantised bytes, fp8_wire.py): rows [N, W] carry no gradient;
+    the third output, sink [N, H] zeros in x's dtype, does: its gradient is the rows'."""
 
     @staticmethod
     def forward(ctx, x, probs, recv_x, recv_probs, path: ReturnPath, expert_map: RowIdMap,
-                probs_in_experts: bool, anchor):
+                probs_in_experts: bool, fp8_wire: bool, anchor):
         rows, row_probs = permute_rows(recv_x, expert_map.slots, recv_probs, expert_map.num_out_tokens,
                                        path.zero_fill)
         ctx.path, ctx.expert_map, ctx.x_shape, ctx.probs_dtype = path, expert_map, x.shape, recv_probs.dtype
         if not probs_in_experts:
             ctx.mark_non_differentiable(row_probs)
-        ctx.wire = recv_x.shape[1] != x.shape[1]
+        ctx.wire = fp8_wire
         ctx.x_dtype, ctx.x_device = x.dtype, x.device
         if not ctx.wire:
             return rows, row_probs, None
@@ -110,4 +111,4 @@ class Expand(torch.autograd.Function):
             grad_x = unpermute(rows, owner_map, None).view(ctx.x_shape)
         if owner_probs is not None and ctx.needs_input_grad[1]:
             grad_probs = pairs_to_dense(owner_probs, owner_map)
-        return grad_x, grad_probs, None, None, None, None, None, None
+        return grad_x, grad_probs, None, None, None, None, None, None, None

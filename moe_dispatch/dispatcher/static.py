@@ -186,7 +186,8 @@ class StaticPlan(Plan):
         path = ReturnPath(send=send, owner_map=self.owner_map if send is not None else None,
                           send_probs_grad=self.config.probs_in_experts, zero_fill=True)
         rows, row_probs, sink = Expand.apply(sent.x, probs_in, sent.recv.hidden, sent.recv.probs, path, expert_map,
-                                       self.config.probs_in_experts, grad_anchor(route is not None, sent.x, probs_in))
+                                       self.config.probs_in_experts, self.config.fp8 is not None,
+                                       grad_anchor(route is not None, sent.x, probs_in))
         offsets = torch.cumsum(expert_map.padded_expert_rows, 0).to(torch.int32)  # cut to N (static_exchange)
         owner_map = expert_map if self.owner_map is None else self.owner_map
         return rows, DispatchHandle(plan=self, expert_map=expert_map, owner_map=owner_map, probs=sent.probs,
