@@ -48,7 +48,8 @@ def end_spawned_rank() -> NoReturn:
     """Exit a spawned rank whose work succeeded and whose process group is destroyed, skipping
     interpreter finalization: there gloo's C++ threads can still abort the process (SIGABRT,
     "terminate called without an active exception") after a passing run, which spawn would
-    report as a failed rank."""
+    report as a failed rank. Torch does so when a destroyed group's object is still alive at exit
+    (a layer's ``ep_group``, a result the rank keeps); registry's tables hold theirs weakly."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
