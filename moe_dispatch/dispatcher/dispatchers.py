@@ -8,7 +8,7 @@ import torch
 
 from ..config import DispatchConfig, MoEConfig, as_dispatch_config
 from ..distributed.agreement import GROUP_LATCHES, InputProblem, agree_config
-from ..distributed.comm import ProcessGroup, group_size_rank
+from ..distributed.comm import ProcessGroup, WeakGroup, group_size_rank
 from ..distributed.identity import StepCounter, new_layer_id
 from . import functional, static
 from .handle import DispatchHandle
@@ -28,7 +28,7 @@ class _Dispatcher:
         The dispatcher takes the next layer id of its EP group (``identity``: construction order;
         every rank must build its dispatchers on the group in the same order)."""
         self.config: DispatchConfig = as_dispatch_config(config, self.kind or None)
-        self.ep_group = ep_group
+        self._ep_group = WeakGroup(ep_group)  # a layer kept to the end of a script keeps no destroyed group alive
         # Errors found after a size exchange wait here for the group's next one (shared with
         # every dispatcher on the group: see agreement.GroupLatches).
         self.latch = GROUP_LATCHES.of(ep_group)
@@ -52,6 +52,11 @@ class _Dispatcher:
         new = type(self)(self.config, self.ep_group)
         memo[id(self)] = new
         return new
+
+    @property
+    def ep_group(self) -> ProcessGroup:
+        """The expert-parallel group (None: the default group, or one process)."""
+        return self._ep_group()
 
     @property
     def agreed(self) -> bool:

@@ -7,6 +7,7 @@ buffer and waits on the current stream once (the step's one host synchronisation
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -20,6 +21,34 @@ def group_key(group: ProcessGroup) -> Any:
     if group is None and dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
     return group
+
+
+class WeakGroup:
+    """A process group (or None) held weakly by an object that lives as long as a user's model;
+    calling it gives the group. Torch keeps every live group in its own registry until
+    ``destroy_process_group``, so a weak reference loses nothing while the group can be used; a
+    strong one would keep a destroyed group alive to interpreter exit, where gloo's threads abort
+    the process ("terminate called without an active exception") after the user's code finished."""
+
+    __slots__ = ("_ref", "_plain")
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self._ref: Optional[weakref.ref] = None
+        self._plain: Any = group
+        if group is not None:
+            try:
+                self._ref, self._plain = weakref.ref(group), None
+            except TypeError:  # the int new_group returns to a rank outside the group: nothing to keep alive
+                pass
+
+    def __call__(self) -> ProcessGroup:
+        if self._ref is None:
+            return self._plain
+        group = self._ref()
+        if group is None:
+            raise ValueError("ep_group is not a live process group (destroyed with destroy_process_group?): "
+                             "build the layer again on a live group")
+        return group
 
 
 def group_size_rank(group: ProcessGroup, name: str = "ep_group") -> tuple[int, int]:

@@ -33,7 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..experts import LocalExperts
 from ..numerics.fixed_order import tree_sum
 from ..router import TopKRouter
-from .comm import all_gather_rows
+from .comm import WeakGroup, all_gather_rows
 
 
 def _power_of_two(n: int) -> bool:
@@ -101,7 +101,7 @@ class GradientTree:
         distributed = dist.is_available() and dist.is_initialized()
         if group is not None and not distributed:
             raise ValueError("group given, but torch.distributed is not initialised")
-        self.group = (group or dist.group.WORLD) if distributed else None
+        self._group = WeakGroup((group or dist.group.WORLD) if distributed else None)  # as the layers hold theirs
         self.world = dist.get_world_size(self.group) if distributed else 1
         self.rank = dist.get_rank(self.group) if distributed else 0
         if self.rank < 0:
@@ -138,7 +138,13 @@ class GradientTree:
         self._reduced = False
         self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()  # the .grad tensors reduce() wrote
 
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        """The data-parallel group the tree reduces over (None: one process)."""
+        return self._group()
+
     # ---- checks (local, alike on every rank: before any collective) ----------------------------
+
     def _check_router(self, name: str, router: TopKRouter) -> None:
         cfg = router.config
         if cfg.load_balancing_type == "global_aux_loss" and cfg.aux_loss_coeff > 0:

@@ -48,8 +48,9 @@ def end_spawned_rank() -> NoReturn:
     """Exit a spawned rank whose work succeeded and whose process group is destroyed, skipping
     interpreter finalization: there gloo's C++ threads can still abort the process (SIGABRT,
     "terminate called without an active exception") after a passing run, which spawn would
-    report as a failed rank. Torch does so when a destroyed group's object is still alive at exit
-    (a layer's ``ep_group``, a result the rank keeps); registry's tables hold theirs weakly."""
+    report as a failed rank. Torch does so when a destroyed group's object is still alive at exit;
+    the package's own objects hold their groups weakly (comm.WeakGroup, registry's tables), but a
+    rank's code may keep one."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

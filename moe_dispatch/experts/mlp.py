@@ -45,6 +45,7 @@ from torch import nn
 
 from ..checkpoint import register_sharded
 from ..config import FP8_FORMATS
+from ..distributed.comm import WeakGroup
 from .activations import activate, scale_rows
 from .fp8 import fp8_mlp
 from .gemm import GemmStrategy, SourceBlocks, expert_gemm, select_gemm
@@ -94,7 +95,10 @@ class LocalExperts(nn.Module):
         self.local_expert_offset = local_expert_offset
         self.row_stable = row_stable
         self.row_tile = row_tile
-        self.ep_group = _sharding_group(ep_group, config.num_experts, num_local_experts, local_expert_offset)
+        # held weakly (distributed.comm.WeakGroup): a model kept to the end of a script must not keep
+        # a destroyed group alive
+        self._ep_group = WeakGroup(_sharding_group(ep_group, config.num_experts, num_local_experts,
+                                                   local_expert_offset))
         self._ep_mesh: Any = None  # the DeviceMesh of ep_group, built at the first state_dict()
         # Per-source weight gradients (`moe_dispatch.parallel.GradientTree` sets it): a forward given
         # source_blocks appends, at its backward, each weight's [E_local, P, ...] gradient here
@@ -110,7 +114,7 @@ class LocalExperts(nn.Module):
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "LocalExperts":
         # The copy holds the same experts on the same group: share the group and its mesh.
-        for shared in (self.ep_group, self._ep_mesh):
+        for shared in (self._ep_group, self._ep_mesh):
             if shared is not None:
                 memo[id(shared)] = shared
         new = self.__class__.__new__(self.__class__)
@@ -121,6 +125,11 @@ class LocalExperts(nn.Module):
         if new.ep_group is not None:
             register_sharded(new)
         return new
+
+    @property
+    def ep_group(self) -> Optional[dist.ProcessGroup]:
+        """The group the experts are sharded over (EP size > 1), else None."""
+        return self._ep_group()
 
     @property
     def global_expert_ids(self) -> range:

@@ -80,10 +80,16 @@ class MegatronTokenDispatcher:
         """dispatcher: ours (``build_dispatcher``), on the layer's EP group."""
         self.dispatcher = dispatcher
         self.config = dispatcher.config
-        self.ep_group, self.ep_size, self.ep_rank = dispatcher.ep_group, dispatcher.ep_size, dispatcher.ep_rank
+        self.ep_size, self.ep_rank = dispatcher.ep_size, dispatcher.ep_rank
         self.num_local_experts = dispatcher.num_local_experts
         self.local_expert_indices = list(dispatcher.local_expert_indices)
         self._step: _Step = None
+
+    @property
+    def ep_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """The dispatcher's EP group (held weakly there: a model kept to the end of a script keeps
+        no destroyed group alive)."""
+        return self.dispatcher.ep_group
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
                             probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
