@@ -30,9 +30,11 @@ class WeakGroup:
     strong one would keep a destroyed group alive to interpreter exit, where gloo's threads abort
     the process ("terminate called without an active exception") after the user's code finished."""
 
-    __slots__ = ("_ref", "_plain")
+    __slots__ = ("_ref", "_plain", "name")
 
-    def __init__(self, group: ProcessGroup) -> None:
+    def __init__(self, group: ProcessGroup, name: str = "ep_group") -> None:
+        """name: the argument the group came from, for the error once it is destroyed."""
+        self.name = name
         self._ref: Optional[weakref.ref] = None
         self._plain: Any = group
         if group is not None:
@@ -46,8 +48,8 @@ class WeakGroup:
             return self._plain
         group = self._ref()
         if group is None:
-            raise ValueError("ep_group is not a live process group (destroyed with destroy_process_group?): "
-                             "build the layer again on a live group")
+            raise ValueError(f"{self.name} is not a live process group (destroyed with destroy_process_group?): "
+                             f"build the layer again on a live group")
         return group
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import MoEConfig
 from ..distributed.agreement import agree_settings
-from ..distributed.comm import group_size_rank
+from ..distributed.comm import WeakGroup, group_size_rank
 from .capacity import apply_capacity
 from .gating import gating_linear
 from .losses import (
@@ -82,8 +82,8 @@ class TopKRouter(nn.Module):
         # global ranks of the EP group (ints, not the group: a deepcopy must not pickle it); () at EP 1
         ep_size = group_size_rank(ep_group)[0]
         self.ep_ranks = tuple(torch.distributed.get_process_group_ranks(ep_group)) if ep_size > 1 else ()
-        self.loss_group = loss_group
-        self.global_loss_group = global_loss_group
+        self._loss_group = WeakGroup(loss_group, "loss_group")  # weakly, as the layer's ep_group
+        self._global_loss_group = WeakGroup(global_loss_group, "global_loss_group")
         # the ranks of each loss group agree on the config before the first loss collective
         self._agreed = loss_group is None and global_loss_group is None
         self.check_finite = check_finite
@@ -107,6 +107,16 @@ class TopKRouter(nn.Module):
             self.ga_steps = None
         self.last_losses: Dict[str, torch.Tensor] = {}
         self.reset_parameters()
+
+    @property
+    def loss_group(self) -> Optional["torch.distributed.ProcessGroup"]:
+        """The group the aux loss's counts are summed over (None: this rank's tokens)."""
+        return self._loss_group()
+
+    @property
+    def global_loss_group(self) -> Optional["torch.distributed.ProcessGroup"]:
+        """The group of global_aux_loss's counts (None: this rank's tokens)."""
+        return self._global_loss_group()
 
     def reset_parameters(self) -> None:
         """Re-draw the weight from the config seed (identical on every rank and device)."""
