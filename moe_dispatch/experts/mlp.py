@@ -37,6 +37,7 @@ the two are different kernels and may differ in the last bits; they agree within
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -99,7 +100,9 @@ class LocalExperts(nn.Module):
         # a destroyed group alive
         self._ep_group = WeakGroup(_sharding_group(ep_group, config.num_experts, num_local_experts,
                                                    local_expert_offset))
-        self._ep_mesh: Any = None  # the DeviceMesh of ep_group, built at the first state_dict()
+        # a weak reference to the DeviceMesh of ep_group, built at a state_dict(): a mesh holds its
+        # group, so a strong one would keep the group alive as WeakGroup avoids
+        self._ep_mesh: Optional[weakref.ref] = None
         # Per-source weight gradients (`moe_dispatch.parallel.GradientTree` sets it): a forward given
         # source_blocks appends, at its backward, each weight's [E_local, P, ...] gradient here
         # instead of accumulating into .grad. None: off.
@@ -149,10 +152,12 @@ class LocalExperts(nn.Module):
 
         if self.ep_group is None:
             raise ValueError("global_shard: these experts are not sharded (no ep_group of more than one rank)")
-        if self._ep_mesh is None:
-            self._ep_mesh = DeviceMesh.from_group(self.ep_group, self.weight1.device.type)
-        shape = torch.Size((self.num_local_experts * self._ep_mesh.size(), *local.shape[1:]))
-        return DTensor.from_local(local, self._ep_mesh, [Shard(0)], run_check=False, shape=shape,
+        mesh = self._ep_mesh() if self._ep_mesh is not None else None  # alive while a shard of it is
+        if mesh is None:
+            mesh = DeviceMesh.from_group(self.ep_group, self.weight1.device.type)
+            self._ep_mesh = weakref.ref(mesh)
+        shape = torch.Size((self.num_local_experts * mesh.size(), *local.shape[1:]))
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
                                   stride=_contiguous_stride(shape))
 
     @torch.no_grad()

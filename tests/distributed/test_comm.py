@@ -39,6 +39,9 @@ dist.init_process_group("gloo")
 layer = MoELayer(MoEConfig(hidden_size=32, num_experts=4, topk=2, ffn_hidden_size=32), layer_index=0)
 x = torch.randn(6, 32, requires_grad=True)
 layer(x).sum().backward()  # EP 2: the experts are sharded over the default group
+state = layer.state_dict()  # DTensor shards on a DeviceMesh of the group, which holds the group
+assert type(state["experts.weight1"]).__name__ == "DTensor"
+del state
 world = weakref.ref(dist.group.WORLD)
 dist.destroy_process_group()
 gc.collect()
