@@ -23,6 +23,16 @@ def group_key(group: ProcessGroup) -> Any:
     return group
 
 
+def weakly_referable(obj: Any) -> bool:
+    """Whether ``obj`` takes a weak reference: a ProcessGroup does; None and the int new_group
+    returns to a rank outside the group do not."""
+    try:
+        weakref.ref(obj)
+    except TypeError:
+        return False
+    return True
+
+
 class WeakGroup:
     """A process group (or None) held weakly by an object that lives as long as a user's model;
     calling it gives the group. Torch keeps every live group in its own registry until
@@ -36,12 +46,9 @@ class WeakGroup:
         """name: the argument the group came from, for the error once it is destroyed."""
         self.name = name
         self._ref: Optional[weakref.ref] = None
-        self._plain: Any = group
-        if group is not None:
-            try:
-                self._ref, self._plain = weakref.ref(group), None
-            except TypeError:  # the int new_group returns to a rank outside the group: nothing to keep alive
-                pass
+        self._plain: Any = group  # None, or the int placeholder: nothing to keep alive
+        if weakly_referable(group):
+            self._ref, self._plain = weakref.ref(group), None
 
     def __call__(self) -> ProcessGroup:
         if self._ref is None:

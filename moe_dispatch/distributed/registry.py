@@ -42,7 +42,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Generic, Hashable, Iterator, Optional, TypeVar
 
-from .comm import ProcessGroup, group_key
+from .comm import ProcessGroup, group_key, weakly_referable
 
 if TYPE_CHECKING:
     from ..dispatcher.static import _Agreed
@@ -70,11 +70,7 @@ class GroupTable(Generic[V]):
 
     def _entries(self, group: ProcessGroup, create: bool) -> Optional[dict[Hashable, V]]:
         key = group_key(group)
-        try:
-            weakref.ref(key)
-            table = self._groups
-        except TypeError:
-            table = self._plain
+        table = self._groups if weakly_referable(key) else self._plain
         entries = table.get(key)
         if entries is None and create:
             entries = table[key] = {}
@@ -99,13 +95,15 @@ class GroupTable(Generic[V]):
         entries = self._entries(group, create=False)
         return None if entries is None else entries.pop(sub, None)
 
+    def _all_entries(self) -> list[dict[Hashable, V]]:
+        """Every group's entries (a snapshot: the weak table may lose a group meanwhile)."""
+        return [*self._plain.values(), *list(self._groups.values())]
+
     def values(self) -> Iterator[V]:
-        tables = [*self._plain.values(), *list(self._groups.values())]
-        return iter([value for entries in tables for value in entries.values()])
+        return iter([value for entries in self._all_entries() for value in entries.values()])
 
     def __repr__(self) -> str:
-        count = sum(len(e) for e in [*self._plain.values(), *list(self._groups.values())])
-        return f"GroupTable({self.name!r}, {count} entries)"
+        return f"GroupTable({self.name!r}, {sum(len(e) for e in self._all_entries())} entries)"
 
 
 LAYER_IDS: GroupTable[int] = GroupTable("layer ids")
