@@ -148,6 +148,10 @@ def group_cases(rank: int) -> dict:
     cfg = _layer_config()
     only_rank0 = dist.new_group([0])  # rank 1 gets a placeholder: not a member
     gone = dist.new_group([0, 1])
+    # new_group has no barrier (TORCH_DIST_INIT_BARRIER is off) and destroy shuts the group's gloo
+    # connections down at once: without this barrier rank 0 can close them while rank 1 is still
+    # connecting ("Gloo connectFullMesh failed ... Connection closed by peer").
+    dist.barrier(group=gone)
     dist.destroy_process_group(gone)
     data = batch(torch.float32, seed=rank, n=8)
     return {
