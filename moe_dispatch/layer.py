@@ -19,6 +19,7 @@ from .dispatcher import DispatchHandle, build_dispatcher, host_tokens_per_expert
 from .distributed.agreement import hidden_states_problem
 from .distributed.comm import group_key, group_size_rank
 from .experts import GroupedMLP, SequentialMLP, layer_seed
+from .experts.fp8_weights import Fp8ExpertWeights, fp8_weights_problem
 from .parallel import check_ddp, check_fsdp
 from .router import TopKRouter
 
@@ -75,7 +76,8 @@ class MoELayer(nn.Module):
                                            init_seed=seeded.init_seed + _SHARED_EXPERT_SEED_OFFSET)
             self.shared_expert = experts_cls(shared_config, 1, 0)
 
-    def _fp8_experts(self, expert_input: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, DispatchHandle]:
+    def _fp8_experts(self, expert_input: torch.Tensor, handle: DispatchHandle,
+                     fp8_weights: Optional[Fp8ExpertWeights]) -> tuple[torch.Tensor, DispatchHandle]:
         """The experts on the FP8 wire rows [N, W]: (expert_output [N, H], the handle for the combine).
         A sync-free plan's device counts and whole buffer (its trailing rows belong to no expert:
         the FP8 GEMMs lay out the weight gradient's padding on the device), else the host counts."""
@@ -83,7 +85,7 @@ class MoELayer(nn.Module):
         counts = handle.device_expert_rows if trailing else host_tokens_per_expert(handle)
         q, scales = unpack_rows(expert_input, self.config.hidden_size, self.config.fp8)
         out = self.experts(q, counts, handle.permuted_probs, offsets=handle.expert_offsets, row_scales=scales,
-                           row_grad_sink=handle.row_grad_sink, trailing_rows=trailing)
+                           row_grad_sink=handle.row_grad_sink, trailing_rows=trailing, fp8_weights=fp8_weights)
         return out, handle
 
     @property
@@ -91,8 +93,16 @@ class MoELayer(nn.Module):
         """Detached values of the losses the router attached in the last forward (for logging)."""
         return dict(self.router.last_losses)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [S, B, H] or [T, H] -> the same shape and dtype.
+    def quantize_fp8_weights(self) -> Fp8ExpertWeights:
+        """An FP8 layer's expert weights quantised once, for ``forward(x, fp8_weights=...)`` of every
+        micro-batch until the next optimizer step (bitwise the per-call quantisation's results;
+        `moe_dispatch.experts.fp8_weights` says when a handle is refused as stale)."""
+        return self.experts.quantize_fp8_weights()
+
+    def forward(self, hidden_states: torch.Tensor, *, fp8_weights: Optional[Fp8ExpertWeights] = None) -> torch.Tensor:
+        """hidden_states [S, B, H] or [T, H] -> the same shape and dtype. ``fp8_weights`` (an FP8
+        layer): this layer's ``quantize_fp8_weights()`` since the last optimizer step, or None to
+        quantise the expert weights in this call.
 
         Bad input (not a float tensor [T, H] / [S, B, H] with H = hidden_size on the layer's device
         type) raises the same ValueError on every EP rank: a rank that finds it locally routes no
@@ -115,12 +125,15 @@ class MoELayer(nn.Module):
         if not self.dispatcher.agreed:
             self.dispatcher.agree(device, [*self.config.field_values(), ("layer_index", self.layer_index)])
         problem = hidden_states_problem(hidden_states, self.config.hidden_size, device)
+        if problem is None and fp8_weights is not None:
+            problem = fp8_weights_problem(fp8_weights, self.experts)
         agreed = self.dispatcher.static_agreed_input() if problem is not None else None
         if agreed is not None:
             # Sync-free at EP > 1 after its first step: the peers are in no size exchange, so this rank
             # takes part with zeros of the agreed shape and a bad input; every rank's outputs are NaN
             # and every rank raises at the next poll (dispatcher/static.py).
             hidden_states = torch.zeros(agreed[0], dtype=agreed[1], device=device)
+            fp8_weights = None  # the problem may be this handle: the step runs on without it
         elif problem is not None:
             three_d = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3
             batch = tuple(hidden_states.shape[1:2]) if three_d else ()  # [S, B, H]: the same B
@@ -135,7 +148,7 @@ class MoELayer(nn.Module):
         expert_input, handle = self.dispatcher.dispatch_rows(None if agreed else tokens, routing_map, probs,
                                                              experts_need_grad=experts_grad)
         if self.config.fp8 is not None:
-            expert_output, handle = self._fp8_experts(expert_input, handle)
+            expert_output, handle = self._fp8_experts(expert_input, handle, fp8_weights)
         elif handle.trailing_rows:  # sync-free: device counts, read only by a GEMM path that needs them
             expert_output = self.experts(expert_input, handle.device_expert_rows, handle.permuted_probs,
                                          offsets=handle.expert_offsets, trailing_rows=True)

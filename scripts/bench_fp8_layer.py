@@ -7,6 +7,9 @@ Prints three tables:
    captured in a CUDA graph (``moe_dispatch.tools.capture.capture_step``, gradients reset each
    replay; the replay checked bitwise against the eager step), with the bitwise checks beside it:
    both dispatchers give the same output and input gradient, and so do 64 of its tokens alone.
+   Then FP8 with the expert weights quantised once (``layer.quantize_fp8_weights()``, as once per
+   optimizer step for its micro-batches), its output and input gradient checked bitwise against
+   the per-call FP8 step's, and the time of that quantisation alone.
 2. The row quantisation (``ops.quantize_rows``) of the layer's tokens against its byte floor: each
    input read once and each output written once, over the device-to-device copy bandwidth
    measured in the same run.
@@ -55,14 +58,17 @@ def median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-def captured(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, eager: tuple) -> tuple[float, bool]:
+def captured(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, eager: tuple,
+             once: bool = False) -> tuple[float, bool]:
     """(median ms of a CUDA-graph replay of the layer's forward + backward, whether the replay's
-    output and input gradient are bitwise ``eager``'s: the same config builds the same weights)."""
+    output and input gradient are bitwise ``eager``'s: the same config builds the same weights).
+    ``once``: the FP8 weights quantised before the capture, outside the graph."""
     layer = MoELayer(config, layer_index=0).to(DEVICE)
     xs = x.detach().clone().requires_grad_()
+    weights = layer.quantize_fp8_weights() if once else None
 
     def fwd_bwd() -> torch.Tensor:
-        out = layer(xs)
+        out = layer(xs, fp8_weights=weights)
         out.backward(upstream)
         return out
     graph, out = capture_step(layer, xs, fwd_bwd)
@@ -72,12 +78,14 @@ def captured(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, eager: 
     return median_ms(graph.replay), same
 
 
-def layer_step(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor):
+def layer_step(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, once: bool = False):
+    """(the layer, its forward + backward); ``once``: with the FP8 weights quantised once, here."""
     layer = MoELayer(config, layer_index=0).to(DEVICE)
+    weights = layer.quantize_fp8_weights() if once else None
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
         xi = x.detach().requires_grad_()
-        out = layer(xi)
+        out = layer(xi, fp8_weights=weights)
         out.backward(upstream)
         layer.zero_grad(set_to_none=True)
         return out.detach(), xi.grad
@@ -236,6 +244,16 @@ def main() -> None:
             err = f"{((out.float() - ref).norm(dim=1) / ref.norm(dim=1)).median().item():.3g}"
         print(f"| {'bf16' if fp8 is None else 'fp8 ' + fp8} | {ms:.3f} | {graph_ms:.3f} | {replay_same} | "
               f"{same_kind} | {same_alone} | {err} |", flush=True)
+    config = MoEConfig(fp8="e4m3", **base)
+    layer, step = layer_step(config, x, upstream, once=True)
+    ms = median_ms(step)
+    out_once, gx_once = step()
+    graph_ms, replay_same = captured(config, x, upstream, (out_once, gx_once), once=True)
+    same_per_call = torch.equal(out_once, out) and torch.equal(gx_once, gx)
+    print(f"| fp8 e4m3, weights quantised once | {ms:.3f} | {graph_ms:.3f} | {replay_same} | "
+          f"bitwise the per-call fp8 step: {same_per_call} | | |")
+    quantise_ms = median_ms(layer.quantize_fp8_weights)
+    print(f"\nlayer.quantize_fp8_weights() alone (both weights, forward and dgrad operands): {quantise_ms:.3f} ms")
 
     print("\n## Row quantisation (ops.quantize_rows), against its byte floor\n")
     src = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)

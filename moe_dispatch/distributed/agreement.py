@@ -78,6 +78,12 @@ def _call_mismatch(what: str, mine: int, other: int) -> str:
             f"(strict_call_order=True raises before they move)")
 
 
+# A caller's fp8_weights (moe_dispatch.experts.fp8_weights) that cannot serve the forward.
+FP8_WEIGHTS_NOT_FP8, FP8_WEIGHTS_NOT_A_HANDLE, FP8_WEIGHTS_OTHER_EXPERTS = 6, 7, 8
+FP8_WEIGHTS_STEPPED, FP8_WEIGHTS_CHANGED = 9, 10
+_QUANTISE_AGAIN = "quantise the weights again after each optimizer step (quantize_fp8_weights)"
+
+
 # code -> message(expected, got). Codes < 100 are a caller's InputProblem, >= 100 are latched.
 _PROBLEMS = {
     1: lambda e, g: "hidden_states must be a tensor",
@@ -86,6 +92,14 @@ _PROBLEMS = {
     4: lambda e, g: f"hidden_states must be float32, float16 or bfloat16, got {dtype_name(g)}",
     5: lambda e, g: f"hidden_states must be on the layer's device type ({_DEVICE_NAMES.get(e, e)}), got "
                     f"{_DEVICE_NAMES.get(g, g)}",
+    FP8_WEIGHTS_NOT_FP8: lambda e, g: "fp8_weights was given, but the layer is not FP8 (its config's fp8 is None)",
+    FP8_WEIGHTS_NOT_A_HANDLE: lambda e, g: "fp8_weights must be the Fp8ExpertWeights quantize_fp8_weights returns",
+    FP8_WEIGHTS_OTHER_EXPERTS: lambda e, g: ("fp8_weights was quantised from other experts' weights (another "
+                                             "layer's, a copy's, or parameters replaced since)"),
+    FP8_WEIGHTS_STEPPED: lambda e, g: (f"fp8_weights may be stale: {g - e} optimizer step(s) since it was quantised; "
+                                       f"{_QUANTISE_AGAIN}"),
+    FP8_WEIGHTS_CHANGED: lambda e, g: (f"fp8_weights is stale: weight{e} changed in place since it was quantised "
+                                       f"(copy_, load_state_dict); {_QUANTISE_AGAIN}"),
     100: lambda e, g: f"expert_output given to the previous combine on this group must have N = {e} rows "
                       f"(sum(tokens_per_expert)) of hidden size H, got {g if g >= 0 else 'no [rows, H] tensor'} "
                       f"(that step's outputs were NaN)",

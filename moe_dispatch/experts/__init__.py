@@ -2,11 +2,12 @@
 
 See `moe_dispatch.experts.mlp` for the guarantees, `gemm` for the GEMM strategies and their
 row-stability status, `activations` for why the CPU activations are hand-built, `fp8` for the
-FP8 expert GEMMs (row-wise scales).
+FP8 expert GEMMs (row-wise scales), `fp8_weights` for their weights quantised once per optimizer step.
 """
 
 from .activations import activate, scale_rows
-from .fp8 import fp8_expert_gemm, fp8_mlp
+from .fp8 import fp8_expert_gemm, fp8_mlp, quantize_weight
+from .fp8_weights import Fp8ExpertWeights, quantize_fp8_weights
 from .gemm import expert_gemm, grouped_mm_row_stable, grouped_mm_supported, select_gemm
 from .init import WEIGHT1, WEIGHT2, expert_seed, init_expert_weights, layer_seed
 from .mlp import GroupedMLP, LocalExperts, SequentialMLP
@@ -22,6 +23,9 @@ __all__ = [
     "expert_gemm",
     "fp8_expert_gemm",
     "fp8_mlp",
+    "quantize_weight",
+    "Fp8ExpertWeights",
+    "quantize_fp8_weights",
     "select_gemm",
     "grouped_mm_supported",
     "grouped_mm_row_stable",

@@ -4,7 +4,7 @@ Interface (the one public function)::
 
     fp8_expert_gemm(x, x_scales, w, tokens_per_expert, offsets=None,
                     fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, *, grad_sink=None,
-                    trailing_rows=False) -> out [N, M]
+                    trailing_rows=False, weight_operands=None) -> out [N, M]
 
 - ``x`` [N, K], rows expert-major (expert 0's rows, then expert 1's, ...), either
   * already quantised: ``fp8_dtype`` rows with ``x_scales`` [N] float32, value = ``x.float() * x_scales[:, None]``
@@ -20,6 +20,9 @@ Interface (the one public function)::
   ``trailing_rows`` (a sync-free dispatch's buffer): the counts may sum to n <= N; rows [n, N) belong
   to no expert, their outputs and gradients are unspecified on CUDA (zeros on the CPU) and they add
   nothing to w's gradient.
+- ``weight_operands``: w already quantised, ``quantize_weight(w, fp8_dtype)``'s four tensors, so that
+  several micro-batches between two optimizer steps quantise w once (its gradient still goes to w);
+  None: w is quantised at each call (the forward's operand) and each backward (the dgrad's).
 - ``fp8_dtype``: ``torch.float8_e4m3fn`` only (the one float8 ``torch._scaled_grouped_mm`` takes on sm90).
 - ``out_dtype``: bf16 (CUDA: the only output of the sm90 kernel); the CPU also takes fp16 and fp32.
 
@@ -104,6 +107,15 @@ def weight_operand(w: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[torch.Tenso
     return weight_operand(w.contiguous(), fp8_dtype)
 
 
+def quantize_weight(w: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [E, K, M] -> its operands in the two GEMMs that read it, the bits `fp8_expert_gemm` computes
+    per call: (forward q [E, M, K] fp8, its scales [E, M] fp32: per (expert, output column), over K;
+    dgrad q [E, K, M] fp8, its scales [E, K]: per (expert, k), over M)."""
+    w = w.detach()
+    return (*weight_operand(w.transpose(1, 2), fp8_dtype), *weight_operand(w, fp8_dtype))
+
+
 def wgrad_layout(row_ends: torch.Tensor, n_rows: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
     """The weight gradient's operand layout, computed on row_ends' device without a host read.
 
@@ -171,7 +183,7 @@ def _cuda_wgrad(xt: torch.Tensor, sx: torch.Tensor, dyt: torch.Tensor, sdy: torc
 class _Fp8ExpertGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, x_scales, w, grad_sink, tokens_per_expert, offsets, fp8_dtype, out_dtype,  # type: ignore[override]
-                trailing_rows):
+                trailing_rows, wq_forward, sw_forward, wq_dgrad, sw_dgrad):
         cuda = x.device.type == "cuda"
         counts = None if cuda else host_counts(tokens_per_expert, x.shape[0], trailing_rows)  # a CPU tensor
         # Where the rows' gradient goes: x itself (quantised here), or the sink of pre-quantised rows.
@@ -180,19 +192,21 @@ class _Fp8ExpertGemm(torch.autograd.Function):
         if x_scales is None:
             x, x_scales = quantize_rows(x, fp8_dtype)
         x = _dense(x)
-        wq, sw = weight_operand(w.detach().transpose(1, 2), fp8_dtype)  # [E, M, K]: per (e, m), over K
+        if wq_forward is None:
+            wq_forward, sw_forward = weight_operand(w.detach().transpose(1, 2), fp8_dtype)  # [E, M, K]: per (e, m)
+        wq, sw = wq_forward, sw_forward
         if cuda:
             out = _cuda_mm(x, x_scales, wq, sw, offsets)
         else:
             out = _twin_mm(x, x_scales, wq, sw, counts, out_dtype)
-        ctx.save_for_backward(x, x_scales, w, tokens_per_expert, offsets)
+        ctx.save_for_backward(x, x_scales, w, tokens_per_expert, offsets, wq_dgrad, sw_dgrad)
         ctx.args = (counts, fp8_dtype, out_dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         refuse_double_backward("fp8_expert_gemm")
-        x, x_scales, w, tokens_per_expert, offsets = ctx.saved_tensors
+        x, x_scales, w, tokens_per_expert, offsets, wq_dgrad, sw_dgrad = ctx.saved_tensors
         counts, fp8_dtype, out_dtype = ctx.args
         cuda = x.device.type == "cuda"
         grad = _dense(grad)
@@ -200,7 +214,10 @@ class _Fp8ExpertGemm(torch.autograd.Function):
         gx = gw = None
         if ctx.needs_input_grad[rows_index]:
             dyq, sdy = quantize_rows(grad, fp8_dtype)
-            wq, sw = weight_operand(w.detach(), fp8_dtype)  # [E, K, M]: per (e, k), over M
+            if wq_dgrad is None:
+                wq, sw = weight_operand(w.detach(), fp8_dtype)  # [E, K, M]: per (e, k), over M
+            else:
+                wq, sw = wq_dgrad, sw_dgrad
             if cuda:
                 gx = _cuda_mm(dyq, sdy, wq, sw, offsets)
             else:
@@ -217,9 +234,22 @@ class _Fp8ExpertGemm(torch.autograd.Function):
             else:
                 gw = _twin_wgrad(xt, sx, dyt, sdy, counts, padded_starts, out_dtype)
             gw = gw.to(w.dtype)
-        grads = [None] * 9
+        grads = [None] * 13
         grads[rows_index], grads[2] = gx, gw
         return tuple(grads)
+
+
+def _check_weight_operands(operands: Optional[Tuple[torch.Tensor, ...]], w: torch.Tensor,
+                           fp8_dtype: torch.dtype) -> None:
+    if operands is None:
+        return
+    e, k, m = w.shape
+    expected = [((e, m, k), fp8_dtype), ((e, m), torch.float32), ((e, k, m), fp8_dtype), ((e, k), torch.float32)]
+    got = [(tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t).__name__
+           for t in (operands if isinstance(operands, (tuple, list)) else ())]
+    if got != [(shape, dtype, w.device) for shape, dtype in expected] or any(q.stride(-1) != 1 for q in operands[::2]):
+        raise ValueError(f"weight_operands must be quantize_weight(w)'s four tensors on {w.device}: "
+                         f"{[(list(shape), dtype) for shape, dtype in expected]}, got {got or type(operands).__name__}")
 
 
 def _check(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.Tensor, tokens_per_expert: torch.Tensor,
@@ -266,34 +296,39 @@ def _check(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.Tensor, t
 def fp8_expert_gemm(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.Tensor,
                     tokens_per_expert: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                     fp8_dtype: torch.dtype = torch.float8_e4m3fn, out_dtype: torch.dtype = torch.bfloat16, *,
-                    grad_sink: Optional[torch.Tensor] = None, trailing_rows: bool = False) -> torch.Tensor:
+                    grad_sink: Optional[torch.Tensor] = None, trailing_rows: bool = False,
+                    weight_operands: Optional[Tuple[torch.Tensor, ...]] = None) -> torch.Tensor:
     """out [N, M] out_dtype: ``out[rows of e] = deq(x[rows of e]) @ deq(w[e])`` in FP8, differentiable
     (rows' gradient to x, or to ``grad_sink`` for pre-quantised x; w's to w). The module docstring
-    states the shapes, the scales, ``trailing_rows`` and the devices."""
+    states the shapes, the scales, ``trailing_rows``, ``weight_operands`` and the devices."""
     _check(x, x_scales, w, tokens_per_expert, offsets, fp8_dtype, out_dtype, grad_sink)
+    _check_weight_operands(weight_operands, w, fp8_dtype)
     if x.device.type == "cuda" and offsets is None:
         # A CPU tensor here is a pageable host-to-device copy per call: pass offsets to avoid it.
         offsets = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
     if x.device.type == "cpu":
         offsets = None  # the twin reads the host counts
     return _Fp8ExpertGemm.apply(x, x_scales, w, grad_sink, tokens_per_expert, offsets, fp8_dtype, out_dtype,
-                                trailing_rows)
+                                trailing_rows, *(weight_operands or (None,) * 4))
 
 
 def fp8_mlp(rows: torch.Tensor, row_scales: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             tokens_per_expert: torch.Tensor, offsets: Optional[torch.Tensor], fp8_dtype: torch.dtype,
             activation: str, probs: Optional[torch.Tensor], row_grad_sink: torch.Tensor,
-            trailing_rows: bool = False) -> torch.Tensor:
+            trailing_rows: bool = False, weight_operands: Optional[Tuple[Tuple[torch.Tensor, ...], ...]] = None
+            ) -> torch.Tensor:
     """The experts' MLP on the dispatch's FP8 rows: rows [N, H] fp8 with row_scales [N] fp32 ->
     [N, H] in row_grad_sink's dtype. fc1 (w1 [E, H, F]) on the rows as they are (their gradient to
     ``row_grad_sink`` [N, H]), the activation in that dtype, times ``probs`` [N] when given, then
     fc2 (w2 [E, F, H]) quantising its input per row. ``trailing_rows``: as `fp8_expert_gemm`'s (a
-    sync-free dispatch's device counts and buffer)."""
+    sync-free dispatch's device counts and buffer). ``weight_operands``: (``quantize_weight(w1)``,
+    ``quantize_weight(w2)``), or None to quantise them per call."""
     out_dtype = row_grad_sink.dtype
+    ops1, ops2 = weight_operands or (None, None)
     h = fp8_expert_gemm(rows, row_scales, w1, tokens_per_expert, offsets, fp8_dtype, out_dtype,
-                        grad_sink=row_grad_sink, trailing_rows=trailing_rows)
+                        grad_sink=row_grad_sink, trailing_rows=trailing_rows, weight_operands=ops1)
     act = activate(h, activation)
     if probs is not None:
         act = scale_rows(act, probs)
     return fp8_expert_gemm(act, None, w2, tokens_per_expert, offsets, fp8_dtype, out_dtype,
-                           trailing_rows=trailing_rows)
+                           trailing_rows=trailing_rows, weight_operands=ops2)

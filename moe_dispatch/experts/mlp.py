@@ -46,9 +46,11 @@ from torch import nn
 
 from ..checkpoint import register_sharded
 from ..config import FP8_FORMATS
+from ..distributed.agreement import FP8_WEIGHTS_NOT_FP8, problem_message
 from ..distributed.comm import WeakGroup
 from .activations import activate, scale_rows
 from .fp8 import fp8_mlp
+from .fp8_weights import Fp8ExpertWeights, fp8_weights_problem, quantize_fp8_weights
 from .gemm import GemmStrategy, SourceBlocks, expert_gemm, select_gemm
 from .init import WEIGHT1, WEIGHT2, init_expert_weights
 
@@ -193,6 +195,7 @@ class LocalExperts(nn.Module):
         source_blocks: Optional[SourceBlocks] = None,
         row_scales: Optional[torch.Tensor] = None,
         row_grad_sink: Optional[torch.Tensor] = None,
+        fp8_weights: Optional[Fp8ExpertWeights] = None,
     ) -> torch.Tensor:
         """permuted_tokens [N, H] (expert-major rows), tokens_per_expert [E_local] (int, summing
         to N), permuted_probs [N] or None -> [N, H] in permuted_tokens' dtype. ``offsets``:
@@ -214,12 +217,16 @@ class LocalExperts(nn.Module):
         dispatcher's wire rows, unpacked), ``row_grad_sink`` [N, H] the tensor their gradient goes
         to (``handle.row_grad_sink``; its dtype is the output's). Both GEMMs run in FP8
         (`moe_dispatch.experts.fp8.fp8_expert_gemm`); the activation in the output dtype.
+        ``fp8_weights``: the weights quantised once (``quantize_fp8_weights()``), for the forwards
+        until the next optimizer step; a stale one raises a ValueError (`moe_dispatch.experts.fp8_weights`).
         """
         if self.fp8 is not None:
             if source_blocks is not None:
                 raise ValueError("source_blocks (per-source weight gradients, GradientTree) are not supported with fp8")
             return self._forward_fp8(permuted_tokens, tokens_per_expert, permuted_probs, offsets, row_scales,
-                                     row_grad_sink, trailing_rows)
+                                     row_grad_sink, trailing_rows, fp8_weights)
+        if fp8_weights is not None:
+            raise ValueError(problem_message(FP8_WEIGHTS_NOT_FP8, 0, 0))
         x = permuted_tokens
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"permuted_tokens must be [N, {self.hidden_size}], got {tuple(x.shape)}")
@@ -243,13 +250,25 @@ class LocalExperts(nn.Module):
 
     def _forward_fp8(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: Optional[torch.Tensor],
                      offsets: Optional[torch.Tensor], row_scales: Optional[torch.Tensor],
-                     row_grad_sink: Optional[torch.Tensor], trailing_rows: bool) -> torch.Tensor:
+                     row_grad_sink: Optional[torch.Tensor], trailing_rows: bool,
+                     fp8_weights: Optional[Fp8ExpertWeights]) -> torch.Tensor:
         if row_scales is None or row_grad_sink is None:
             raise ValueError("fp8 experts need row_scales [N] and row_grad_sink [N, H] (the dispatcher's FP8 rows, "
                              "handle.row_grad_sink)")
+        operands = None
+        if fp8_weights is not None:
+            problem = fp8_weights_problem(fp8_weights, self)
+            if problem is not None:
+                raise ValueError(problem_message(problem.code, problem.expected, problem.got))
+            operands = (fp8_weights.weight1, fp8_weights.weight2)
         probs = permuted_probs if self.probs_in_experts else None
         return fp8_mlp(x, row_scales, self.weight1, self.weight2, tokens_per_expert, offsets, FP8_FORMATS[self.fp8],
-                       self.activation, probs, row_grad_sink, trailing_rows)
+                       self.activation, probs, row_grad_sink, trailing_rows, operands)
+
+    def quantize_fp8_weights(self) -> Fp8ExpertWeights:
+        """weight1 and weight2 quantised for the FP8 GEMMs, once: pass the result to the forwards of
+        the micro-batches until the next optimizer step (`moe_dispatch.experts.fp8_weights`)."""
+        return quantize_fp8_weights(self)
 
     def _sink(self, name: str) -> Callable[[torch.Tensor], None]:
         """Where the per-source gradient of weight ``name`` goes (``source_grads``), cast to its dtype."""
