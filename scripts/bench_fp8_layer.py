@@ -151,16 +151,19 @@ def bench_group_columns(args, bandwidth: float) -> None:
         KT.LAUNCH.update(saved)
 
 
+def row_quantisation_bytes(n: int, cols: int, in_bytes: int) -> int:
+    """The least bytes a row quantisation moves: n rows of ``in_bytes`` elements read, float8 and
+    a fp32 scale per row written."""
+    return n * cols * (in_bytes + 1) + 4 * n
+
+
 def quantisation_floor(T: int, H: int, ffn: int, E: int, K: int) -> list[tuple[str, int]]:
     """(what, bytes) of each quantisation in one FP8 step of the layer (gelu: fc1 is [E, H, ffn]),
     at the least: its input read once, the float8 values and the fp32 scales written once. The
     weights are quantised twice per call (per output column for the forward, along the other axis
     for dgrad); the weight gradient's operands per (expert, column)."""
     N = T * K
-
-    def rows(n: int, cols: int, in_bytes: int) -> int:  # n rows in, float8 out, a scale per row
-        return n * cols * (in_bytes + 1) + 4 * n
-
+    rows = row_quantisation_bytes
     weight = E * H * ffn
     return [
         ("tokens, before the dispatch", rows(T, H, 2)),
@@ -265,7 +268,7 @@ def main() -> None:
     for rows in (T, T * args.topk):
         xr = torch.randn(rows, H, device=DEVICE).to(torch.bfloat16)
         ms = median_ms(lambda xr=xr: quantize_rows(xr, torch.float8_e4m3fn), iters=50)
-        moved = rows * H * 2 + rows * H + rows * 4  # bf16 in, fp8 out, fp32 scales out
+        moved = row_quantisation_bytes(rows, H, 2)  # bf16 in
         floor = moved / bandwidth * 1e3
         print(f"| {rows} x {H} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} |")
     bench_group_columns(args, bandwidth)

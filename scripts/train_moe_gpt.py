@@ -742,7 +742,8 @@ def main(argv: list[str] | None = None, rank_fn: Callable = rank_main) -> int:
             raise SystemExit(f"--ep-sizes: {s} must divide the ranks ({world}) and --experts ({args.experts})")
     if not cuda:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU shims refuse a process that sees a GPU
-    where = f"{world} ranks, {args.backend}, " + ("GPU 0 shared" if args.share_gpu else "CUDA" if cuda else "CPU")
+    where = (f"{world} rank{'s' if world != 1 else ''}, {args.backend}, "
+             + ("GPU 0 shared" if args.share_gpu else "CUDA" if cuda else "CPU"))
     print(f"train_moe_gpt: GPTModel {args.layers} layers, H {args.hidden}, E {args.experts}, K {args.topk}, "
           f"{args.dtype}, {args.batch}x{args.seq} tokens per rank per step, {args.steps} steps, Adam lr {args.lr}, "
           f"data {args.data}, seeds {','.join(map(str, args.seed_list))}, fp8 "
