@@ -165,3 +165,37 @@ def test_ep2_bitwise_and_a_stale_handle_raises_on_every_rank():
             expected = "EP rank 1 passed inputs" if key[1] else "1 optimizer step"
             assert result[key]["error"] is not None and expected in result[key]["error"], (key, rank)
         assert ranks[0][key]["error"] == ranks[1][key]["error"], key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_once_is_bitwise_per_call_eager_and_captured():
+    """On CUDA (torch._scaled_grouped_mm, the Triton quantisers): with one handle, two micro-batches
+    bitwise the per-call ones for both dispatchers, and a CUDA-graph replay bitwise its eager step."""
+    from moe_dispatch.tools.capture import capture_step
+
+    dev = torch.device("cuda")
+    kw = dict(hidden_size=256, num_experts=16, topk=4, ffn_hidden_size=128, params_dtype=torch.bfloat16)
+    gen = torch.Generator(device=dev).manual_seed(7)
+    batches = [tuple(torch.randn(t, 256, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2))
+               for t in (300, 512)]
+    results = {}
+    for kind in ("alltoall", "allgather"):
+        config = MoEConfig(fp8="e4m3", dispatcher=kind, **kw)
+        results[kind] = _micro_batches(MoELayer(config, layer_index=0).to(dev), batches, once=False)
+        once = _micro_batches(MoELayer(config, layer_index=0).to(dev), batches, once=True)
+        assert all(torch.equal(a, b) for a, b in zip(results[kind], once)), kind
+    per_call = results["alltoall"]
+    layer = MoELayer(MoEConfig(fp8="e4m3", **kw), layer_index=0).to(dev)
+    weights = layer.quantize_fp8_weights()
+    x, upstream = batches[1]
+    xs = x.clone().requires_grad_()
+
+    def step() -> torch.Tensor:
+        out = layer(xs, fp8_weights=weights)
+        out.backward(upstream)
+        return out
+    graph, out = capture_step(layer, xs, step)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, per_call[1]) and torch.equal(xs.grad, per_call[3])
