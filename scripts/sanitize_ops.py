@@ -1,5 +1,5 @@
-"""Run the permutation ops on CUDA over the calls the GPU op tests make and over adversarial inputs,
-checking every result; made to run under compute-sanitizer's memcheck:
+"""Run the permutation and quantisation ops on CUDA over the calls the GPU op tests make and over
+adversarial inputs, checking every result; made to run under compute-sanitizer's memcheck:
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 3 \\
         python3 scripts/sanitize_ops.py
@@ -15,6 +15,12 @@ index out of range. Each must give the CPU twin's ValueError (deferred on CUDA: 
 moe_dispatch/ops/guard.py), NaN in the poisoned results, and a correct result on the next call.
 Every case runs twice: with the default routes, and with LAUNCH's alternative route
 (unpermute_bwd_per_token).
+
+The quantisers (``quantize_rows``, ``quantize_group_columns``): bitwise the CPU twin over zero,
+tiny, inf and NaN rows, strided inputs (the FP8 wire's rows read in place), float8 input with row
+scales, experts of no rows and counts off the multiple of 16 with the weight gradient's slack
+group; and starts that break the contract (past N, padding narrower than the rows), where CUDA
+promises only that every access stays in bounds.
 """
 from __future__ import annotations
 
@@ -256,6 +262,59 @@ def kernel_bounds_case() -> str:
     return f"rows past N={N} skipped, bound 4/2/1 below n_t=4 gives NaN probs-grad rows, bad index reads nothing"
 
 
+def _quantise_input(T: int, C: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """[T, C] of ``dtype``, a view with row stride C + 16 (as the wire's rows), with a zero row, a
+    row below 2^-64, an inf and a NaN row where T allows."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn((T, C + 16), generator=gen) * torch.logspace(-3, 3, T).unsqueeze(1) if T else \
+        torch.zeros((0, C + 16))
+    for row, value in zip(range(1, T, 5), (0.0, 1e-30, float("inf"), float("nan"))):
+        wide[row] = value if value != 1e-30 else wide[row] * value
+    return wide.to(dtype)[:, :C]
+
+
+def case_quantisers() -> str:
+    """quantize_rows and quantize_group_columns: CUDA against the twin, bitwise."""
+    from moe_dispatch.experts.fp8 import wgrad_layout
+    from moe_dispatch.ops import quantize_group_columns, quantize_rows
+
+    checked = 0
+    for dtype in DTYPES if DEVICE == "cuda" else [torch.float32]:
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for T, C in ((0, 32), (1, 16), (37, 48), (300, 1000)):
+                x = _quantise_input(T, C, dtype, seed=T + C)
+                with set_backend("torch"):
+                    want = quantize_rows(x, fp8)
+                got = quantize_rows(x.to(DEVICE), fp8)
+                assert torch.equal(got[0].view(torch.uint8).cpu(), want[0].view(torch.uint8)), (dtype, fp8, T, C)
+                assert torch.equal(got[1].cpu().nan_to_num(-1.0), want[1].nan_to_num(-1.0)), (dtype, fp8, T, C)
+                checked += 1
+                for counts in ([0, 5, 0, 16, T - 21] if T >= 21 else [T], [T, 0, 0]):
+                    row_ends = torch.tensor(counts).cumsum(0)
+                    row_starts, padded_starts, padded = wgrad_layout(row_ends, T)
+                    scales = None
+                    if dtype == torch.float32:  # float8 rows with their scales, as the wgrad's saved x
+                        x8, scales = quantize_rows(x.cpu(), torch.float8_e4m3fn)
+                        xin = x8
+                    else:
+                        xin = x
+                    with set_backend("torch"):
+                        want = quantize_group_columns(xin, row_starts, padded_starts, padded, fp8, scales)
+                    dev = [t.to(DEVICE) if t is not None else None for t in (xin, row_starts, padded_starts, scales)]
+                    got = quantize_group_columns(dev[0], dev[1], dev[2], padded, fp8, dev[3])
+                    assert torch.equal(got[0].view(torch.uint8).cpu(), want[0].view(torch.uint8)), (dtype, T, counts)
+                    assert torch.equal(got[1].cpu().nan_to_num(-1.0), want[1].nan_to_num(-1.0)), (dtype, T, counts)
+                    checked += 1
+    # starts breaking the contract: rows past N, padding narrower than an expert's rows (CUDA: in bounds)
+    x = torch.randn(40, 64, device=DEVICE)
+    for starts, padded in (([0, 30, 80], [0, 32, 96]), ([0, 20, 40], [0, 8, 16]), ([0, 40, 10], [0, 48, 64])):
+        s_rows = torch.tensor(starts, device=DEVICE)
+        s_pad = torch.tensor(padded, device=DEVICE)
+        quantize_group_columns(x, s_rows, s_pad, padded[-1], torch.float8_e4m3fn)
+        synchronize()
+    return f"{checked} calls bitwise the twin; 3 contract-breaking start sets ran"
+
+
 def main() -> None:
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -291,6 +350,7 @@ def main() -> None:
         ("probs inf (routed)", lambda: nonfinite_case(float("inf"), "routed")),
         ("probs -inf (not routed)", lambda: nonfinite_case(float("-inf"), "unrouted")),
         ("kernels on slots past their buffers", kernel_bounds_case),
+        ("quantisers", case_quantisers),
     ]
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU, Triton interpreter"
     print(f"# {name}, torch {torch.__version__}; "
