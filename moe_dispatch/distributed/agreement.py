@@ -98,8 +98,8 @@ _PROBLEMS = {
                                              "layer's, a copy's, or parameters replaced since)"),
     FP8_WEIGHTS_STEPPED: lambda e, g: (f"fp8_weights may be stale: {g - e} optimizer step(s) since it was quantised; "
                                        f"{_QUANTISE_AGAIN}"),
-    FP8_WEIGHTS_CHANGED: lambda e, g: (f"fp8_weights is stale: weight{e} changed in place since it was quantised "
-                                       f"(copy_, load_state_dict); {_QUANTISE_AGAIN}"),
+    FP8_WEIGHTS_CHANGED: lambda e, g: (f"fp8_weights is stale: weight{e} changed in place or moved since it was "
+                                       f"quantised (copy_, load_state_dict, .data =); {_QUANTISE_AGAIN}"),
     100: lambda e, g: f"expert_output given to the previous combine on this group must have N = {e} rows "
                       f"(sum(tokens_per_expert)) of hidden size H, got {g if g >= 0 else 'no [rows, H] tensor'} "
                       f"(that step's outputs were NaN)",

@@ -16,10 +16,11 @@ A handle is for the weights as they were when it was made. A forward refuses it 
   torch's global step hooks. Whether the step updated these weights is not asked, so a wrapper
   such as Megatron's, which steps fp32 copies and then writes the model's weights through
   ``.data``, is covered;
-- after an in-place change of either weight that autograd counts (``copy_``, ``load_state_dict``);
+- after an in-place change of either weight that autograd counts (``copy_``, ``load_state_dict``),
+  or new storage given to one (``weight.data = t``, ``module.to(...)``);
 - when either parameter was replaced, or the handle is another experts' module's.
 
-A write through ``.data`` outside any optimizer step is not seen (autograd does not see it
+A write into the weights' storage through ``.data`` outside any optimizer step is not seen (autograd does not see it
 either): quantise again after one. A captured CUDA graph reads the handle's tensors as they were at
 capture, and no check runs at a replay.
 """
@@ -71,6 +72,7 @@ class Fp8ExpertWeights:
     experts: weakref.ref  # the LocalExperts quantised
     parameters: Tuple[weakref.ref, weakref.ref]  # its weight1 and weight2
     versions: Tuple[int, int]  # their autograd versions then
+    storages: Tuple[int, int]  # their data pointers then (``p.data = t`` changes no version)
     optimizer_steps: int  # the process's optimizer steps then
 
 
@@ -84,7 +86,8 @@ def quantize_fp8_weights(experts: torch.nn.Module) -> Fp8ExpertWeights:
     steps = _optimizer_steps()
     w1, w2 = experts.weight1, experts.weight2
     return Fp8ExpertWeights(quantize_weight(w1, fp8_dtype), quantize_weight(w2, fp8_dtype), weakref.ref(experts),
-                            (weakref.ref(w1), weakref.ref(w2)), (w1._version, w2._version), steps)
+                            (weakref.ref(w1), weakref.ref(w2)), (w1._version, w2._version),
+                            (w1.data_ptr(), w2.data_ptr()), steps)
 
 
 def fp8_weights_problem(fp8_weights: Any, experts: torch.nn.Module) -> Optional[InputProblem]:
@@ -100,8 +103,9 @@ def fp8_weights_problem(fp8_weights: Any, experts: torch.nn.Module) -> Optional[
     steps = _optimizer_steps()
     if steps != fp8_weights.optimizer_steps:
         return InputProblem(FP8_WEIGHTS_STEPPED, fp8_weights.optimizer_steps, steps)
-    for which, (version, w) in enumerate(zip(fp8_weights.versions, (experts.weight1, experts.weight2)), 1):
-        if w._version != version:
+    weights = (experts.weight1, experts.weight2)
+    for which, (version, storage, w) in enumerate(zip(fp8_weights.versions, fp8_weights.storages, weights), 1):
+        if w._version != version or w.data_ptr() != storage:
             return InputProblem(FP8_WEIGHTS_CHANGED, which)
     return None
 

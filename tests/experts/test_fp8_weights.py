@@ -94,6 +94,8 @@ def _stale(case: str, layer: MoELayer, other: MoELayer):
     elif case == "copy_":
         with torch.no_grad():
             layer.experts.weight2.copy_(layer.experts.weight2 * 2)
+    elif case == ".data =":  # no autograd version changes; the storage does
+        layer.experts.weight1.data = layer.experts.weight1.data.clone()
     elif case == "load_state_dict":
         layer.load_state_dict(other.state_dict())
     elif case == "replaced":
@@ -106,8 +108,9 @@ def _stale(case: str, layer: MoELayer, other: MoELayer):
 
 
 STALE = {"adamw-loop": "1 optimizer step", "adamw-foreach": "1 optimizer step", "adamw-fused": "1 optimizer step",
-         "other optimizer": "1 optimizer step", "copy_": "weight2 changed in place",
-         "load_state_dict": "weight1 changed in place", "replaced": "other experts' weights",
+         "other optimizer": "1 optimizer step", "copy_": "weight2 changed in place or moved",
+         "load_state_dict": "weight1 changed in place", ".data =": "weight1 changed in place or moved",
+         "replaced": "other experts' weights",
          "another layer's": "other experts' weights", "not a handle": "must be the Fp8ExpertWeights"}
 
 
