@@ -90,6 +90,7 @@ def quantize_fp8_weights(experts: torch.nn.Module) -> Fp8ExpertWeights:
                             (w1.data_ptr(), w2.data_ptr()), steps)
 
 
+@torch.compiler.disable  # reads host state (versions, data pointers, a counter): eager under torch.compile
 def fp8_weights_problem(fp8_weights: Any, experts: torch.nn.Module) -> Optional[InputProblem]:
     """Why ``fp8_weights`` cannot serve a forward of ``experts`` now (None: it can), as an InputProblem
     for the size exchange to raise on every rank (``moe_dispatch.distributed.agreement``)."""

@@ -134,6 +134,17 @@ def test_not_for_a_bf16_layer_and_nothing_to_quantise():
     assert "not FP8" in value_error_of(bf16.quantize_fp8_weights)
 
 
+def test_compiled_layer_takes_a_handle_and_still_refuses_a_stale_one():
+    """torch.compile (aot_eager, EP 1): bitwise eager with a handle; the check runs at every call."""
+    layer = MoELayer(_config(), layer_index=0)
+    x = _batches(4)[0][0]
+    weights = layer.quantize_fp8_weights()
+    compiled = torch.compile(layer, backend="aot_eager")
+    assert torch.equal(compiled(x, fp8_weights=weights), layer(x, fp8_weights=weights))
+    _stale("other optimizer", layer, layer)
+    assert "1 optimizer step" in value_error_of(lambda: compiled(x, fp8_weights=weights))
+
+
 def _ep2_worker(rank: int, world_size: int) -> dict:
     """Both dispatchers, dropless and sync-free: two micro-batches per-call and with one handle; then
     rank 1 alone steps an optimizer, so its handle is stale and every rank must raise."""
