@@ -10,11 +10,16 @@ forward with ``use_fast_accum=False`` (fp32-promoted accumulation; its fp8+quant
 dense copy), where fp8_expert_gemm's forward and dgrad use fast accumulation (FAST_ACCUM_ROWS), with
 the relative change between the two after the table; and the FLOP floors at the
 H200 SXM's dense peaks (989 TFLOP/s bf16, 1979 TFLOP/s fp8: NVIDIA's H200 datasheet). A last row
-times the whole autograd step (forward + backward) of each.
+times the whole autograd step (forward + backward) of each. Then wgrad with the FP8 MMA's fast
+accumulation against the default (the layer's), whose contraction is an expert's rows: the time
+of each, each one's error against the float64 product of the same quantised operands, and whether
+an expert's result stays bitwise when another expert's rows change (the batch invariance the
+layer relies on), at the counts given and with one expert holding half the rows.
 
     python scripts/bench_fp8_gemm.py [--rows 49152 --hidden 4096 --ffn 2048 --experts 64 --counts even]
 
-``--counts ragged`` draws uneven counts (most not multiples of 16), which wgrad pads.
+``--counts ragged`` draws uneven counts (most not multiples of 16), which wgrad pads; ``skewed``
+gives expert 0 half the rows, the rest even.
 """
 from __future__ import annotations
 
@@ -50,6 +55,8 @@ def _counts(rows: int, experts: int, kind: str) -> list:
         base = [rows // experts] * experts
         base[-1] += rows - sum(base)
         return base
+    if kind == "skewed":
+        return [rows // 2] + _counts(rows - rows // 2, experts - 1, "even")
     gen = torch.Generator().manual_seed(0)
     picks = torch.multinomial(torch.rand(experts, generator=gen) + 0.5, rows, replacement=True, generator=gen)
     return torch.bincount(picks, minlength=experts).tolist()
@@ -61,7 +68,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--ffn", type=int, default=2048)
     parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--counts", choices=["even", "ragged"], default="even")
+    parser.add_argument("--counts", choices=["even", "ragged", "skewed"], default="even")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -142,6 +149,43 @@ def main() -> None:
     exact, fast = forward_accum(wf, False).double(), forward_accum(wf, True).double()
     rel = ((fast - exact).norm() / exact.norm()).item()
     print(f"forward, use_fast_accum=True against False: relative change {rel:.3g}")
+    for kind in dict.fromkeys([args.counts, "skewed"]):
+        wgrad_accumulation(x, dy, _counts(n, e, kind), kind, args.iters)
+
+
+def wgrad_accumulation(x: torch.Tensor, dy: torch.Tensor, counts: list, kind: str, iters: int) -> None:
+    """wgrad with fast accumulation against the default, at these counts: ms, error against float64,
+    batch invariance."""
+    offs = torch.cumsum(torch.tensor(counts, device=x.device), 0).to(torch.int32)
+    n = x.shape[0]
+    layout = wgrad_layout(offs, n)
+    xq, sx = quantize_rows(x, E4M3)
+    xt, sxc = quantize_group_columns(xq, *layout, E4M3, sx)
+    dyt, sdyc = quantize_group_columns(dy, *layout, E4M3)
+    starts = layout[1].tolist()
+    # float64 of the same quantised operands: per expert, (xt * sx) @ (dyt * sdy)^T over its columns
+    ref = torch.stack([
+        (xt[:, starts[g]:starts[g + 1]].double() * sxc[g, :, None].double())
+        @ (dyt[:, starts[g]:starts[g + 1]].double() * sdyc[g, :, None].double()).t()
+        for g in range(len(counts))])
+    # another expert's rows changed (the last expert's dy negated): expert 0's result must not move
+    dy2 = dy.clone()
+    dy2[int(offs[-2]):int(offs[-1])] *= -1
+    dyt2, sdyc2 = quantize_group_columns(dy2, *layout, E4M3)
+    print(f"\nwgrad accumulation, counts {kind} (largest expert {max(counts)} rows):")
+    for fast in (False, True):
+        try:
+            dw = _cuda_wgrad(xt, sxc, dyt, sdyc, layout[1], fast_accum=fast)
+        except RuntimeError as exc:  # a torch whose 2d x 2d kernel refuses fast accumulation
+            print(f"  use_fast_accum={fast}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        ms = _time(lambda f=fast: _cuda_wgrad(xt, sxc, dyt, sdyc, layout[1], fast_accum=f), iters)
+        err = ((dw.double() - ref).norm() / ref.norm()).item()
+        worst = max(((dw[g].double() - ref[g]).norm() / ref[g].norm()).item() for g in range(len(counts)))
+        other = _cuda_wgrad(xt, sxc, dyt2, sdyc2, layout[1], fast_accum=fast)
+        same = torch.equal(dw[0], other[0])
+        print(f"  use_fast_accum={fast}: {ms:.3f} ms; relative error against float64 {err:.3g} (worst expert "
+              f"{worst:.3g}; bf16 output's rounding alone ~2e-3); expert 0 bitwise when another's rows change: {same}")
 
 
 if __name__ == "__main__":

@@ -172,11 +172,14 @@ def _cuda_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
 
 
 def _cuda_wgrad(xt: torch.Tensor, sx: torch.Tensor, dyt: torch.Tensor, sdy: torch.Tensor,
-                padded_starts: torch.Tensor) -> torch.Tensor:
+                padded_starts: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:
     """CUDA: `_twin_wgrad`'s product, 2d x 2d with groups along `wgrad_layout`'s columns (every
-    group at least 16 wide, the slack group last) -> [E, K, M] bf16 (the slack's result dropped)."""
+    group at least 16 wide, the slack group last) -> [E, K, M] bf16 (the slack's result dropped).
+    ``fast_accum``: the FP8 MMA's fast accumulation (the layer keeps the default, False; the
+    benchmark measures both)."""
     offs = padded_starts[1:].to(torch.int32)
-    dw = torch._scaled_grouped_mm(xt, dyt.t(), sx.reshape(-1), sdy.reshape(-1), offs=offs, out_dtype=torch.bfloat16)
+    dw = torch._scaled_grouped_mm(xt, dyt.t(), sx.reshape(-1), sdy.reshape(-1), offs=offs, out_dtype=torch.bfloat16,
+                                  use_fast_accum=fast_accum)
     return dw[:-1]
 
 
