@@ -196,8 +196,9 @@ class _Fp8ExpertGemm(torch.autograd.Function):
             x, x_scales = quantize_rows(x, fp8_dtype)
         x = _dense(x)
         if wq_forward is None:
-            wq_forward, sw_forward = weight_operand(w.detach().transpose(1, 2), fp8_dtype)  # [E, M, K]: per (e, m)
-        wq, sw = wq_forward, sw_forward
+            wq, sw = weight_operand(w.detach().transpose(1, 2), fp8_dtype)  # [E, M, K]: per (e, m), over K
+        else:
+            wq, sw = wq_forward, sw_forward
         if cuda:
             out = _cuda_mm(x, x_scales, wq, sw, offsets)
         else:

@@ -109,4 +109,3 @@ def fp8_weights_problem(fp8_weights: Any, experts: torch.nn.Module) -> Optional[
         if w._version != version or w.data_ptr() != storage:
             return InputProblem(FP8_WEIGHTS_CHANGED, which)
     return None
-
