@@ -92,6 +92,47 @@ def layer_step(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, once:
     return layer, step
 
 
+def weight_grads(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor) -> list[torch.Tensor]:
+    layer = MoELayer(config, layer_index=0).to(DEVICE)
+    layer(x.detach().requires_grad_()).backward(upstream)
+    return [p.grad.float() for p in layer.experts.parameters()]
+
+
+def bench_wgrad_fast_accum(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, ref: torch.Tensor) -> None:
+    """The FP8 step with wgrad's fast accumulation (``experts.fp8.FAST_ACCUM_WGRAD``, off by default),
+    per call and with the weights quantised once: times, the same bitwise checks, and the expert
+    weight gradients' relative change against the default accumulation."""
+    from moe_dispatch.experts import fp8 as F
+
+    default = weight_grads(config, x, upstream)
+    F.FAST_ACCUM_WGRAD = True
+    try:
+        print("\n## wgrad with the FP8 MMA's fast accumulation (experts.fp8.FAST_ACCUM_WGRAD = True)\n")
+        print("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
+              "| 64 tokens alone bitwise | median rel. error vs bf16 |\n|---|---|---|---|---|---|---|")
+        T = x.shape[0]
+        keep = torch.arange(0, T, T // 64, device=DEVICE)[:64]
+        for once in (False, True):
+            _, step = layer_step(config, x, upstream, once=once)
+            ms = median_ms(step)
+            out, gx = step()
+            graph_ms, replay_same = captured(config, x, upstream, (out, gx), once=once)
+            _, other = layer_step(config.replace(dispatcher="allgather"), x, upstream, once=once)
+            out2, gx2 = other()
+            _, alone = layer_step(config, x[keep], upstream[keep], once=once)
+            out3, gx3 = alone()
+            err = ((out.float() - ref).norm(dim=1) / ref.norm(dim=1)).median().item()
+            print(f"| fp8 e4m3, wgrad fast accumulation{', weights quantised once' if once else ''} | {ms:.3f} | "
+                  f"{graph_ms:.3f} | {replay_same} | {torch.equal(out, out2) and torch.equal(gx, gx2)} | "
+                  f"{torch.equal(out3, out[keep]) and torch.equal(gx3, gx[keep])} | {err:.3g} |", flush=True)
+        fast = weight_grads(config, x, upstream)
+    finally:
+        F.FAST_ACCUM_WGRAD = False
+    for i, (d, f) in enumerate(zip(default, fast)):
+        print(f"expert weight {i}'s gradient, fast against default accumulation: relative change "
+              f"{((f - d).norm() / d.norm()).item():.3g}")
+
+
 CATEGORIES = [("GEMM", r"gemm|cutlass|nvjet|xmma|sm90_|grouped_mm|scaled_mm|f8f8"),
               ("quantise", r"quantize"), ("zero fill", r"fill|zero"),
               ("permute / combine", r"permute|unpermute|slots|gather|scatter|index"),
@@ -135,17 +176,53 @@ def bench_group_columns(args, bandwidth: float) -> None:
             floor = moved / bandwidth * 1e3
             print(f"| {name} | {N} x {cols}, {str(dtype)[6:]} | {'one expert half' if skewed else 'random'} | "
                   f"{ms:.4f} | {floor:.4f} | {ms / floor:.2f} |", flush=True)
-    x, s, p, P, rs, moved = group_columns_case(N, H, torch.bfloat16, E, False)
-    floor = moved / bandwidth * 1e3
-    print(f"\nLAUNCH sweep, fc2 dy ({N} x {H} bf16, random split; floor {floor:.4f} ms)\n")
-    print("| block_c | block_r | warps | ms | / floor |\n|---|---|---|---|---|")
     saved = dict(KT.LAUNCH)
     try:
-        for block_c, block_r, warps in [(32, 64, 4), (64, 64, 4), (128, 64, 4), (64, 32, 4), (64, 128, 4),
-                                        (64, 64, 8), (128, 64, 8), (128, 128, 8)]:
-            KT.LAUNCH.update(group_columns_block_c=block_c, group_columns_block_r=block_r, group_columns_warps=warps)
-            ms = median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3), iters=50)
-            print(f"| {block_c} | {block_r} | {warps} | {ms:.4f} | {ms / floor:.2f} |", flush=True)
+        for name, cols, dtype in (("fc2 dy", H, torch.bfloat16), ("fc2 x", ffn, e4m3)):
+            x, s, p, P, rs, moved = group_columns_case(N, cols, dtype, E, False)
+            floor = moved / bandwidth * 1e3
+            print(f"\nLAUNCH sweep, {name} ({N} x {cols} {str(dtype)[6:]}, random split; floor {floor:.4f} ms)\n")
+            print("| block_c | block_r | warps | ms | / floor |\n|---|---|---|---|---|")
+            for block_c, block_r, warps in [(32, 64, 4), (64, 64, 4), (128, 64, 4), (64, 32, 4), (64, 128, 4),
+                                            (64, 64, 8), (128, 64, 8), (128, 128, 8), (256, 32, 4), (256, 64, 8)]:
+                KT.LAUNCH.update(group_columns_block_c=block_c, group_columns_block_r=block_r,
+                                 group_columns_warps=warps)
+                ms = median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3, rs), iters=50)
+                print(f"| {block_c} | {block_r} | {warps} | {ms:.4f} | {ms / floor:.2f} |", flush=True)
+    finally:
+        KT.LAUNCH.clear()
+        KT.LAUNCH.update(saved)
+
+
+def bench_quantize_rows_launch(rows_list: list[int], H: int, bandwidth: float) -> None:
+    """quantize_rows' LAUNCH settings (none changes a value; each result checked bitwise against the
+    default's)."""
+    print("\n| rows x H | elements | warps | programs per SM | stages | ms | / floor | bitwise default |")
+    print("|---|---|---|---|---|---|---|---|")
+    saved = dict(KT.LAUNCH)
+    try:
+        for rows in rows_list:
+            xr = torch.randn(rows, H, device=DEVICE).to(torch.bfloat16)
+            want = quantize_rows(xr, torch.float8_e4m3fn)
+            floor = row_quantisation_bytes(rows, H, 2) / bandwidth * 1e3
+            for elements, warps, per_sm, stages in [
+                    (8192, 8, 0, 1), (4096, 4, 0, 1), (4096, 8, 0, 1), (16384, 8, 0, 1), (16384, 16, 0, 1),
+                    (4096, 4, 4, 2), (4096, 4, 8, 2), (4096, 4, 8, 3), (4096, 8, 4, 2), (4096, 8, 4, 3),
+                    (8192, 8, 2, 2), (8192, 8, 2, 3), (8192, 8, 4, 2), (8192, 4, 4, 2), (16384, 8, 1, 2),
+                    (16384, 16, 1, 2)]:
+                KT.LAUNCH.update(quantize_elements=elements, quantize_warps=warps,
+                                 quantize_programs_per_sm=per_sm, quantize_stages=stages)
+                try:
+                    got = quantize_rows(xr, torch.float8_e4m3fn)
+                    ms = median_ms(lambda xr=xr: quantize_rows(xr, torch.float8_e4m3fn), iters=50)
+                except Exception as exc:  # a setting the compiler refuses (e.g. shared memory)
+                    print(f"| {rows} x {H} | {elements} | {warps} | {per_sm} | {stages} | {type(exc).__name__} | | |")
+                    continue
+                same = all(torch.equal(u.view(torch.uint8) if u.dtype != torch.float32 else u,
+                                       v.view(torch.uint8) if v.dtype != torch.float32 else v)
+                           for u, v in zip(want, got))
+                print(f"| {rows} x {H} | {elements} | {warps} | {per_sm} | {stages} | {ms:.4f} | {ms / floor:.2f} | "
+                      f"{same} |", flush=True)
     finally:
         KT.LAUNCH.clear()
         KT.LAUNCH.update(saved)
@@ -257,7 +334,7 @@ def main() -> None:
           f"bitwise the per-call fp8 step: {same_per_call} | | |")
     quantise_ms = median_ms(layer.quantize_fp8_weights)
     print(f"\nlayer.quantize_fp8_weights() alone (both weights, forward and dgrad operands): {quantise_ms:.3f} ms")
-
+    bench_wgrad_fast_accum(config, x, upstream, ref)
     print("\n## Row quantisation (ops.quantize_rows), against its byte floor\n")
     src = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
     dst = torch.empty_like(src)
@@ -271,6 +348,7 @@ def main() -> None:
         moved = row_quantisation_bytes(rows, H, 2)  # bf16 in
         floor = moved / bandwidth * 1e3
         print(f"| {rows} x {H} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} |")
+    bench_quantize_rows_launch([T, T * args.topk], H, bandwidth)
     bench_group_columns(args, bandwidth)
     print_quantisation_floor(args, bandwidth)
 

@@ -75,6 +75,7 @@ WGRAD_ROW_MULTIPLE = 16
 # default, which promotes its partial sums to fp32. Either way a result depends on its own row and
 # column only.
 FAST_ACCUM_ROWS = True
+FAST_ACCUM_WGRAD = False
 _OUT_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.bfloat16, torch.float16, torch.float32)}
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -234,7 +235,7 @@ class _Fp8ExpertGemm(torch.autograd.Function):
             xt, sx = quantize_group_columns(x, row_starts, padded_starts, padded_rows, fp8_dtype, x_scales)
             dyt, sdy = quantize_group_columns(grad, row_starts, padded_starts, padded_rows, fp8_dtype)
             if cuda:
-                gw = _cuda_wgrad(xt, sx, dyt, sdy, padded_starts)
+                gw = _cuda_wgrad(xt, sx, dyt, sdy, padded_starts, fast_accum=FAST_ACCUM_WGRAD)
             else:
                 gw = _twin_wgrad(xt, sx, dyt, sdy, counts, padded_starts, out_dtype)
             gw = gw.to(w.dtype)

@@ -27,6 +27,8 @@ Rules that keep every access in bounds whatever the input (host sizes, hand-made
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -116,6 +118,12 @@ def _row_in(row, N, H):
 
 def _launch_opts() -> dict:
     return {"enable_fp_fusion": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs on the CPU)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @triton.jit
@@ -793,10 +801,14 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, block: int | None = None) 
 # --------------------------------------------------------------------------------------------
 # Row-wise float8 quantisation (ops/quantize.py): the same fp32 operations as the twin.
 # --------------------------------------------------------------------------------------------
-# "quantize_elements": elements per program (whole rows of H <= it load once; longer rows are
-# read twice, in chunks of it); "quantize_warps". Neither changes a value: a row's amax is a max
-# (exact in any order) and every element is quantised alone.
-LAUNCH.update({"quantize_elements": 8192, "quantize_warps": 8})
+# "quantize_elements": elements per row block (whole rows of H <= it load once; longer rows are
+# read twice, in chunks of it); "quantize_warps"; "quantize_programs_per_sm": 0 launches one
+# program per row block, n > 0 launches n programs per SM that stride over the blocks, their loads
+# software-pipelined "quantize_stages" deep (a block's load overlaps the previous block's reduction
+# and store). None changes a value: a row's amax is a max (exact in any order) and every element is
+# quantised alone.
+LAUNCH.update({"quantize_elements": 8192, "quantize_warps": 8, "quantize_programs_per_sm": 0,
+               "quantize_stages": 1})
 
 
 @triton.jit
@@ -823,33 +835,36 @@ def _store_quantized(x, inv, bad, q_ptr, offs_t, mask_t, h0, H, FP8_MAX: tl.cons
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scales_ptr, T, H, stride_xt, stride_xh, FP8_MAX: tl.constexpr,
                           AMAX_FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                          ONE_PASS: tl.constexpr):
-    """Rows [pid * BLOCK_T, +BLOCK_T): amax over the row, scale = div_rn(amax, FP8_MAX),
-    inv = div_rn(FP8_MAX, amax) (both 1 below AMAX_FLOOR), q = _round_out(x * inv); a row holding
-    inf or NaN gets scale NaN and q zeros (torch_twin.quantize_rows). ONE_PASS: the row fits one
-    block (BLOCK_H >= H) and is read once; otherwise twice, in blocks."""
-    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < T
-    if ONE_PASS:
-        x, amax, bad = _row_amax(x_ptr, offs_t, mask_t, 0, H, stride_xt, stride_xh, BLOCK_H)
-    else:
-        amax = tl.zeros([BLOCK_T], dtype=tl.float32)
-        bad = tl.zeros([BLOCK_T], dtype=tl.int32)
-        for h0 in range(0, H, BLOCK_H):
-            _, block_amax, block_bad = _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
-            amax = tl.maximum(amax, block_amax)  # a max: exact, in any order
-            bad = tl.maximum(bad, block_bad)
-    top = tl.full([BLOCK_T], FP8_MAX, tl.float32)
-    small = amax < AMAX_FLOOR
-    scale = tl.where(small, 1.0, tl.math.div_rn(amax, top))
-    inv = tl.where(small, 1.0, tl.math.div_rn(top, tl.where(small, 1.0, amax)))
-    tl.store(scales_ptr + offs_t, tl.where(bad == 0, scale, float("nan")), mask=mask_t)
-    if ONE_PASS:
-        _store_quantized(x, inv, bad, q_ptr, offs_t, mask_t, 0, H, FP8_MAX, BLOCK_H)
-    else:
-        for h0 in range(0, H, BLOCK_H):
-            x, _, _ = _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
-            _store_quantized(x, inv, bad, q_ptr, offs_t, mask_t, h0, H, FP8_MAX, BLOCK_H)
+                          ONE_PASS: tl.constexpr, STAGES: tl.constexpr):
+    """Row blocks pid, pid + programs, ... of BLOCK_T rows each: amax over the row, scale =
+    div_rn(amax, FP8_MAX), inv = div_rn(FP8_MAX, amax) (both 1 below AMAX_FLOOR), q =
+    _round_out(x * inv); a row holding inf or NaN gets scale NaN and q zeros
+    (torch_twin.quantize_rows). ONE_PASS: the row fits one block (BLOCK_H >= H) and is read once;
+    otherwise twice, in blocks."""
+    blocks = tl.cdiv(T, BLOCK_T)
+    for block in tl.range(tl.program_id(0), blocks, tl.num_programs(0), num_stages=STAGES):
+        offs_t = (block * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # < T + BLOCK_T: no int32 overflow
+        mask_t = offs_t < T
+        if ONE_PASS:
+            x, amax, bad = _row_amax(x_ptr, offs_t, mask_t, 0, H, stride_xt, stride_xh, BLOCK_H)
+        else:
+            amax = tl.zeros([BLOCK_T], dtype=tl.float32)
+            bad = tl.zeros([BLOCK_T], dtype=tl.int32)
+            for h0 in range(0, H, BLOCK_H):
+                _, block_amax, block_bad = _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
+                amax = tl.maximum(amax, block_amax)  # a max: exact, in any order
+                bad = tl.maximum(bad, block_bad)
+        top = tl.full([BLOCK_T], FP8_MAX, tl.float32)
+        small = amax < AMAX_FLOOR
+        scale = tl.where(small, 1.0, tl.math.div_rn(amax, top))
+        inv = tl.where(small, 1.0, tl.math.div_rn(top, tl.where(small, 1.0, amax)))
+        tl.store(scales_ptr + offs_t, tl.where(bad == 0, scale, float("nan")), mask=mask_t)
+        if ONE_PASS:
+            _store_quantized(x, inv, bad, q_ptr, offs_t, mask_t, 0, H, FP8_MAX, BLOCK_H)
+        else:
+            for h0 in range(0, H, BLOCK_H):
+                x, _, _ = _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
+                _store_quantized(x, inv, bad, q_ptr, offs_t, mask_t, h0, H, FP8_MAX, BLOCK_H)
 
 
 def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -864,10 +879,13 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor
     one_pass = H <= elements
     block_h = triton.next_power_of_2(H) if one_pass else elements
     block_t = max(1, elements // block_h)
-    _quantize_rows_kernel[(triton.cdiv(T, block_t),)](
+    programs = triton.cdiv(T, block_t)
+    if LAUNCH["quantize_programs_per_sm"] > 0:
+        programs = min(programs, LAUNCH["quantize_programs_per_sm"] * _sm_count(x.device))
+    _quantize_rows_kernel[(programs,)](
         x, _bytes_of(q)[0], scales, T, H, x.stride(0), x.stride(1), FP8_MAX=fp8_max(fp8_dtype),
-        AMAX_FLOOR=torch_twin.AMAX_FLOOR,
-        BLOCK_T=block_t, BLOCK_H=block_h, ONE_PASS=one_pass, num_warps=LAUNCH["quantize_warps"], **_launch_opts())
+        AMAX_FLOOR=torch_twin.AMAX_FLOOR, BLOCK_T=block_t, BLOCK_H=block_h, ONE_PASS=one_pass,
+        STAGES=LAUNCH["quantize_stages"], num_warps=LAUNCH["quantize_warps"], **_launch_opts())
     return q, scales
 
 

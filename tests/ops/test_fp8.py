@@ -240,14 +240,18 @@ def test_quantize_rows_against_float64(fp8, dtype):
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=str)
-@pytest.mark.parametrize("elements", [8192, 64], ids=["one_pass", "two_pass"])
-def test_quantize_kernel_matches_twin_bitwise(monkeypatch, fp8, elements):
+@pytest.mark.parametrize("elements", [8192, 512, 64], ids=["one_pass", "one_pass_blocks_of_2", "two_pass"])
+@pytest.mark.parametrize("programs_per_sm", [0, 2], ids=["program_per_block", "strided"])
+def test_quantize_kernel_matches_twin_bitwise(monkeypatch, fp8, elements, programs_per_sm):
     """The interpreted kernel against the twin, bitwise, on strided input; with 64 elements per
-    program a row of 200 takes the kernel's two-pass route. A row's result never depends on the
-    other rows of its batch."""
+    program a row of 200 takes the kernel's two-pass route; "strided": 2 programs (the interpreter
+    counts one SM) loop over the row blocks. A row's result never depends on the other rows of its
+    batch."""
     from moe_dispatch.ops import triton_kernels as K
 
     monkeypatch.setitem(K.LAUNCH, "quantize_elements", elements)
+    monkeypatch.setitem(K.LAUNCH, "quantize_programs_per_sm", programs_per_sm)
+    monkeypatch.setitem(K.LAUNCH, "quantize_stages", 2)
     x = _rows_to_quantize(11, 400, torch.bfloat16, seed=5)[:, ::2]
     assert not x.is_contiguous()
     twin = TW.quantize_rows(x, fp8)
