@@ -165,30 +165,42 @@ def group_columns_case(rows: int, cols: int, dtype: torch.dtype, experts: int, s
 def bench_group_columns(args, bandwidth: float) -> None:
     N, H, ffn, E = args.tokens * args.topk, args.hidden, args.ffn, args.experts
     print("\n## wgrad's column quantisation (ops.quantize_group_columns), against its byte floor\n")
-    print("| operand | rows x cols, dtype | split | ms | floor ms | / floor |\n|---|---|---|---|---|---|")
+    print("| operand | rows x cols, dtype | split | slices per expert | ms | floor ms | / floor | bitwise 1 slice |")
+    print("|---|---|---|---|---|---|---|---|")
     e4m3 = torch.float8_e4m3fn
     operands = [("fc1 x (saved rows, row scales)", H, e4m3), ("fc1 dy", ffn, torch.bfloat16),
                 ("fc2 x (saved rows, row scales)", ffn, e4m3), ("fc2 dy", H, torch.bfloat16)]
-    for name, cols, dtype in operands:
-        for skewed in (False, True):
-            x, s, p, P, rs, moved = group_columns_case(N, cols, dtype, E, skewed)
-            ms = median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3, rs), iters=50)
-            floor = moved / bandwidth * 1e3
-            print(f"| {name} | {N} x {cols}, {str(dtype)[6:]} | {'one expert half' if skewed else 'random'} | "
-                  f"{ms:.4f} | {floor:.4f} | {ms / floor:.2f} |", flush=True)
     saved = dict(KT.LAUNCH)
     try:
+        for name, cols, dtype in operands:
+            for skewed in (False, True):
+                x, s, p, P, rs, moved = group_columns_case(N, cols, dtype, E, skewed)
+                floor = moved / bandwidth * 1e3
+                want = None
+                for splits in (1, 4, 8):
+                    KT.LAUNCH.update(group_columns_splits=splits)
+                    got = quantize_group_columns(x, s, p, P, e4m3, rs)
+                    want = got if want is None else want
+                    same = torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and \
+                        torch.equal(got[1], want[1])
+                    ms = median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3, rs), iters=50)
+                    print(f"| {name} | {N} x {cols}, {str(dtype)[6:]} | {'one expert half' if skewed else 'random'} | "
+                          f"{splits} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} | {same} |", flush=True)
+        KT.LAUNCH.clear()
+        KT.LAUNCH.update(saved)
         for name, cols, dtype in (("fc2 dy", H, torch.bfloat16), ("fc2 x", ffn, e4m3)):
             x, s, p, P, rs, moved = group_columns_case(N, cols, dtype, E, False)
             floor = moved / bandwidth * 1e3
             print(f"\nLAUNCH sweep, {name} ({N} x {cols} {str(dtype)[6:]}, random split; floor {floor:.4f} ms)\n")
-            print("| block_c | block_r | warps | ms | / floor |\n|---|---|---|---|---|")
-            for block_c, block_r, warps in [(32, 64, 4), (64, 64, 4), (128, 64, 4), (64, 32, 4), (64, 128, 4),
-                                            (64, 64, 8), (128, 64, 8), (128, 128, 8), (256, 32, 4), (256, 64, 8)]:
+            print("| block_c | block_r | warps | slices | ms | / floor |\n|---|---|---|---|---|---|")
+            for block_c, block_r, warps, splits in [
+                    (32, 64, 4, 1), (64, 64, 4, 1), (128, 64, 4, 1), (64, 32, 4, 1), (64, 128, 4, 1), (64, 64, 8, 1),
+                    (128, 64, 8, 1), (128, 128, 8, 1), (256, 32, 4, 1), (256, 64, 8, 1), (64, 128, 4, 2),
+                    (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 4), (64, 64, 4, 8)]:
                 KT.LAUNCH.update(group_columns_block_c=block_c, group_columns_block_r=block_r,
-                                 group_columns_warps=warps)
+                                 group_columns_warps=warps, group_columns_splits=splits)
                 ms = median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3, rs), iters=50)
-                print(f"| {block_c} | {block_r} | {warps} | {ms:.4f} | {ms / floor:.2f} |", flush=True)
+                print(f"| {block_c} | {block_r} | {warps} | {splits} | {ms:.4f} | {ms / floor:.2f} |", flush=True)
     finally:
         KT.LAUNCH.clear()
         KT.LAUNCH.update(saved)

@@ -894,9 +894,13 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor
 # operands of the FP8 expert GEMM, transposed and padded per expert, in one launch.
 # --------------------------------------------------------------------------------------------
 # "group_columns_block_c" / "group_columns_block_r": columns per program and rows per step of its
-# two passes over the expert's rows; "group_columns_warps". None changes a value: a column's amax
-# is a max (exact in any order) and every element is quantised alone.
-LAUNCH.update({"group_columns_block_c": 64, "group_columns_block_r": 128, "group_columns_warps": 4})
+# two passes over the expert's rows; "group_columns_warps"; "group_columns_splits" S: each
+# expert's rows are split into S slices, one program each (S > 1 adds a first kernel for the
+# slices' column maxima, so that an expert holding many rows no longer sets the end time alone).
+# None changes a value: a column's amax is a max (exact in any order) and every element is quantised
+# alone.
+LAUNCH.update({"group_columns_block_c": 64, "group_columns_block_r": 128, "group_columns_warps": 4,
+               "group_columns_splits": 1})
 
 
 @triton.jit
@@ -934,45 +938,89 @@ def _group_rows(x_ptr, rs_ptr, s, rows, r0, N, offs_c, mask_c, stride_xn, stride
 
 
 @triton.jit
-def _quantize_group_columns_kernel(x_ptr, row_scales_ptr, starts_ptr, pstarts_ptr, qt_ptr, scales_ptr, N, C, P,
-                                   stride_xn, stride_xc, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-                                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_SCALES: tl.constexpr,
-                                   X_FP8_MAX: tl.constexpr):
-    """Expert e = program_id(1), columns program_id(0) * BLOCK_C + [0, BLOCK_C): pass 1 the column
-    amax over the expert's rows [s_e, s_{e+1}) (times their row scales with HAS_SCALES); scale and
-    inv as in _quantize_rows_kernel; pass 2 q = _round_out(x * inv) transposed into qt's columns
-    [p_e, p_e + n_e), +0.0 up to p_{e+1} (torch_twin.quantize_group_columns). Every load is masked
-    to [0, N) x [0, C) and every store to [0, C) x [0, P), so starts that break the op's contract
-    stay in bounds."""
+def _slice_of(n, split, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """[begin, end) of slice `split` of n rows cut into SPLITS slices of whole BLOCK_R steps (so
+    that no step of one slice reaches into the next)."""
+    size = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_R) * BLOCK_R
+    begin = split * size
+    return begin, tl.minimum(n, begin + size)
+
+
+@triton.jit
+def _slice_amax(x_ptr, rs_ptr, s, rows, begin, end, N, offs_c, mask_c, stride_xn, stride_xc,
+                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_SCALES: tl.constexpr, X_FP8_MAX: tl.constexpr):
+    """max |x| over the expert's rows [begin, end) of columns offs_c, NaN counted as inf (so a
+    column is non-finite exactly when its max is inf): an elementwise running max, reduced over the
+    rows once at the end (no cross-warp reduction per step). A max is exact in any order."""
+    running = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for r0 in range(begin, end, BLOCK_R):
+        x, _ = _group_rows(x_ptr, rs_ptr, s, rows, r0, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R,
+                           HAS_SCALES, X_FP8_MAX)
+        a = tl.abs(x)
+        running = tl.maximum(running, tl.where(a == a, a, float("inf")))
+    return tl.max(running, axis=0)
+
+
+@triton.jit
+def _group_columns_amax_kernel(x_ptr, row_scales_ptr, starts_ptr, partial_ptr, N, C, stride_xn, stride_xc,
+                               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SPLITS: tl.constexpr,
+                               HAS_SCALES: tl.constexpr, X_FP8_MAX: tl.constexpr):
+    """Expert e = program_id(1), slice program_id(2) of its rows, columns program_id(0) * BLOCK_C +
+    [0, BLOCK_C): the slice's column amax (_slice_amax) into partial [SPLITS, E, C]."""
     e = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    E = tl.num_programs(1)
+    offs_c = tl.program_id(0).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    s = tl.load(starts_ptr + e).to(tl.int64)
+    rows = tl.load(starts_ptr + e + 1).to(tl.int64) - s
+    begin, end = _slice_of(rows, split, SPLITS, BLOCK_R)
+    amax = _slice_amax(x_ptr, row_scales_ptr, s, rows, begin, end, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R,
+                       BLOCK_C, HAS_SCALES, X_FP8_MAX)
+    tl.store(partial_ptr + (split * E + e) * C + offs_c, amax, mask=mask_c)
+
+
+@triton.jit
+def _quantize_group_columns_kernel(x_ptr, row_scales_ptr, starts_ptr, pstarts_ptr, partial_ptr, qt_ptr, scales_ptr,
+                                   N, C, P, stride_xn, stride_xc, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+                                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SPLITS: tl.constexpr,
+                                   HAS_SCALES: tl.constexpr, X_FP8_MAX: tl.constexpr):
+    """Expert e = program_id(1), slice program_id(2) of its padded width, columns program_id(0) *
+    BLOCK_C + [0, BLOCK_C): the column amax over the expert's rows [s_e, s_{e+1}) (times their row
+    scales with HAS_SCALES; SPLITS == 1: computed here, else the max of the SPLITS slices' partial
+    maxima); scale and inv as in _quantize_rows_kernel (slice 0 stores the scales); then q =
+    _round_out(x * inv) transposed into qt's columns [p_e, p_e + n_e), +0.0 up to p_{e+1}
+    (torch_twin.quantize_group_columns). Every load is masked to [0, N) x [0, C) and every store to
+    [0, C) x [0, P), so starts that break the op's contract stay in bounds."""
+    e = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    E = tl.num_programs(1)
     offs_c = tl.program_id(0).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < C
     s = tl.load(starts_ptr + e).to(tl.int64)
     rows = tl.load(starts_ptr + e + 1).to(tl.int64) - s
     p = tl.load(pstarts_ptr + e).to(tl.int64)
     width = tl.load(pstarts_ptr + e + 1).to(tl.int64) - p
-    # An elementwise running max, reduced over the rows once at the end (no cross-warp reduction per
-    # step); NaN counts as inf, so a column is non-finite exactly when its max is inf. A max is
-    # exact in any order.
-    running = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for r0 in range(0, rows, BLOCK_R):
-        x, _ = _group_rows(x_ptr, row_scales_ptr, s, rows, r0, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R,
-                           HAS_SCALES, X_FP8_MAX)
-        a = tl.abs(x)
-        running = tl.maximum(running, tl.where(a == a, a, float("inf")))
-    amax = tl.max(running, axis=0)
+    if SPLITS == 1:
+        amax = _slice_amax(x_ptr, row_scales_ptr, s, rows, 0, rows, N, offs_c, mask_c, stride_xn, stride_xc,
+                           BLOCK_R, BLOCK_C, HAS_SCALES, X_FP8_MAX)
+    else:
+        amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for k in tl.static_range(SPLITS):
+            amax = tl.maximum(amax, tl.load(partial_ptr + (k * E + e) * C + offs_c, mask=mask_c, other=0.0))
     bad = (amax == float("inf")).to(tl.int32)
     top = tl.full([BLOCK_C], FP8_MAX, tl.float32)
     small = amax < AMAX_FLOOR
     scale = tl.where(small, 1.0, tl.math.div_rn(amax, top))
     inv = tl.where(small, 1.0, tl.math.div_rn(top, tl.where(small, 1.0, amax)))
-    tl.store(scales_ptr + e * C + offs_c, tl.where(bad == 0, scale, float("nan")), mask=mask_c)
-    for j0 in range(0, width, BLOCK_R):
+    tl.store(scales_ptr + e * C + offs_c, tl.where(bad == 0, scale, float("nan")), mask=mask_c & (split == 0))
+    begin, end = _slice_of(width, split, SPLITS, BLOCK_R)
+    for j0 in range(begin, end, BLOCK_R):
         x, offs_j = _group_rows(x_ptr, row_scales_ptr, s, rows, j0, N, offs_c, mask_c, stride_xn, stride_xc,
                                 BLOCK_R, HAS_SCALES, X_FP8_MAX)
         q = tl.where((bad == 0)[None, :], x * inv[None, :], 0.0)  # rows past n_e: +0.0 * inv = +0.0
         col = p + offs_j
-        mask = mask_c[:, None] & ((offs_j < width) & (col >= 0) & (col < P))[None, :]
+        mask = mask_c[:, None] & ((offs_j < end) & (col >= 0) & (col < P))[None, :]
         tl.store(qt_ptr + offs_c[:, None] * P + col[None, :], tl.trans(_round_out(q, qt_ptr, FP8_MAX)), mask=mask)
 
 
@@ -989,11 +1037,16 @@ def quantize_group_columns(x: torch.Tensor, row_starts: torch.Tensor, padded_sta
     scales = torch.empty((E, C), dtype=torch.float32, device=x.device)
     if E == 0 or C == 0:
         return qt, scales
-    block_c = LAUNCH["group_columns_block_c"]
-    _quantize_group_columns_kernel[(triton.cdiv(C, block_c), E)](
-        x, row_scales if row_scales is not None else scales, row_starts, padded_starts,
-        _bytes_of(qt)[0], scales, N, C, padded_rows, x.stride(0), x.stride(1), FP8_MAX=fp8_max(fp8_dtype),
-        AMAX_FLOOR=torch_twin.AMAX_FLOOR, BLOCK_R=LAUNCH["group_columns_block_r"], BLOCK_C=block_c,
-        HAS_SCALES=row_scales is not None, X_FP8_MAX=fp8_max(x.dtype), num_warps=LAUNCH["group_columns_warps"],
-        **_launch_opts())
+    block_c, block_r, splits = (LAUNCH[f"group_columns_{k}"] for k in ("block_c", "block_r", "splits"))
+    grid = (triton.cdiv(C, block_c), E, splits)
+    rs = row_scales if row_scales is not None else scales  # not read without HAS_SCALES
+    common = dict(BLOCK_R=block_r, BLOCK_C=block_c, SPLITS=splits, HAS_SCALES=row_scales is not None,
+                  X_FP8_MAX=fp8_max(x.dtype), num_warps=LAUNCH["group_columns_warps"], **_launch_opts())
+    partial = scales  # not read with one slice
+    if splits > 1:
+        partial = torch.empty((splits, E, C), dtype=torch.float32, device=x.device)
+        _group_columns_amax_kernel[grid](x, rs, row_starts, partial, N, C, x.stride(0), x.stride(1), **common)
+    _quantize_group_columns_kernel[grid](
+        x, rs, row_starts, padded_starts, partial, _bytes_of(qt)[0], scales, N, C, padded_rows, x.stride(0),
+        x.stride(1), FP8_MAX=fp8_max(fp8_dtype), AMAX_FLOOR=torch_twin.AMAX_FLOOR, **common)
     return qt, scales

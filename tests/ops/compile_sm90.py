@@ -67,9 +67,9 @@ def variants():
             {"grad_ptr": "*fp32", "rows_ptr": "*fp8e4nv", "grad_rows_ptr": "*u8"}
     yield K._probs_grad_kernel, dict(BLOCK_J=8, BLOCK_E=64), {}
     yield K._gather_rows_kernel, dict(BLOCK_H=1024, TOKEN_MAJOR=False), {}
-    for fp8, x, one_pass in ((E4M3, "*bf16", True), (E5M2, "*fp32", False)):
+    for fp8, x, one_pass, stages in ((E4M3, "*bf16", True, 1), (E5M2, "*fp32", False, 1), (E4M3, "*bf16", True, 3)):
         yield K._quantize_rows_kernel, dict(FP8_MAX=fp8, AMAX_FLOOR=2.0 ** -64, BLOCK_T=2, BLOCK_H=4096,
-                                            ONE_PASS=one_pass), {"x_ptr": x}
+                                            ONE_PASS=one_pass, STAGES=stages), {"x_ptr": x}
 
 
 def main() -> int:

@@ -97,12 +97,15 @@ def _kernel(*args):
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's masked lanes
 @pytest.mark.parametrize("fp8", FP8, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_kernel_twin_and_old_algorithm_bitwise(monkeypatch, fp8, dtype):
+@pytest.mark.parametrize("splits", [1, 3], ids=["one_slice", "three_slices"])
+def test_kernel_twin_and_old_algorithm_bitwise(monkeypatch, fp8, dtype, splits):
     from moe_dispatch.ops import triton_kernels as K
 
-    # Small blocks: several column blocks, several row steps per expert, and partial ones.
+    # Small blocks: several column blocks, several row steps per expert, and partial ones; with three
+    # slices an expert's rows (and its padded width) are split over three programs, some empty.
     monkeypatch.setitem(K.LAUNCH, "group_columns_block_c", 8)
     monkeypatch.setitem(K.LAUNCH, "group_columns_block_r", 16)
+    monkeypatch.setitem(K.LAUNCH, "group_columns_splits", splits)
     for i, counts in enumerate(PATTERNS):
         x = _columns(sum(counts), 16, dtype, seed=i)
         args = (x, *_starts(counts), fp8)
@@ -113,14 +116,17 @@ def test_kernel_twin_and_old_algorithm_bitwise(monkeypatch, fp8, dtype):
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("x_dtype", [*FP8, torch.bfloat16], ids=str)
-def test_row_scales(monkeypatch, x_dtype):
+@pytest.mark.parametrize("splits", [1, 2], ids=["one_slice", "two_slices"])
+def test_row_scales(monkeypatch, x_dtype, splits):
     """With row_scales the values are x.float() * row_scales[:, None] (the FP8 GEMM's dequantised
     forward rows), bitwise as if that product had been materialised first; a NaN scale or a float8
-    NaN makes its columns non-finite."""
+    NaN makes its columns non-finite (with two slices, also when the NaN lies in another slice than
+    the column's other rows)."""
     from moe_dispatch.ops import triton_kernels as K
 
     monkeypatch.setitem(K.LAUNCH, "group_columns_block_c", 8)
     monkeypatch.setitem(K.LAUNCH, "group_columns_block_r", 16)
+    monkeypatch.setitem(K.LAUNCH, "group_columns_splits", splits)
     counts = [5, 17, 0, 20]
     gen = torch.Generator().manual_seed(21)
     x = (torch.randn((sum(counts), 16), generator=gen) * 8).to(x_dtype)
@@ -247,12 +253,16 @@ from moe_dispatch.ops import triton_kernels as K
 
 
 def variants():
-    for fp8, x, starts, has_scales in ((C.E4M3, "*bf16", "*i64", False), (C.E5M2, "*fp32", "*i32", False),
-                                       (C.E4M3, "*fp8e4nv", "*i64", True), (C.E4M3, "*fp8e5", "*i64", True)):
-        yield K._quantize_group_columns_kernel, dict(FP8_MAX=fp8, AMAX_FLOOR=2.0 ** -64, BLOCK_R=64, BLOCK_C=64,
-                                                     HAS_SCALES=has_scales, X_FP8_MAX=C.E4M3 if "e4" in x else
-                                                     C.E5M2 if "e5" in x else 0.0), \\
-            {"x_ptr": x, "starts_ptr": starts, "pstarts_ptr": starts}
+    for fp8, x, starts, has_scales, splits in ((C.E4M3, "*bf16", "*i64", False, 1), (C.E5M2, "*fp32", "*i32", False, 1),
+                                               (C.E4M3, "*fp8e4nv", "*i64", True, 1),
+                                               (C.E4M3, "*fp8e5", "*i64", True, 1), (C.E4M3, "*bf16", "*i64", False, 4),
+                                               (C.E4M3, "*fp8e4nv", "*i32", True, 4)):
+        common = dict(BLOCK_R=64, BLOCK_C=64, SPLITS=splits, HAS_SCALES=has_scales,
+                      X_FP8_MAX=C.E4M3 if "e4" in x else C.E5M2 if "e5" in x else 0.0)
+        pointers = {"x_ptr": x, "starts_ptr": starts, "pstarts_ptr": starts}
+        yield K._quantize_group_columns_kernel, dict(common, FP8_MAX=fp8, AMAX_FLOOR=2.0 ** -64), pointers
+        if splits > 1:
+            yield K._group_columns_amax_kernel, common, pointers
 
 
 C.variants = variants
@@ -263,7 +273,8 @@ sys.exit(C.main())
 
 def test_kernel_compiles_for_sm90():
     """The real compiler path (the interpreter skips it), with compile_sm90.py's settings: both
-    float8 casts, bf16, fp32 and float8 rows (these with row scales), int64 and int32 starts."""
+    float8 casts, bf16, fp32 and float8 rows (these with row scales), int64 and int32 starts, one
+    slice per expert and four (with the slices' amax kernel)."""
     import os
     import subprocess
     import sys
@@ -278,7 +289,7 @@ def test_kernel_compiles_for_sm90():
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, cwd=root, capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0 and proc.stdout.count("ok ") == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and proc.stdout.count("ok ") == 8, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("counts,n_rows", [([5, 0, 17, 1], 23), ([5, 0, 17, 1], 40), ([0, 0], 0), ([16, 32], 48)])
