@@ -13,8 +13,9 @@ max_experts_per_token below a token's expert count (forward and backward); NaN a
 permute and unpermute; slots naming rows past the buffers (kernels called directly); a gather
 index out of range. Each must give the CPU twin's ValueError (deferred on CUDA: see
 moe_dispatch/ops/guard.py), NaN in the poisoned results, and a correct result on the next call.
-Every case runs twice: with the default routes, and with LAUNCH's alternative route
-(unpermute_bwd_per_token).
+Every case runs twice: with the default routes, and with LAUNCH's alternative routes
+(unpermute_bwd_per_token; quantize_rows' strided programs with pipelined loads; three slices per
+expert in quantize_group_columns).
 
 The quantisers (``quantize_rows``, ``quantize_group_columns``): bitwise the CPU twin over zero,
 tiny, inf and NaN rows, strided inputs (the FP8 wire's rows read in place), float8 input with row
@@ -357,7 +358,8 @@ def main() -> None:
           f"PYTORCH_NO_CUDA_MEMORY_CACHING={os.environ.get('PYTORCH_NO_CUDA_MEMORY_CACHING', '(unset)')}")
     from moe_dispatch.ops import triton_kernels as KT
 
-    routes = [("", {}), ("[alt route] ", {"unpermute_bwd_per_token": True})]
+    routes = [("", {}), ("[alt route] ", {"unpermute_bwd_per_token": True, "quantize_programs_per_sm": 2,
+                                           "quantize_stages": 2, "group_columns_splits": 3})]
     cases = [(prefix + name, case, knobs) for prefix, knobs in routes for name, case in cases
              if not (knobs and name == "int64 offsets")]
     failed = []
