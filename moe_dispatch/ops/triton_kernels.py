@@ -813,15 +813,14 @@ LAUNCH.update({"quantize_elements": 8192, "quantize_warps": 8, "quantize_program
 
 @triton.jit
 def _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H: tl.constexpr):
-    """(x [BLOCK_T, BLOCK_H] fp32 of columns h0.., max |x| over its finite entries, 1 where a row
-    holds inf or NaN) for the rows offs_t."""
+    """(x [BLOCK_T, BLOCK_H] fp32 of columns h0.., max |x| per row with NaN counted as inf) for the
+    rows offs_t: one reduction, and a row holds inf or NaN exactly when its max is inf."""
     offs_h = h0 + tl.arange(0, BLOCK_H)
     mask = mask_t[:, None] & (offs_h < H)[None, :]
     x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :] * stride_xh, mask=mask,
                 other=0.0).to(tl.float32)
     a = tl.abs(x)
-    finite = a < float("inf")  # False for NaN too
-    return x, tl.max(tl.where(finite, a, 0.0), axis=1), tl.max(tl.where(finite, 0, 1), axis=1)
+    return x, tl.max(tl.where(a == a, a, float("inf")), axis=1)
 
 
 @triton.jit
@@ -846,14 +845,13 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scales_ptr, T, H, stride_xt, stride_xh, 
         offs_t = (block * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # < T + BLOCK_T: no int32 overflow
         mask_t = offs_t < T
         if ONE_PASS:
-            x, amax, bad = _row_amax(x_ptr, offs_t, mask_t, 0, H, stride_xt, stride_xh, BLOCK_H)
+            x, amax = _row_amax(x_ptr, offs_t, mask_t, 0, H, stride_xt, stride_xh, BLOCK_H)
         else:
             amax = tl.zeros([BLOCK_T], dtype=tl.float32)
-            bad = tl.zeros([BLOCK_T], dtype=tl.int32)
             for h0 in range(0, H, BLOCK_H):
-                _, block_amax, block_bad = _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
+                _, block_amax = _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
                 amax = tl.maximum(amax, block_amax)  # a max: exact, in any order
-                bad = tl.maximum(bad, block_bad)
+        bad = (amax == float("inf")).to(tl.int32)
         top = tl.full([BLOCK_T], FP8_MAX, tl.float32)
         small = amax < AMAX_FLOOR
         scale = tl.where(small, 1.0, tl.math.div_rn(amax, top))
@@ -863,7 +861,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scales_ptr, T, H, stride_xt, stride_xh, 
             _store_quantized(x, inv, bad, q_ptr, offs_t, mask_t, 0, H, FP8_MAX, BLOCK_H)
         else:
             for h0 in range(0, H, BLOCK_H):
-                x, _, _ = _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
+                x, _ = _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
                 _store_quantized(x, inv, bad, q_ptr, offs_t, mask_t, h0, H, FP8_MAX, BLOCK_H)
 
 
