@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -62,6 +62,38 @@ def _optimizer_steps() -> int:
 
 
 @dataclass(frozen=True)
+class WeightStamp:
+    """What a copy derived from some weights (their FP8 operands) is checked against: the weights
+    themselves (weak references), their autograd versions and data pointers (``p.data = t`` changes
+    no version), and the process's optimizer steps, all as they were when the copy was made."""
+
+    parameters: Tuple[weakref.ref, ...]
+    versions: Tuple[int, ...]
+    storages: Tuple[int, ...]
+    optimizer_steps: int
+
+
+def stamp_weights(weights: Sequence[torch.Tensor]) -> WeightStamp:
+    """The stamp of ``weights`` now (read before deriving the copy from them)."""
+    return WeightStamp(tuple(weakref.ref(w) for w in weights), tuple(w._version for w in weights),
+                       tuple(w.data_ptr() for w in weights), _optimizer_steps())
+
+
+def weights_problem(stamp: WeightStamp, weights: Sequence[torch.Tensor]) -> Optional[InputProblem]:
+    """Why a copy made under ``stamp`` may no longer match ``weights`` (None: it matches): other
+    weights, an optimizer step since, or a weight changed (its 1-based position)."""
+    if len(stamp.parameters) != len(weights) or any(ref() is not w for ref, w in zip(stamp.parameters, weights)):
+        return InputProblem(FP8_WEIGHTS_OTHER_EXPERTS)
+    steps = _optimizer_steps()
+    if steps != stamp.optimizer_steps:
+        return InputProblem(FP8_WEIGHTS_STEPPED, stamp.optimizer_steps, steps)
+    for which, (version, storage, w) in enumerate(zip(stamp.versions, stamp.storages, weights), 1):
+        if w._version != version or w.data_ptr() != storage:
+            return InputProblem(FP8_WEIGHTS_CHANGED, which)
+    return None
+
+
+@dataclass(frozen=True)
 class Fp8ExpertWeights:
     """weight1 and weight2 of one ``LocalExperts`` quantised: each ``quantize_weight``'s four tensors
     (forward q [E, M, K] fp8, its scales [E, M] fp32, dgrad q [E, K, M] fp8, its scales [E, K] fp32),
@@ -70,10 +102,7 @@ class Fp8ExpertWeights:
     weight1: Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     weight2: Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     experts: weakref.ref  # the LocalExperts quantised
-    parameters: Tuple[weakref.ref, weakref.ref]  # its weight1 and weight2
-    versions: Tuple[int, int]  # their autograd versions then
-    storages: Tuple[int, int]  # their data pointers then (``p.data = t`` changes no version)
-    optimizer_steps: int  # the process's optimizer steps then
+    stamp: WeightStamp  # of its weight1 and weight2
 
 
 @torch.no_grad()
@@ -83,11 +112,10 @@ def quantize_fp8_weights(experts: torch.nn.Module) -> Fp8ExpertWeights:
     if experts.fp8 is None:
         raise ValueError("quantize_fp8_weights: these experts are not FP8 (their config's fp8 is None)")
     fp8_dtype = FP8_FORMATS[experts.fp8]
-    steps = _optimizer_steps()
     w1, w2 = experts.weight1, experts.weight2
+    stamp = stamp_weights((w1, w2))
     return Fp8ExpertWeights(quantize_weight(w1, fp8_dtype), quantize_weight(w2, fp8_dtype), weakref.ref(experts),
-                            (weakref.ref(w1), weakref.ref(w2)), (w1._version, w2._version),
-                            (w1.data_ptr(), w2.data_ptr()), steps)
+                            stamp)
 
 
 @torch.compiler.disable  # reads host state (versions, data pointers, a counter): eager under torch.compile
@@ -98,14 +126,6 @@ def fp8_weights_problem(fp8_weights: Any, experts: torch.nn.Module) -> Optional[
         return InputProblem(FP8_WEIGHTS_NOT_FP8)
     if not isinstance(fp8_weights, Fp8ExpertWeights):
         return InputProblem(FP8_WEIGHTS_NOT_A_HANDLE)
-    if fp8_weights.experts() is not experts or any(
-            ref() is not w for ref, w in zip(fp8_weights.parameters, (experts.weight1, experts.weight2))):
+    if fp8_weights.experts() is not experts:
         return InputProblem(FP8_WEIGHTS_OTHER_EXPERTS)
-    steps = _optimizer_steps()
-    if steps != fp8_weights.optimizer_steps:
-        return InputProblem(FP8_WEIGHTS_STEPPED, fp8_weights.optimizer_steps, steps)
-    weights = (experts.weight1, experts.weight2)
-    for which, (version, storage, w) in enumerate(zip(fp8_weights.versions, fp8_weights.storages, weights), 1):
-        if w._version != version or w.data_ptr() != storage:
-            return InputProblem(FP8_WEIGHTS_CHANGED, which)
-    return None
+    return weights_problem(fp8_weights.stamp, (experts.weight1, experts.weight2))

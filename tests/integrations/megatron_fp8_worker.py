@@ -76,6 +76,68 @@ def _ours_step(megatron_layer, group, x: torch.Tensor, dy: torch.Tensor) -> dict
     return dict(out=out.detach().clone(), gx=xi.grad.clone(), experts=experts)
 
 
+def _step_accumulating(layer, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward + backward of x [T, H], the weight gradients accumulating; (out, input grad)."""
+    xi = x.reshape(-1, B, H).clone().requires_grad_()
+    out, _ = layer(xi)
+    out.backward(dy.reshape(out.shape))
+    return out.detach().reshape(-1, H), xi.grad.reshape(-1, H)
+
+
+def _expert_grads(layer) -> list[torch.Tensor]:
+    return [w.grad.clone() for e in layer.experts.local_experts for w in (e.linear_fc1.weight, e.linear_fc2.weight)]
+
+
+def quantised_once(kind: str, dtype: torch.dtype, pg, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    """``install(fp8=..., quantize_weights_once=True)`` beside per-forward quantisation, same weights:
+    two micro-batches accumulating, an optimizer step (SGD on both), a third micro-batch, an
+    in-place weight change (copy_ on both), a fourth. Per phase: the outputs, input gradients and
+    accumulated expert weight gradients bitwise alike, and how many times the kept layer quantised
+    a weight (``quantize_weight`` calls)."""
+    from moe_dispatch.experts import fp8 as F
+    from moe_dispatch.integrations.megatron import install
+
+    calls = []
+    original = F.quantize_weight
+
+    def counting(w, fp8_dtype=torch.float8_e4m3fn):
+        calls.append(tuple(w.shape))
+        return original(w, fp8_dtype)
+
+    once = install(_megatron(kind, dtype, 1, pg), pg, fp8=FP8, quantize_weights_once=True).to(x.device)
+    per_call = install(_megatron(kind, dtype, 1, pg), pg, fp8=FP8).to(x.device)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (once, per_call)]
+    half = x.shape[0] // 2
+    out = {}
+    F.quantize_weight = counting
+    try:
+        for phase, batches in (("micro-batches 1 and 2", (slice(0, half), slice(half, None))),
+                               ("after an optimizer step", (slice(0, half),)),
+                               ("after copy_ into a weight", (slice(half, None),))):
+            if phase == "after an optimizer step":
+                for opt in optimizers:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            if phase == "after copy_ into a weight":
+                for m in (once, per_call):
+                    m.zero_grad(set_to_none=True)
+                    with torch.no_grad():
+                        m.experts.local_experts[1].linear_fc2.weight.mul_(0.5)
+            before = len(calls)
+            same = True
+            for rows in batches:
+                a = _step_accumulating(once, x[rows], dy[rows])
+                calls_once = len(calls)
+                b = _step_accumulating(per_call, x[rows], dy[rows])
+                del calls[calls_once:]  # count the kept layer's quantisations only
+                same = same and all(torch.equal(u, v) for u, v in zip(a, b))
+            grads_same = all(torch.equal(u, v) for u, v in zip(_expert_grads(once), _expert_grads(per_call)))
+            out[phase] = dict(same=same, grads_same=grads_same, quantised=len(calls) - before)
+    finally:
+        F.quantize_weight = original
+    return out
+
+
 def _errors(rank: int, pg2, pg1) -> dict:
     """install()'s refusals; rank 0 alone tries a bad value on the EP-2 layer first (the other rank
     waits in a barrier): an error raised after a collective would hang there instead."""
@@ -105,6 +167,8 @@ def _errors(rank: int, pg2, pg1) -> dict:
     out["te_fp8"] = outcome(lambda: install(te))
     out["te_fp8_and_ours"] = outcome(lambda: install(te, fp8=FP8))
     out["none_after_fp8"] = outcome(lambda: install(layer, fp8=None))  # fp8=None: no FP8 checks
+    out["once_without_fp8"] = outcome(lambda: install(layer, quantize_weights_once=True))
+    out["once_not_bool"] = outcome(lambda: install(layer, fp8=FP8, quantize_weights_once=1))
     return out
 
 
@@ -134,6 +198,8 @@ def fp8_worker(rank: int, world_size: int) -> dict:
             synced = install(_megatron(kind, dtype, 1, pg1), fp8=FP8, sync_free=True)
             assert synced.token_dispatcher.config.sync_free
             rec["megatron_ep1_sync_free"] = _megatron_step(synced, x, dy)
+            if kind == "alltoall":
+                rec["quantised_once"] = quantised_once(kind, dtype, pg1, x, dy)
             records[(dname, kind)] = rec
     records["errors"] = _errors(rank, pg2, pg1)
     return records
@@ -167,5 +233,6 @@ def gpu_fp8_worker(rank: int, world_size: int) -> dict:
     for kind in KINDS:
         layer = install(_megatron(kind, torch.bfloat16, 1, pg), pg, fp8=FP8).to(device)
         out[kind] = _to_cpu({"megatron": _megatron_step(layer, x, dy),
-                             "ours": _ours_step(layer, dist.group.WORLD, x, dy)})
+                             "ours": _ours_step(layer, dist.group.WORLD, x, dy),
+                             "quantised_once": quantised_once(kind, torch.bfloat16, pg, x, dy)})
     return out

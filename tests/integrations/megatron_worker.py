@@ -206,7 +206,16 @@ def _spec_fp8_cases(rank: int, pg2, pg1) -> dict:
         "class_hidden": outcome(lambda: deterministic_moe_layer_class()(
             config=_config("alltoall", torch.bfloat16, 1, hidden_size=40), submodules=submodules,
             pg_collection=pg1, fp8="e4m3")),
+        "get_moe_module_spec_once": outcome(lambda: get_moe_module_spec(use_te=False, num_experts=E,
+                                                                        quantize_weights_once=True)),
+        "deterministic_moe_spec_once": outcome(lambda: deterministic_moe_spec(
+            get_gpt_layer_local_spec(num_experts=E), fp8="e4m3", quantize_weights_once="yes")),
+        "class_once": outcome(lambda: deterministic_moe_layer_class()(config=cfg1, submodules=submodules,
+                                                                       pg_collection=pg1, quantize_weights_once=True)),
     }
+    kept = deterministic_moe_layer_class()(config=cfg1, submodules=submodules, pg_collection=pg1, fp8="e4m3",
+                                           quantize_weights_once=True)
+    records["class_once_passed_on"] = kept.experts._moe_dispatch_quantize_weights_once
     return records
 
 

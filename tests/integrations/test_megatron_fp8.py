@@ -11,6 +11,9 @@ scales to row-stable FP8 experts, on 2 CPU gloo ranks (one spawn, megatron_fp8_w
   whole layer): bitwise the dropless dispatch's step;
 - bad values raise MoEConfig's own ValueError before any collective; unsupported settings
   (Megatron's TE FP8, Megatron's experts, sizes, sync-free at EP 2) raise naming the setting;
+- ``install(fp8=..., quantize_weights_once=True)``: bitwise per-forward quantisation over two
+  micro-batches, an optimizer step and an in-place weight change, quantising once per phase;
+  refused without fp8 or with a non-bool;
 - on CUDA (``-m gpu``, sm90+: torch._scaled_grouped_mm), EP 1, bf16: bitwise equal to our FP8
   layer, and across the dispatchers.
 """
@@ -114,6 +117,19 @@ def test_fp8_is_really_on(ranks, case):
                 assert 1e-2 <= err <= 0.2, (case, r, "expert", e, i, err)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_quantize_weights_once_bitwise_per_forward(ranks, dtype):
+    """The kept operands serve both micro-batches (one quantisation: the two weights, 2 calls), are
+    quantised again after an optimizer step and after copy_ into a weight, and every result is bitwise
+    the per-forward layer's. That the count would change: a kept layer that never re-quantised
+    would differ after the step (SGD moved every weight)."""
+    for r, rank in enumerate(ranks):
+        phases = rank[(dtype, "alltoall")]["quantised_once"]
+        assert list(phases) == ["micro-batches 1 and 2", "after an optimizer step", "after copy_ into a weight"]
+        for phase, got in phases.items():
+            assert got == dict(same=True, grads_same=True, quantised=2), (dtype, r, phase, got)
+
+
 def _moe_config_error(value) -> str:
     with pytest.raises(ValueError) as info:
         MoEConfig(hidden_size=64, num_experts=8, topk=2, ffn_hidden_size=32, fp8=value)
@@ -130,6 +146,8 @@ def test_bad_values_raise_moe_configs_error_before_any_collective(ranks):
 
 def test_unsupported_settings_name_the_setting(ranks):
     expect = {
+        "once_without_fp8": "install(quantize_weights_once=True) needs fp8",
+        "once_not_bool": "quantize_weights_once must be True or False, got 1",
         "row_stable_gemms": "needs row_stable_gemms=True",
         "sync_free": "the layer's EP group has size 2",
         "ffn": "needs moe_ffn_hidden_size a multiple of 16",
@@ -158,6 +176,8 @@ def test_gpu_equals_our_fp8_layer():
         for field in ("out", "gx"):
             assert_equal(rec["megatron"][field], rec["ours"][field], (kind, field))
         _assert_experts_equal(rec["megatron"]["experts"], rec["ours"]["experts"], kind)
+        for phase, got in rec["quantised_once"].items():  # the kept weight operands, as on the CPU
+            assert got == dict(same=True, grads_same=True, quantised=2), (kind, phase, got)
     ag, a2a = results["allgather"]["megatron"], results["alltoall"]["megatron"]
     for field in ("out", "gx"):
         assert_equal(ag[field], a2a[field], ("dispatchers", field))

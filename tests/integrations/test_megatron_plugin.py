@@ -205,10 +205,14 @@ def test_spec_fp8_bad_values_name_fp8(ranks):
     expect = {"get_moe_module_spec": "get_moe_module_spec: fp8='e5m2' is not one of ('e4m3',)",
               "deterministic_moe_spec": "deterministic_moe_spec: fp8='E4M3' is not one of ('e4m3',)",
               "class": "fp8='e5m2' is not one of ('e4m3',)",
-              "class_hidden": "install(fp8='e4m3') needs hidden_size a multiple of 16"}
+              "class_hidden": "install(fp8='e4m3') needs hidden_size a multiple of 16",
+              "get_moe_module_spec_once": "install(quantize_weights_once=True) needs fp8",
+              "deterministic_moe_spec_once": "quantize_weights_once must be True or False, got 'yes'",
+              "class_once": "install(quantize_weights_once=True) needs fp8"}
     for key, text in expect.items():
         kind, message = errors[key]
         assert kind == "ValueError" and text in message, (key, errors[key])
+    assert ranks[0]["spec_fp8"]["class_once_passed_on"] is True  # the class hands it on to install
 
 
 # --- install(row_stable_gemms=True), the default: Megatron's GEMMs swapped for row-stable ones ---

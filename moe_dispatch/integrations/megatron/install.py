@@ -18,6 +18,7 @@ from .supported import (
     check_fp8,
     check_graph_capture,
     check_groups,
+    check_quantize_weights_once,
     check_row_stable_supported,
     check_supported,
     megatron_field,
@@ -43,7 +44,8 @@ def _groups_of(moe_layer: Any, pg_collection: Any) -> Any:
 
 
 def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_gemms: bool = True,
-            sync_free: Optional[bool] = None, fp8: Optional[str] = None) -> Any:
+            sync_free: Optional[bool] = None, fp8: Optional[str] = None,
+            quantize_weights_once: bool = False) -> Any:
     """Replace ``moe_layer.token_dispatcher`` by ours of the same kind; returns ``moe_layer``.
 
     Args:
@@ -84,12 +86,24 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
     the TransformerConfig's own ``fp8`` (TransformerEngine) None (``check_fp8``); it runs sync-free
     (and so captures) where the layer would without FP8. Shared experts and the rest of the model
     keep Megatron's dtype.
+    ``quantize_weights_once`` (needs ``fp8``; default False: quantised in each forward): the
+    experts keep their weights' FP8 operands (``moe_dispatch.experts.quantize_weight``'s, for the
+    forward and the dgrad) from one forward to the next, and quantise again only after an optimizer
+    step (torch's global step hook: Megatron's optimizers, which step torch optimizers and then copy
+    into the model's weights, are covered), a change of a weight that autograd counts
+    (``load_state_dict``, ``copy_``) or new storage for one: what TransformerEngine does across
+    micro-batches with ``is_first_microbatch``, which Megatron signals only under its own FP8. Results
+    are bitwise those of per-forward quantisation. It costs memory: the operands take as many bytes as
+    the bf16 weights. Not seen: a write into the weights through ``.data`` outside an optimizer step.
+    Inside a CUDA-graph capture the experts quantise per forward (the graph re-reads the weights at
+    each replay) and keep nothing.
     Idempotent: installing twice keeps one of ours (rebuilt from the same groups). Call it
     before the first forward; the dispatcher keeps one step's state between dispatch and combine.
     """
     config = moe_layer.config
     check_supported(config, row_stable_gemms=row_stable_gemms)
     check_fp8(config, fp8, row_stable_gemms)
+    check_quantize_weights_once(fp8, quantize_weights_once)
     warn_if_untested()
     if row_stable_gemms:
         check_row_stable_supported(moe_layer)
@@ -110,7 +124,7 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
                          f"differ from the layer's local_expert_indices {expected}")
     moe_layer.token_dispatcher = dispatcher
     if row_stable_gemms:
-        make_row_stable(moe_layer)
+        make_row_stable(moe_layer, quantize_weights_once=quantize_weights_once)
     check_inputs_together(moe_layer)
     return moe_layer
 

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def make_row_stable(moe_layer: Any) -> Any:
+def make_row_stable(moe_layer: Any, quantize_weights_once: bool = False) -> Any:
     """Run a Megatron MoELayer's router gating and SequentialMLP expert GEMMs row-stably.
 
     The layer keeps its modules, parameters and state-dict names; two forwards are replaced:
@@ -25,7 +25,9 @@ def make_row_stable(moe_layer: Any) -> Any:
       expert row by its prob inside its fixed-order fp32 sum (no separate multiply pass, forward or
       backward); otherwise they are multiplied into the activation in fp32 and rounded once, as
       Megatron's MLP does before fc2. With our dispatcher's FP8 wire (``install(fp8=...)``) the
-      experts take its FP8 rows and run both GEMMs in FP8 (``_fp8_experts``).
+      experts take its FP8 rows and run both GEMMs in FP8 (``_fp8_experts``), their weights
+      quantised in each forward or, with ``quantize_weights_once``, kept from one forward to the
+      next until they may have changed (``install``).
     The expert weights are first moved into one stacked storage per projection
     (``experts.stack_expert_weights``: same Parameter objects, names, shapes and state-dict keys;
     each weight a view of its slice), which the GEMMs read without a copy and whose gradients
@@ -75,6 +77,8 @@ def make_row_stable(moe_layer: Any) -> Any:
     router.gating = types.MethodType(gating, router)
     experts.forward = types.MethodType(experts_forward, experts)
     experts._moe_dispatch_dispatcher = moe_layer.token_dispatcher
+    experts._moe_dispatch_quantize_weights_once = quantize_weights_once
+    experts._moe_dispatch_fp8_weights = None  # (WeightStamp, operands) with quantize_weights_once
     moe_layer._moe_dispatch_row_stable = True
     return moe_layer
 
@@ -109,11 +113,38 @@ def _fp8_experts(experts: Any, rows: "torch.Tensor", tokens_per_expert: "torch.T
                          "(dispatch_postprocess's tokens_per_expert), from the layer's dispatcher")
     q, scales = unpack_rows(rows, config.hidden_size, config.fp8)
     # [El, out, in] stacks, transposed to fp8_expert_gemm's [E, K, M] (no copy)
-    w1 = stacked_weights(expert_weights(experts, "linear_fc1"), experts).transpose(1, 2)
-    w2 = stacked_weights(expert_weights(experts, "linear_fc2"), experts).transpose(1, 2)
+    fc1, fc2 = expert_weights(experts, "linear_fc1"), expert_weights(experts, "linear_fc2")
+    w1 = stacked_weights(fc1, experts).transpose(1, 2)
+    w2 = stacked_weights(fc2, experts).transpose(1, 2)
     probs = permuted_probs if _experts_apply_probs(experts) else None
-    return fp8_mlp(q, scales, w1, w2, tokens_per_expert, offsets, FP8_FORMATS[config.fp8], activation, probs,
-                   handle.row_grad_sink, trailing)
+    fp8_dtype = FP8_FORMATS[config.fp8]
+    operands = None
+    if experts._moe_dispatch_quantize_weights_once:
+        operands = _weights_quantised_once(experts, [*fc1, *fc2], w1, w2, fp8_dtype)
+    return fp8_mlp(q, scales, w1, w2, tokens_per_expert, offsets, fp8_dtype, activation, probs,
+                   handle.row_grad_sink, trailing, weight_operands=operands)
+
+
+def _weights_quantised_once(experts: Any, weights: list, w1: "torch.Tensor", w2: "torch.Tensor",
+                            fp8_dtype: "torch.dtype") -> Optional[tuple]:
+    """The FP8 operands of w1 and w2 (``quantize_weight``'s) kept on ``experts`` while ``weights``
+    (the Parameters they stack) have not changed (``weights_problem``), else quantised again and
+    kept; None inside a CUDA-graph capture (the forward then quantises per call, in the graph)."""
+    import torch
+
+    from ...experts.fp8 import quantize_weight
+    from ...experts.fp8_weights import stamp_weights, weights_problem
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
+    kept = experts._moe_dispatch_fp8_weights
+    if kept is not None and weights_problem(kept[0], weights) is None:
+        return kept[1]
+    stamp = stamp_weights(weights)  # before quantising: what the operands are made from
+    with torch.no_grad():
+        operands = (quantize_weight(w1, fp8_dtype), quantize_weight(w2, fp8_dtype))
+    experts._moe_dispatch_fp8_weights = (stamp, operands)
+    return operands
 
 
 def _experts_apply_probs(experts: Any) -> bool:

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from ...config import FP8_FORMATS
 from .install import install
-from .supported import check_fp8, check_supported, megatron_field
+from .supported import check_fp8, check_quantize_weights_once, check_supported, megatron_field
 
 _MOE_LAYER_PATH = ("megatron.core.transformer.moe.moe_layer", "MoELayer")
 # The package that exports DeterministicMoELayer (lazily, through its __getattr__).
@@ -41,7 +41,8 @@ def deterministic_moe_layer_class() -> type:
             the installed release takes them), plus ``row_stable_gemms`` (default True) and
             ``fp8`` (default None: the layer's dtype on the wire; 'e4m3': our per-token FP8, each
             token's row quantised once with its own fp32 scale before the dispatch and both expert
-            GEMMs in FP8), both passed on to ``install`` (see there) and set through
+            GEMMs in FP8) and ``quantize_weights_once`` (default False), passed on to ``install``
+            (see there) and set through
             ``get_moe_module_spec`` / ``deterministic_moe_spec``; raises ValueError up front
             (before Megatron builds its own dispatcher) for the settings that ``check_supported``
             and ``check_fp8`` reject (an ``fp8`` outside ``FP8_FORMATS``, hidden or expert ffn
@@ -57,9 +58,10 @@ def deterministic_moe_layer_class() -> type:
             def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None,
                          pg_collection: Optional[Any] = None, is_mtp_layer: bool = False,
                          name: Optional[str] = None, row_stable_gemms: bool = True,
-                         fp8: Optional[str] = None) -> None:
+                         fp8: Optional[str] = None, quantize_weights_once: bool = False) -> None:
                 check_supported(config, row_stable_gemms=row_stable_gemms)
                 check_fp8(config, fp8, row_stable_gemms)
+                check_quantize_weights_once(fp8, quantize_weights_once)
                 extra = {}
                 for key, value, default in (("is_mtp_layer", is_mtp_layer, False), ("name", name, None)):
                     if key in accepted:
@@ -69,7 +71,8 @@ def deterministic_moe_layer_class() -> type:
                                         f"MoELayer takes {key} (this one does not)")
                 super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                                  pg_collection=pg_collection, **extra)
-                install(self, pg_collection, row_stable_gemms=row_stable_gemms, fp8=fp8)
+                install(self, pg_collection, row_stable_gemms=row_stable_gemms, fp8=fp8,
+                        quantize_weights_once=quantize_weights_once)
                 ep = megatron_field(config, "expert_model_parallel_size")
                 if pg_collection is None and ep is not None and ep != self.token_dispatcher.ep_size:
                     # megatron-core <= 0.17's TransformerLayer passes pg_collection only to a spec
@@ -94,9 +97,10 @@ def _check_fp8_value(fp8: Any, where: str) -> None:
         raise ValueError(f"{where}: fp8={fp8!r} is not one of {tuple(FP8_FORMATS)} (or None)")
 
 
-def deterministic_moe_spec(spec: Any, row_stable_gemms: bool = True, fp8: Optional[str] = None) -> Any:
+def deterministic_moe_spec(spec: Any, row_stable_gemms: bool = True, fp8: Optional[str] = None,
+                           quantize_weights_once: bool = False) -> Any:
     """A copy of a Megatron spec tree where every MoELayer is DeterministicMoELayer, built with
-    ``row_stable_gemms`` and ``fp8`` (see ``install``).
+    ``row_stable_gemms``, ``fp8`` and ``quantize_weights_once`` (see ``install``).
 
     ``fp8``: None (default: the layers dispatch and compute in the model's dtype, as before), or
     'e4m3' (a key of ``moe_dispatch.config.FP8_FORMATS``): every MoE layer of the tree runs our
@@ -111,9 +115,10 @@ def deterministic_moe_spec(spec: Any, row_stable_gemms: bool = True, fp8: Option
     (megatron-core <= 0.17) and a ``functools.partial(MoELayer, submodules=...)`` (0.18+); each
     keeps its kind."""
     _check_fp8_value(fp8, "deterministic_moe_spec")
+    check_quantize_weights_once(fp8, quantize_weights_once)
     moe_layer = _megatron_moe_layer()
     deterministic = deterministic_moe_layer_class()
-    options = dict(row_stable_gemms=row_stable_gemms, fp8=fp8)
+    options = dict(row_stable_gemms=row_stable_gemms, fp8=fp8, quantize_weights_once=quantize_weights_once)
     seen: dict = {}
 
     def visit(node: Any) -> Any:
@@ -160,13 +165,15 @@ def deterministic_moe_spec(spec: Any, row_stable_gemms: bool = True, fp8: Option
 
 
 def get_moe_module_spec(*args: Any, row_stable_gemms: bool = True, fp8: Optional[str] = None,
-                        **kwargs: Any) -> Any:
+                        quantize_weights_once: bool = False, **kwargs: Any) -> Any:
     """megatron.core.models.gpt.moe_module_specs.get_moe_module_spec (same arguments, same kind of
     spec: a ModuleSpec up to 0.17, a functools.partial from 0.18), with the module
-    DeterministicMoELayer built with ``row_stable_gemms`` and ``fp8`` (None by default, or 'e4m3':
-    our per-token FP8 dispatch and expert GEMMs; see ``deterministic_moe_spec`` and ``install``).
-    A bad ``fp8`` raises ValueError before Megatron's spec is built."""
+    DeterministicMoELayer built with ``row_stable_gemms``, ``fp8`` (None by default, or 'e4m3':
+    our per-token FP8 dispatch and expert GEMMs) and ``quantize_weights_once``; see
+    ``deterministic_moe_spec`` and ``install``. A bad ``fp8`` or ``quantize_weights_once`` raises
+    ValueError before Megatron's spec is built."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as megatron_spec
 
     _check_fp8_value(fp8, "get_moe_module_spec")
-    return deterministic_moe_spec(megatron_spec(*args, **kwargs), row_stable_gemms, fp8)
+    check_quantize_weights_once(fp8, quantize_weights_once)
+    return deterministic_moe_spec(megatron_spec(*args, **kwargs), row_stable_gemms, fp8, quantize_weights_once)

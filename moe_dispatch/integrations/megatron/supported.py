@@ -327,3 +327,13 @@ def check_fp8(config: Any, fp8: Any, row_stable_gemms: bool) -> None:
         if size is None or size % 16:
             raise ValueError(f"install(fp8={fp8!r}) needs {name} a multiple of 16 (FP8 GEMM rows of 16 bytes), "
                              f"got {size}")
+
+
+def check_quantize_weights_once(fp8: Any, quantize_weights_once: Any) -> None:
+    """Raise ValueError, naming the argument, unless ``quantize_weights_once`` is a bool, and True only
+    with ``fp8`` set (it keeps the FP8 experts' quantised weights between forwards)."""
+    if not isinstance(quantize_weights_once, bool):
+        raise ValueError(f"quantize_weights_once must be True or False, got {quantize_weights_once!r}")
+    if quantize_weights_once and fp8 is None:
+        raise ValueError("install(quantize_weights_once=True) needs fp8 (e.g. fp8='e4m3'): only the FP8 experts "
+                         "quantise their weights")
