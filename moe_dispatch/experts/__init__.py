@@ -7,7 +7,7 @@ FP8 expert GEMMs (row-wise scales), `fp8_weights` for their weights quantised on
 
 from .activations import activate, scale_rows
 from .fp8 import fp8_expert_gemm, fp8_mlp, quantize_weight
-from .fp8_weights import Fp8ExpertWeights, quantize_fp8_weights
+from .fp8_weights import Fp8ExpertWeights, WeightStamp, quantize_fp8_weights, stamp_weights, weights_problem
 from .gemm import expert_gemm, grouped_mm_row_stable, grouped_mm_supported, select_gemm
 from .init import WEIGHT1, WEIGHT2, expert_seed, init_expert_weights, layer_seed
 from .mlp import GroupedMLP, LocalExperts, SequentialMLP
@@ -26,6 +26,9 @@ __all__ = [
     "quantize_weight",
     "Fp8ExpertWeights",
     "quantize_fp8_weights",
+    "WeightStamp",
+    "stamp_weights",
+    "weights_problem",
     "select_gemm",
     "grouped_mm_supported",
     "grouped_mm_row_stable",

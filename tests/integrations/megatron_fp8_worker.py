@@ -94,7 +94,7 @@ def quantised_once(kind: str, dtype: torch.dtype, pg, x: torch.Tensor, dy: torch
     in-place weight change (copy_ on both), a fourth. Per phase: the outputs, input gradients and
     accumulated expert weight gradients bitwise alike, and how many times the kept layer quantised
     a weight (``quantize_weight`` calls)."""
-    from moe_dispatch.experts import fp8 as F
+    import moe_dispatch.experts as F  # the face the adapter imports quantize_weight from, at each call
     from moe_dispatch.integrations.megatron import install
 
     calls = []

@@ -132,8 +132,7 @@ def _weights_quantised_once(experts: Any, weights: list, w1: "torch.Tensor", w2:
     kept; None inside a CUDA-graph capture (the forward then quantises per call, in the graph)."""
     import torch
 
-    from ...experts.fp8 import quantize_weight
-    from ...experts.fp8_weights import stamp_weights, weights_problem
+    from ...experts import quantize_weight, stamp_weights, weights_problem
 
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
