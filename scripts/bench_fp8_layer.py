@@ -9,15 +9,19 @@ Prints three tables:
    both dispatchers give the same output and input gradient, and so do 64 of its tokens alone.
    Then FP8 with the expert weights quantised once (``layer.quantize_fp8_weights()``, as once per
    optimizer step for its micro-batches), its output and input gradient checked bitwise against
-   the per-call FP8 step's, and the time of that quantisation alone.
+   the per-call FP8 step's, and the time of that quantisation alone. Then both again with wgrad's
+   fast accumulation (``experts.fp8.FAST_ACCUM_WGRAD = True``), with the same checks and the
+   expert weight gradients' relative change against the default accumulation.
 2. The row quantisation (``ops.quantize_rows``) of the layer's tokens against its byte floor: each
    input read once and each output written once, over the device-to-device copy bandwidth
-   measured in the same run.
+   measured in the same run, and a sweep of its LAUNCH settings (each result checked bitwise
+   against the default's).
    Then the weight gradient's per-(expert, column) quantisation (``ops.quantize_group_columns``,
    one kernel) of the layer step's four wgrad operands (the saved float8 inputs dequantised by their
    row scales inside the kernel, and the bf16 output gradients), rows split over the experts at random and
-   with one expert holding half of them, against its byte floor (x read once, qt and the scales
-   written once), and a sweep of its LAUNCH settings (none changes a value).
+   with one expert holding half of them, with 1, 4 and 8 slices per expert, against its byte
+   floor (x read once, qt and the scales written once), and a sweep of its LAUNCH settings (none
+   changes a value). ``--no-sweeps`` skips both sweeps.
    Then every quantisation of one FP8 step at its byte floor (``--floor-only TB_PER_S`` prints
    only this table, from the shapes, without a GPU).
 3. Where the FP8 step's time goes: torch.profiler's CUDA time per kernel, by category (the GEMMs,
@@ -162,7 +166,7 @@ def group_columns_case(rows: int, cols: int, dtype: torch.dtype, experts: int, s
     return x, starts[0], starts[1], P, row_scales, moved
 
 
-def bench_group_columns(args, bandwidth: float) -> None:
+def bench_group_columns(args, bandwidth: float, sweep: bool = True) -> None:
     N, H, ffn, E = args.tokens * args.topk, args.hidden, args.ffn, args.experts
     print("\n## wgrad's column quantisation (ops.quantize_group_columns), against its byte floor\n")
     print("| operand | rows x cols, dtype | split | slices per expert | ms | floor ms | / floor | bitwise 1 slice |")
@@ -188,7 +192,7 @@ def bench_group_columns(args, bandwidth: float) -> None:
                           f"{splits} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} | {same} |", flush=True)
         KT.LAUNCH.clear()
         KT.LAUNCH.update(saved)
-        for name, cols, dtype in (("fc2 dy", H, torch.bfloat16), ("fc2 x", ffn, e4m3)):
+        for name, cols, dtype in (("fc2 dy", H, torch.bfloat16), ("fc2 x", ffn, e4m3)) if sweep else ():
             x, s, p, P, rs, moved = group_columns_case(N, cols, dtype, E, False)
             floor = moved / bandwidth * 1e3
             print(f"\nLAUNCH sweep, {name} ({N} x {cols} {str(dtype)[6:]}, random split; floor {floor:.4f} ms)\n")
@@ -297,6 +301,8 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--topk", type=int, default=6)
+    parser.add_argument("--no-sweeps", action="store_true",
+                        help="skip the quantisers' LAUNCH sweeps (the tables at the defaults still print)")
     parser.add_argument("--floor-only", type=float, metavar="TB_PER_S", default=None,
                         help="print only the quantisations' byte-floor table at this copy bandwidth (no GPU)")
     args = parser.parse_args()
@@ -360,8 +366,9 @@ def main() -> None:
         moved = row_quantisation_bytes(rows, H, 2)  # bf16 in
         floor = moved / bandwidth * 1e3
         print(f"| {rows} x {H} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} |")
-    bench_quantize_rows_launch([T, T * args.topk], H, bandwidth)
-    bench_group_columns(args, bandwidth)
+    if not args.no_sweeps:
+        bench_quantize_rows_launch([T, T * args.topk], H, bandwidth)
+    bench_group_columns(args, bandwidth, sweep=not args.no_sweeps)
     print_quantisation_floor(args, bandwidth)
 
     print("\n## Where the FP8 step's CUDA time goes (torch.profiler, 5 steps, per step)\n")
