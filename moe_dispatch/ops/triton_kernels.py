@@ -812,15 +812,19 @@ LAUNCH.update({"quantize_elements": 8192, "quantize_warps": 8, "quantize_program
 
 
 @triton.jit
-def _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H: tl.constexpr):
-    """(x [BLOCK_T, BLOCK_H] fp32 of columns h0.., max |x| per row with NaN counted as inf) for the
-    rows offs_t: one reduction, and a row holds inf or NaN exactly when its max is inf."""
+def _load_rows(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H: tl.constexpr):
+    """x [BLOCK_T, BLOCK_H] fp32: columns h0.. of the rows offs_t (0.0 where masked)."""
     offs_h = h0 + tl.arange(0, BLOCK_H)
     mask = mask_t[:, None] & (offs_h < H)[None, :]
-    x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :] * stride_xh, mask=mask,
-                other=0.0).to(tl.float32)
+    return tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :] * stride_xh, mask=mask,
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _abs_or_inf(x):
+    """|x| with NaN counted as inf: a row's max of it is inf exactly when the row holds inf or NaN."""
     a = tl.abs(x)
-    return x, tl.max(tl.where(a == a, a, float("inf")), axis=1)
+    return tl.where(a == a, a, float("inf"))
 
 
 @triton.jit
@@ -845,12 +849,16 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scales_ptr, T, H, stride_xt, stride_xh, 
         offs_t = (block * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # < T + BLOCK_T: no int32 overflow
         mask_t = offs_t < T
         if ONE_PASS:
-            x, amax = _row_amax(x_ptr, offs_t, mask_t, 0, H, stride_xt, stride_xh, BLOCK_H)
+            x = _load_rows(x_ptr, offs_t, mask_t, 0, H, stride_xt, stride_xh, BLOCK_H)
+            amax = tl.max(_abs_or_inf(x), axis=1)
         else:
-            amax = tl.zeros([BLOCK_T], dtype=tl.float32)
+            # an elementwise running max, reduced across the warps once at the end (a max: exact, in
+            # any order)
+            running = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
             for h0 in range(0, H, BLOCK_H):
-                _, block_amax = _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
-                amax = tl.maximum(amax, block_amax)  # a max: exact, in any order
+                x = _load_rows(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
+                running = tl.maximum(running, _abs_or_inf(x))
+            amax = tl.max(running, axis=1)
         bad = (amax == float("inf")).to(tl.int32)
         top = tl.full([BLOCK_T], FP8_MAX, tl.float32)
         small = amax < AMAX_FLOOR
@@ -861,7 +869,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scales_ptr, T, H, stride_xt, stride_xh, 
             _store_quantized(x, inv, bad, q_ptr, offs_t, mask_t, 0, H, FP8_MAX, BLOCK_H)
         else:
             for h0 in range(0, H, BLOCK_H):
-                x, _ = _row_amax(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
+                x = _load_rows(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
                 _store_quantized(x, inv, bad, q_ptr, offs_t, mask_t, h0, H, FP8_MAX, BLOCK_H)
 
 
