@@ -807,7 +807,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, block: int | None = None) 
 # software-pipelined "quantize_stages" deep (a block's load overlaps the previous block's reduction
 # and store). None changes a value: a row's amax is a max (exact in any order) and every element is
 # quantised alone.
-LAUNCH.update({"quantize_elements": 8192, "quantize_warps": 8, "quantize_programs_per_sm": 0,
+LAUNCH.update({"quantize_elements": 2048, "quantize_warps": 4, "quantize_programs_per_sm": 0,
                "quantize_stages": 1})
 
 
