@@ -10,8 +10,8 @@ Prints three tables:
    Then FP8 with the expert weights quantised once (``layer.quantize_fp8_weights()``, as once per
    optimizer step for its micro-batches), its output and input gradient checked bitwise against
    the per-call FP8 step's, and the time of that quantisation alone. Then both again with wgrad's
-   fast accumulation (``experts.fp8.FAST_ACCUM_WGRAD = True``), with the same checks and the
-   expert weight gradients' relative change against the default accumulation.
+   other accumulation (``experts.fp8.FAST_ACCUM_WGRAD`` flipped: fp32-promoted, the default being
+   fast), with the same checks and the expert weight gradients' relative change.
 2. The row quantisation (``ops.quantize_rows``) of the layer's tokens against its byte floor: each
    input read once and each output written once, over the device-to-device copy bandwidth
    measured in the same run, and a sweep of its LAUNCH settings (each result checked bitwise
@@ -102,16 +102,18 @@ def weight_grads(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor) -> 
     return [p.grad.float() for p in layer.experts.parameters()]
 
 
-def bench_wgrad_fast_accum(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, ref: torch.Tensor) -> None:
-    """The FP8 step with wgrad's fast accumulation (``experts.fp8.FAST_ACCUM_WGRAD``, off by default),
-    per call and with the weights quantised once: times, the same bitwise checks, and the expert
-    weight gradients' relative change against the default accumulation."""
+def bench_wgrad_accumulation(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, ref: torch.Tensor) -> None:
+    """The FP8 step with wgrad's other accumulation (``experts.fp8.FAST_ACCUM_WGRAD`` flipped; the
+    default is the FP8 MMA's fast accumulation), per call and with the weights quantised once: times,
+    the same bitwise checks, and the expert weight gradients' relative change against the default."""
     from moe_dispatch.experts import fp8 as F
 
+    default_setting = F.FAST_ACCUM_WGRAD
     default = weight_grads(config, x, upstream)
-    F.FAST_ACCUM_WGRAD = True
+    F.FAST_ACCUM_WGRAD = not default_setting
+    label = "fast" if F.FAST_ACCUM_WGRAD else "fp32-promoted"
     try:
-        print("\n## wgrad with the FP8 MMA's fast accumulation (experts.fp8.FAST_ACCUM_WGRAD = True)\n")
+        print(f"\n## wgrad with the other accumulation (experts.fp8.FAST_ACCUM_WGRAD = {F.FAST_ACCUM_WGRAD}: {label})\n")
         print("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
               "| 64 tokens alone bitwise | median rel. error vs bf16 |\n|---|---|---|---|---|---|---|")
         T = x.shape[0]
@@ -126,14 +128,14 @@ def bench_wgrad_fast_accum(config: MoEConfig, x: torch.Tensor, upstream: torch.T
             _, alone = layer_step(config, x[keep], upstream[keep], once=once)
             out3, gx3 = alone()
             err = ((out.float() - ref).norm(dim=1) / ref.norm(dim=1)).median().item()
-            print(f"| fp8 e4m3, wgrad fast accumulation{', weights quantised once' if once else ''} | {ms:.3f} | "
+            print(f"| fp8 e4m3, wgrad {label} accumulation{', weights quantised once' if once else ''} | {ms:.3f} | "
                   f"{graph_ms:.3f} | {replay_same} | {torch.equal(out, out2) and torch.equal(gx, gx2)} | "
                   f"{torch.equal(out3, out[keep]) and torch.equal(gx3, gx[keep])} | {err:.3g} |", flush=True)
-        fast = weight_grads(config, x, upstream)
+        other = weight_grads(config, x, upstream)
     finally:
-        F.FAST_ACCUM_WGRAD = False
-    for i, (d, f) in enumerate(zip(default, fast)):
-        print(f"expert weight {i}'s gradient, fast against default accumulation: relative change "
+        F.FAST_ACCUM_WGRAD = default_setting
+    for i, (d, f) in enumerate(zip(default, other)):
+        print(f"expert weight {i}'s gradient, {label} against the default accumulation: relative change "
               f"{((f - d).norm() / d.norm()).item():.3g}")
 
 
@@ -358,7 +360,7 @@ def main() -> None:
           f"bitwise the per-call fp8 step: {same_per_call} | | |")
     quantise_ms = median_ms(layer.quantize_fp8_weights)
     print(f"\nlayer.quantize_fp8_weights() alone (both weights, forward and dgrad operands): {quantise_ms:.3f} ms")
-    bench_wgrad_fast_accum(config, x, upstream, ref)
+    bench_wgrad_accumulation(config, x, upstream, ref)
     print("\n## Row quantisation (ops.quantize_rows), against its byte floor\n")
     src = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
     dst = torch.empty_like(src)
