@@ -113,7 +113,7 @@ def bench_wgrad_accumulation(config: MoEConfig, x: torch.Tensor, upstream: torch
     F.FAST_ACCUM_WGRAD = not default_setting
     label = "fast" if F.FAST_ACCUM_WGRAD else "fp32-promoted"
     try:
-        print(f"\n## wgrad with the other accumulation (experts.fp8.FAST_ACCUM_WGRAD = {F.FAST_ACCUM_WGRAD}: {label})\n")
+        print(f"\n## wgrad with the other accumulation (FAST_ACCUM_WGRAD = {F.FAST_ACCUM_WGRAD}: {label})\n")
         print("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
               "| 64 tokens alone bitwise | median rel. error vs bf16 |\n|---|---|---|---|---|---|---|")
         T = x.shape[0]
