@@ -323,6 +323,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: check this script itself with the kernels under TRITON_INTERPRET=1 (fp32, "
                              "no large case); it says nothing about memory safety on the GPU")
+    parser.add_argument("--only", default=None, metavar="TEXT",
+                        help="run only the cases whose name (route prefix included) contains TEXT")
     args = parser.parse_args()
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -361,7 +363,7 @@ def main() -> None:
     routes = [("", {}), ("[alt route] ", {"unpermute_bwd_per_token": True, "quantize_programs_per_sm": 2,
                                            "quantize_stages": 2, "group_columns_splits": 3})]
     cases = [(prefix + name, case, knobs) for prefix, knobs in routes for name, case in cases
-             if not (knobs and name == "int64 offsets")]
+             if not (knobs and name == "int64 offsets") and (args.only is None or args.only in prefix + name)]
     failed = []
     for name, case, knobs in cases:
         saved = dict(KT.LAUNCH)
