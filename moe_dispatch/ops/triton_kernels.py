@@ -968,18 +968,23 @@ def _slice_amax(x_ptr, rs_ptr, s, rows, begin, end, N, offs_c, mask_c, stride_xn
 
 
 @triton.jit
+def _group_program(starts_ptr, C, BLOCK_C: tl.constexpr):
+    """This program's (expert e, slice, experts E, columns offs_c, their mask, the expert's first
+    row s_e and its row count) on the group-column kernels' grid (column blocks, E, slices)."""
+    e = tl.program_id(1).to(tl.int64)
+    offs_c = tl.program_id(0).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    s = tl.load(starts_ptr + e).to(tl.int64)
+    rows = tl.load(starts_ptr + e + 1).to(tl.int64) - s
+    return e, tl.program_id(2), tl.num_programs(1), offs_c, offs_c < C, s, rows
+
+
+@triton.jit
 def _group_columns_amax_kernel(x_ptr, row_scales_ptr, starts_ptr, partial_ptr, N, C, stride_xn, stride_xc,
                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SPLITS: tl.constexpr,
                                HAS_SCALES: tl.constexpr, X_FP8_MAX: tl.constexpr):
     """Expert e = program_id(1), slice program_id(2) of its rows, columns program_id(0) * BLOCK_C +
     [0, BLOCK_C): the slice's column amax (_slice_amax) into partial [SPLITS, E, C]."""
-    e = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
-    E = tl.num_programs(1)
-    offs_c = tl.program_id(0).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_c = offs_c < C
-    s = tl.load(starts_ptr + e).to(tl.int64)
-    rows = tl.load(starts_ptr + e + 1).to(tl.int64) - s
+    e, split, E, offs_c, mask_c, s, rows = _group_program(starts_ptr, C, BLOCK_C)
     begin, end = _slice_of(rows, split, SPLITS, BLOCK_R)
     amax = _slice_amax(x_ptr, row_scales_ptr, s, rows, begin, end, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R,
                        BLOCK_C, HAS_SCALES, X_FP8_MAX)
@@ -998,13 +1003,7 @@ def _quantize_group_columns_kernel(x_ptr, row_scales_ptr, starts_ptr, pstarts_pt
     _round_out(x * inv) transposed into qt's columns [p_e, p_e + n_e), +0.0 up to p_{e+1}
     (torch_twin.quantize_group_columns). Every load is masked to [0, N) x [0, C) and every store to
     [0, C) x [0, P), so starts that break the op's contract stay in bounds."""
-    e = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
-    E = tl.num_programs(1)
-    offs_c = tl.program_id(0).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_c = offs_c < C
-    s = tl.load(starts_ptr + e).to(tl.int64)
-    rows = tl.load(starts_ptr + e + 1).to(tl.int64) - s
+    e, split, E, offs_c, mask_c, s, rows = _group_program(starts_ptr, C, BLOCK_C)
     p = tl.load(pstarts_ptr + e).to(tl.int64)
     width = tl.load(pstarts_ptr + e + 1).to(tl.int64) - p
     if SPLITS == 1:
