@@ -803,9 +803,9 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, block: int | None = None) 
 # --------------------------------------------------------------------------------------------
 # "quantize_elements": elements per row block (whole rows of H <= it load once; longer rows are
 # read twice, in chunks of it); "quantize_warps"; "quantize_programs_per_sm": 0 launches one
-# program per row block, n > 0 launches n programs per SM that stride over the blocks, their loads
-# software-pipelined "quantize_stages" deep (a block's load overlaps the previous block's reduction
-# and store). None changes a value: a row's amax is a max (exact in any order) and every element is
+# program per row block, n > 0 launches n programs per SM that stride over the blocks, asking
+# Triton to pipeline their loads "quantize_stages" deep (on an H200 no faster: BENCHMARKS.md, FP8).
+# None changes a value: a row's amax is a max (exact in any order) and every element is
 # quantised alone.
 LAUNCH.update({"quantize_elements": 2048, "quantize_warps": 4, "quantize_programs_per_sm": 0,
                "quantize_stages": 1})
