@@ -96,6 +96,25 @@ def layer_step(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, once:
     return layer, step
 
 
+def layer_row(label: str, config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, ref: torch.Tensor | None,
+              once: bool = False):
+    """Prints the layer table's row for ``config``: its step eager and captured, whether that step is
+    bitwise across the dispatchers and for 64 of its tokens alone, and its median per-token
+    relative error against ``ref`` ('-' without one). Returns (output, input gradient, the step)."""
+    _, step = layer_step(config, x, upstream, once=once)
+    ms = median_ms(step)
+    out, gx = step()
+    graph_ms, replay_same = captured(config, x, upstream, (out, gx), once=once)
+    out2, gx2 = layer_step(config.replace(dispatcher="allgather"), x, upstream, once=once)[1]()
+    keep = torch.arange(0, x.shape[0], x.shape[0] // 64, device=x.device)[:64]
+    out3, gx3 = layer_step(config, x[keep], upstream[keep], once=once)[1]()
+    err = "-" if ref is None else f"{((out.float() - ref).norm(dim=1) / ref.norm(dim=1)).median().item():.3g}"
+    same_kind = torch.equal(out, out2) and torch.equal(gx, gx2)
+    same_alone = torch.equal(out3, out[keep]) and torch.equal(gx3, gx[keep])
+    print(f"| {label} | {ms:.3f} | {graph_ms:.3f} | {replay_same} | {same_kind} | {same_alone} | {err} |", flush=True)
+    return out, gx, step
+
+
 def weight_grads(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor) -> list[torch.Tensor]:
     layer = MoELayer(config, layer_index=0).to(DEVICE)
     layer(x.detach().requires_grad_()).backward(upstream)
@@ -116,21 +135,9 @@ def bench_wgrad_accumulation(config: MoEConfig, x: torch.Tensor, upstream: torch
         print(f"\n## wgrad with the other accumulation (FAST_ACCUM_WGRAD = {F.FAST_ACCUM_WGRAD}: {label})\n")
         print("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
               "| 64 tokens alone bitwise | median rel. error vs bf16 |\n|---|---|---|---|---|---|---|")
-        T = x.shape[0]
-        keep = torch.arange(0, T, T // 64, device=DEVICE)[:64]
         for once in (False, True):
-            _, step = layer_step(config, x, upstream, once=once)
-            ms = median_ms(step)
-            out, gx = step()
-            graph_ms, replay_same = captured(config, x, upstream, (out, gx), once=once)
-            _, other = layer_step(config.replace(dispatcher="allgather"), x, upstream, once=once)
-            out2, gx2 = other()
-            _, alone = layer_step(config, x[keep], upstream[keep], once=once)
-            out3, gx3 = alone()
-            err = ((out.float() - ref).norm(dim=1) / ref.norm(dim=1)).median().item()
-            print(f"| fp8 e4m3, wgrad {label} accumulation{', weights quantised once' if once else ''} | {ms:.3f} | "
-                  f"{graph_ms:.3f} | {replay_same} | {torch.equal(out, out2) and torch.equal(gx, gx2)} | "
-                  f"{torch.equal(out3, out[keep]) and torch.equal(gx3, gx[keep])} | {err:.3g} |", flush=True)
+            layer_row(f"fp8 e4m3, wgrad {label} accumulation{', weights quantised once' if once else ''}", config, x,
+                      upstream, ref, once=once)
         other = weight_grads(config, x, upstream)
     finally:
         F.FAST_ACCUM_WGRAD = default_setting
@@ -329,27 +336,8 @@ def main() -> None:
     print("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
           "| 64 tokens alone bitwise | median rel. error vs bf16 |")
     print("|---|---|---|---|---|---|---|")
-    ref = None
-    steps = {}
-    for fp8 in (None, "e4m3"):
-        _, step = layer_step(MoEConfig(fp8=fp8, **base), x, upstream)
-        ms = median_ms(step)
-        out, gx = step()
-        steps[fp8] = step
-        graph_ms, replay_same = captured(MoEConfig(fp8=fp8, **base), x, upstream, (out, gx))
-        _, other = layer_step(MoEConfig(fp8=fp8, dispatcher="allgather", **base), x, upstream)
-        out2, gx2 = other()
-        same_kind = torch.equal(out, out2) and torch.equal(gx, gx2)
-        keep = torch.arange(0, T, T // 64, device=DEVICE)[:64]
-        _, alone = layer_step(MoEConfig(fp8=fp8, **base), x[keep], upstream[keep])
-        out3, gx3 = alone()
-        same_alone = torch.equal(out3, out[keep]) and torch.equal(gx3, gx[keep])
-        if fp8 is None:
-            ref, err = out.float(), "-"
-        else:
-            err = f"{((out.float() - ref).norm(dim=1) / ref.norm(dim=1)).median().item():.3g}"
-        print(f"| {'bf16' if fp8 is None else 'fp8 ' + fp8} | {ms:.3f} | {graph_ms:.3f} | {replay_same} | "
-              f"{same_kind} | {same_alone} | {err} |", flush=True)
+    ref = layer_row("bf16", MoEConfig(**base), x, upstream, None)[0].float()
+    out, gx, fp8_step = layer_row("fp8 e4m3", MoEConfig(fp8="e4m3", **base), x, upstream, ref)
     config = MoEConfig(fp8="e4m3", **base)
     layer, step = layer_step(config, x, upstream, once=True)
     ms = median_ms(step)
@@ -380,7 +368,7 @@ def main() -> None:
     print_quantisation_floor(args, bandwidth)
 
     print("\n## Where the FP8 step's CUDA time goes (torch.profiler, 5 steps, per step)\n")
-    step = steps["e4m3"]
+    step = fp8_step
     for _ in range(3):
         step()
     torch.cuda.synchronize()
