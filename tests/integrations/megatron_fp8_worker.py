@@ -43,13 +43,10 @@ def _note_rows(experts, args) -> None:
 def _megatron_step(layer, x: torch.Tensor, dy: torch.Tensor) -> dict:
     """One forward + backward of Megatron's layer on x [T, H] (fed as [T / B, B, H])."""
     layer.zero_grad(set_to_none=True)
-    xi = x.reshape(-1, B, H).clone().requires_grad_()
-    out, bias = layer(xi)
-    assert bias is None
-    out.backward(dy.reshape(out.shape))
+    out, gx = _step_accumulating(layer, x, dy)
     experts = {layer.local_expert_indices[i]: (e.linear_fc1.weight.grad.clone(), e.linear_fc2.weight.grad.clone())
                for i, e in enumerate(layer.experts.local_experts)}
-    return dict(out=out.detach().reshape(-1, H).clone(), gx=xi.grad.reshape(-1, H).clone(), experts=experts,
+    return dict(out=out.clone(), gx=gx.clone(), experts=experts,
                 rows=layer.experts.rows_seen, wire_fp8=layer.token_dispatcher.config.fp8)
 
 
@@ -79,7 +76,8 @@ def _ours_step(megatron_layer, group, x: torch.Tensor, dy: torch.Tensor) -> dict
 def _step_accumulating(layer, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward + backward of x [T, H], the weight gradients accumulating; (out, input grad)."""
     xi = x.reshape(-1, B, H).clone().requires_grad_()
-    out, _ = layer(xi)
+    out, bias = layer(xi)
+    assert bias is None
     out.backward(dy.reshape(out.shape))
     return out.detach().reshape(-1, H), xi.grad.reshape(-1, H)
 
