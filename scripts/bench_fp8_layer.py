@@ -24,9 +24,10 @@ Prints three tables:
    changes a value). ``--no-sweeps`` skips both sweeps.
    Then every quantisation of one FP8 step at its byte floor (``--floor-only TB_PER_S`` prints
    only this table, from the shapes, without a GPU).
-3. Where the FP8 step's time goes: torch.profiler's CUDA time per kernel, by category (the GEMMs,
-   zero fills, quantisation, permute/combine, the rest), so the non-GEMM time is itemised, then
-   the operators that launched the most GPU time, with their input shapes.
+3. Where the step's time goes (bf16, FP8 per call, FP8 with the weights quantised once):
+   torch.profiler's CUDA time per kernel, by category (the GEMMs, zero fills, quantisation,
+   permute/combine, the rest), so the non-GEMM time is itemised, then the operators that launched
+   the most GPU time, with their input shapes.
 Both layers run the EP-1 sync-free dispatch (no host read), so both capture.
 """
 from __future__ import annotations
@@ -367,8 +368,15 @@ def main() -> None:
     bench_group_columns(args, bandwidth, sweep=not args.no_sweeps)
     print_quantisation_floor(args, bandwidth)
 
-    print("\n## Where the FP8 step's CUDA time goes (torch.profiler, 5 steps, per step)\n")
-    step = fp8_step
+    profile_step("bf16", layer_step(MoEConfig(**base), x, upstream)[1])
+    profile_step("FP8 per call", fp8_step)
+    profile_step("FP8, the weights quantised once", layer_step(config, x, upstream, once=True)[1])
+
+
+def profile_step(label: str, step) -> None:
+    """Prints where ``step``'s CUDA time goes (torch.profiler over 5 steps, per step): by category,
+    the top 20 kernels, and the top 20 operators by the GPU time of the kernels they launched."""
+    print(f"\n## Where the step's CUDA time goes, {label} (torch.profiler, 5 steps, per step)\n")
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -387,9 +395,10 @@ def main() -> None:
         totals[category(event.key)] = totals.get(category(event.key), 0.0) + us / 5
         kernels[event.key] = kernels.get(event.key, 0.0) + us / 5
     whole = sum(totals.values())
+    print(f"all kernels: {whole / 1e3:.3f} ms per step\n")
     print("| category | ms per step | share |\n|---|---|---|")
-    for label, us in sorted(totals.items(), key=lambda kv: -kv[1]):
-        print(f"| {label} | {us / 1e3:.3f} | {us / whole:.0%} |")
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"| {name} | {us / 1e3:.3f} | {us / whole:.0%} |")
     print("\n| kernel (top 20) | category | ms per step |\n|---|---|---|")
     for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:20]:
         print(f"| {name[:110]} | {category(name)} | {us / 1e3:.3f} |")
