@@ -199,6 +199,66 @@ def _probs_args(probs: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
 
 
 # --------------------------------------------------------------------------------------------
+# Zeros for the rows no slot points at (padding, trailing rows of a sync-free plan's buffer).
+# The permute and the unpermute backward write every row a slot points at, whole; a buffer they
+# must return zero-filled gets zeros only in the other rows, rather than a fill of all N rows
+# first (at EP 1 no row is left over, and the fill was a write of the whole buffer).
+# --------------------------------------------------------------------------------------------
+LAUNCH.update({"cover_block_t": 64, "cover_block_j": 8, "uncovered_block_r": 64, "uncovered_block_w": 256})
+_uninitialised = torch.empty  # the buffers these kernels fill whole; tests pass a garbage-filling allocator
+
+
+@triton.jit
+def _cover_rows_kernel(slots_ptr, covered_ptr, T, E, N, BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr):
+    """covered[row] = 1 for every row of tokens [pid * BLOCK_T, + BLOCK_T)'s slots j < n_t (n_t
+    clamped to [0, E], as the permute and unpermute kernels clamp it) with row in [0, N): the rows
+    those kernels write. Rows two slots share get the same 1."""
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    slot_rows = slots_ptr + offs_t * (2 * E + 1)
+    n = tl.minimum(tl.maximum(tl.load(slot_rows, mask=mask_t, other=0), 0), E)
+    offs_j = tl.arange(0, BLOCK_J)
+    for j0 in range(0, tl.max(n, axis=0), BLOCK_J):
+        live = mask_t[:, None] & ((j0 + offs_j)[None, :] < n[:, None])
+        row = tl.load(slot_rows[:, None] + 1 + j0 + offs_j[None, :], mask=live, other=-1).to(tl.int64)
+        ok = live & (row >= 0) & (row < N)
+        tl.store(covered_ptr + row, tl.full([BLOCK_T, BLOCK_J], 1, tl.int8), mask=ok)
+
+
+@triton.jit
+def _zero_uncovered_rows_kernel(out_ptr, covered_ptr, N, W, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """out[row, :W] = 0 for rows [pid * BLOCK_R, + BLOCK_R) of [0, N) with covered[row] == 0;
+    out [N, W] contiguous. A block with no such row stores nothing."""
+    offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    gap = (offs_r < N) & (tl.load(covered_ptr + offs_r, mask=offs_r < N, other=1) == 0)
+    width = tl.where(tl.max(gap.to(tl.int32), axis=0) > 0, W, 0)
+    zeros = tl.zeros([BLOCK_R, BLOCK_W], dtype=out_ptr.dtype.element_ty)
+    for w0 in range(0, width, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        tl.store(out_ptr + offs_r[:, None] * W + offs_w[None, :], zeros, mask=gap[:, None] & (offs_w < W)[None, :])
+
+
+def zero_uncovered_rows(out: torch.Tensor, slots: torch.Tensor) -> None:
+    """Launcher. out [N, W] contiguous, slots [T, 2E + 1]: zeros (all bits clear) in every row of
+    out that no slot j < n_t points at, in place; the other rows are left as they are."""
+    N, W = out.shape
+    if N == 0 or W == 0:
+        return
+    T = slots.shape[0]
+    E = (slots.shape[1] - 1) // 2
+    covered = torch.zeros(N, dtype=torch.int8, device=out.device)
+    if T > 0:
+        block_t = LAUNCH["cover_block_t"]
+        _cover_rows_kernel[(triton.cdiv(T, block_t),)](slots, covered, T, E, N, BLOCK_T=block_t,
+                                                        BLOCK_J=LAUNCH["cover_block_j"], **_launch_opts())
+    block_r = LAUNCH["uncovered_block_r"]
+    data, _ = _bytes_of(out)
+    _zero_uncovered_rows_kernel[(triton.cdiv(N, block_r),)](
+        data, covered, N, W, BLOCK_R=block_r, BLOCK_W=min(LAUNCH["uncovered_block_w"], triton.next_power_of_2(W)),
+        **_launch_opts())
+
+
+# --------------------------------------------------------------------------------------------
 # Row-id map: per-chunk expert counts, then slot lists. Two launches, no torch ops between.
 # --------------------------------------------------------------------------------------------
 @triton.jit
@@ -429,7 +489,9 @@ def permute_rows(tokens: torch.Tensor, slots: torch.Tensor, probs: torch.Tensor 
     T, H = tokens.shape
     E = (slots.shape[1] - 1) // 2
     alloc = torch.zeros if zero_fill else torch.empty
-    out = alloc((num_out, H), dtype=tokens.dtype, device=tokens.device)
+    out = _uninitialised((num_out, H), dtype=tokens.dtype, device=tokens.device)
+    if zero_fill:
+        zero_uncovered_rows(out, slots)  # the kernel below writes the rest
     out_probs = alloc((num_out if probs is not None else 0,), dtype=torch.float32 if probs is None else probs.dtype,
                       device=tokens.device)
     out_scales = alloc((num_out if row_scales is not None else 0,), dtype=torch.float32, device=tokens.device)
@@ -736,8 +798,9 @@ def unpermute_rows_backward(grad: torch.Tensor, rows: torch.Tensor, slots: torch
     T = slots.shape[0]
     E = (slots.shape[1] - 1) // 2
     N, H = rows.shape
-    alloc = torch.zeros if zero_fill else torch.empty
-    grad_rows = alloc((N, H), dtype=rows.dtype, device=rows.device)
+    grad_rows = _uninitialised((N, H), dtype=rows.dtype, device=rows.device)
+    if zero_fill:
+        zero_uncovered_rows(grad_rows, slots)  # the kernel below writes the rest
     if probs is None:
         grad_probs = torch.empty(0, dtype=torch.float32, device=rows.device)
     else:
