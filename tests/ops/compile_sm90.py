@@ -22,6 +22,7 @@ POINTERS = {
     "out_probs_ptr": "*fp32", "grad_ptr": "*bf16", "grad_probs_ptr": "*fp32", "grad_tokens_ptr": "*bf16",
     "grad_token_probs_ptr": "*fp32", "rows_ptr": "*bf16", "grad_rows_ptr": "*bf16", "partial_ptr": "*fp32",
     "x_ptr": "*bf16", "index_ptr": "*i64", "scales_ptr": "*fp32", "out_scales_ptr": "*fp32", "q_ptr": "*u8",
+    "covered_ptr": "*i8",
 }
 WIDE = {"given_hash": "i64"}
 E4M3, E5M2 = 448.0, 57344.0  # the float8 formats' largest values: the kernels' OUT_FP8_MAX / FP8_MAX
@@ -66,6 +67,9 @@ def variants():
                                             BLOCK_E=64, OUT_FP8_MAX=E4M3),\
             {"grad_ptr": "*fp32", "rows_ptr": "*fp8e4nv", "grad_rows_ptr": "*u8"}
     yield K._probs_grad_kernel, dict(BLOCK_J=8, BLOCK_E=64), {}
+    yield K._cover_rows_kernel, dict(BLOCK_T=64, BLOCK_J=8), {}
+    for out in ("*bf16", "*u8", "*fp32"):  # zeros in the rows no slot points at: bf16, float8 bytes, fp32
+        yield K._zero_uncovered_rows_kernel, dict(BLOCK_R=64, BLOCK_W=256), {"out_ptr": out}
     yield K._gather_rows_kernel, dict(BLOCK_H=1024, TOKEN_MAJOR=False), {}
     for fp8, x, one_pass, stages in ((E4M3, "*bf16", True, 1), (E5M2, "*fp32", False, 1), (E4M3, "*bf16", True, 3)):
         yield K._quantize_rows_kernel, dict(FP8_MAX=fp8, AMAX_FLOOR=2.0 ** -64, BLOCK_T=2, BLOCK_H=4096,
