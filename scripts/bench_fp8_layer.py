@@ -19,7 +19,7 @@ Prints three tables:
    Then the weight gradient's per-(expert, column) quantisation (``ops.quantize_group_columns``,
    one kernel) of the layer step's four wgrad operands (the saved float8 inputs dequantised by their
    row scales inside the kernel, and the bf16 output gradients), rows split over the experts at random and
-   with one expert holding half of them, with 1, 4 and 8 slices per expert, against its byte
+   with one expert holding half of them, with 1, 4 and 8 slices per expert and the tiled route, against its byte
    floor (x read once, qt and the scales written once), and a sweep of its LAUNCH settings (none
    changes a value). ``--no-sweeps`` skips both sweeps.
    Then every quantisation of one FP8 step at its byte floor (``--floor-only TB_PER_S`` prints
@@ -147,8 +147,32 @@ def bench_wgrad_accumulation(config: MoEConfig, x: torch.Tensor, upstream: torch
               f"{((f - d).norm() / d.norm()).item():.3g}")
 
 
+def bench_tiled_route(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, ref: torch.Tensor,
+                      default: tuple) -> None:
+    """The FP8 step with ``quantize_group_columns``' tiled route (``LAUNCH["group_columns_tiles"]``),
+    per call and with the weights quantised once: times, the same bitwise checks, its output, input
+    gradient and expert weight gradients bitwise the default route's, and the weights' quantisation
+    alone."""
+    weights_default = weight_grads(config, x, upstream)
+    saved = KT.LAUNCH["group_columns_tiles"]
+    KT.LAUNCH["group_columns_tiles"] = not saved
+    try:
+        print(f"\n## quantize_group_columns' other route (group_columns_tiles = {not saved})\n")
+        print("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
+              "| 64 tokens alone bitwise | median rel. error vs bf16 |\n|---|---|---|---|---|---|---|")
+        out, gx, _ = layer_row("fp8 e4m3, other route", config, x, upstream, ref)
+        layer_row("fp8 e4m3, other route, weights quantised once", config, x, upstream, ref, once=True)
+        same = torch.equal(out, default[0]) and torch.equal(gx, default[1]) and all(
+            torch.equal(a, b) for a, b in zip(weight_grads(config, x, upstream), weights_default))
+        layer = MoELayer(config, layer_index=0).to(DEVICE)
+        print(f"\noutput, input and expert weight gradients bitwise the default route's: {same}; "
+              f"layer.quantize_fp8_weights() alone: {median_ms(layer.quantize_fp8_weights):.3f} ms")
+    finally:
+        KT.LAUNCH["group_columns_tiles"] = saved
+
+
 CATEGORIES = [("GEMM", r"gemm|cutlass|nvjet|xmma|sm90_|grouped_mm|scaled_mm|f8f8"),
-              ("quantise", r"quantize"), ("zero fill", r"fill|zero"),
+              ("quantise", r"quantize"), ("zero fill", r"fill|zero|cover_rows"),
               ("permute / combine", r"permute|unpermute|slots|gather|scatter|index"),
               ]
 
@@ -179,8 +203,13 @@ def group_columns_case(rows: int, cols: int, dtype: torch.dtype, experts: int, s
 def bench_group_columns(args, bandwidth: float, sweep: bool = True) -> None:
     N, H, ffn, E = args.tokens * args.topk, args.hidden, args.ffn, args.experts
     print("\n## wgrad's column quantisation (ops.quantize_group_columns), against its byte floor\n")
-    print("| operand | rows x cols, dtype | split | slices per expert | ms | floor ms | / floor | bitwise 1 slice |")
+    print("| operand | rows x cols, dtype | split | route | ms | floor ms | / floor | bitwise the first route |")
     print("|---|---|---|---|---|---|---|---|")
+    routes = [("1 slice an expert", dict(group_columns_splits=1)), ("4 slices", dict(group_columns_splits=4)),
+              ("8 slices", dict(group_columns_splits=8)), ("tiles of 128 rows", dict(group_columns_tiles=True)),
+              ("tiles of 64 rows", dict(group_columns_tiles=True, group_columns_block_r=64)),
+              ("tiles, 32 columns x 64 rows, 8 warps", dict(group_columns_tiles=True, group_columns_block_c=32,
+                                                             group_columns_block_r=64, group_columns_warps=8))]
     e4m3 = torch.float8_e4m3fn
     operands = [("fc1 x (saved rows, row scales)", H, e4m3), ("fc1 dy", ffn, torch.bfloat16),
                 ("fc2 x (saved rows, row scales)", ffn, e4m3), ("fc2 dy", H, torch.bfloat16)]
@@ -191,15 +220,16 @@ def bench_group_columns(args, bandwidth: float, sweep: bool = True) -> None:
                 x, s, p, P, rs, moved = group_columns_case(N, cols, dtype, E, skewed)
                 floor = moved / bandwidth * 1e3
                 want = None
-                for splits in (1, 4, 8):
-                    KT.LAUNCH.update(group_columns_splits=splits)
+                for route, knobs in routes:
+                    KT.LAUNCH.clear()
+                    KT.LAUNCH.update(saved, **knobs)
                     got = quantize_group_columns(x, s, p, P, e4m3, rs)
                     want = got if want is None else want
                     same = torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and \
                         torch.equal(got[1], want[1])
                     ms = median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3, rs), iters=50)
                     print(f"| {name} | {N} x {cols}, {str(dtype)[6:]} | {'one expert half' if skewed else 'random'} | "
-                          f"{splits} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} | {same} |", flush=True)
+                          f"{route} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} | {same} |", flush=True)
         KT.LAUNCH.clear()
         KT.LAUNCH.update(saved)
         for name, cols, dtype in (("fc2 dy", H, torch.bfloat16), ("fc2 x", ffn, e4m3)) if sweep else ():
@@ -350,6 +380,7 @@ def main() -> None:
     quantise_ms = median_ms(layer.quantize_fp8_weights)
     print(f"\nlayer.quantize_fp8_weights() alone (both weights, forward and dgrad operands): {quantise_ms:.3f} ms")
     bench_wgrad_accumulation(config, x, upstream, ref)
+    bench_tiled_route(config, x, upstream, ref, (out, gx))
     print("\n## Row quantisation (ops.quantize_rows), against its byte floor\n")
     src = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
     dst = torch.empty_like(src)

@@ -15,7 +15,7 @@ index out of range. Each must give the CPU twin's ValueError (deferred on CUDA: 
 moe_dispatch/ops/guard.py), NaN in the poisoned results, and a correct result on the next call.
 Every case runs twice: with the default routes, and with LAUNCH's alternative routes
 (unpermute_bwd_per_token; quantize_rows' strided programs with pipelined loads; three slices per
-expert in quantize_group_columns).
+expert in quantize_group_columns), and once more with quantize_group_columns' tiled route.
 
 The quantisers (``quantize_rows``, ``quantize_group_columns``): bitwise the CPU twin over zero,
 tiny, inf and NaN rows, strided inputs (the FP8 wire's rows read in place), float8 input with row
@@ -361,7 +361,8 @@ def main() -> None:
     from moe_dispatch.ops import triton_kernels as KT
 
     routes = [("", {}), ("[alt route] ", {"unpermute_bwd_per_token": True, "quantize_programs_per_sm": 2,
-                                           "quantize_stages": 2, "group_columns_splits": 3})]
+                                           "quantize_stages": 2, "group_columns_splits": 3}),
+              ("[tiles] ", {"group_columns_tiles": True})]
     cases = [(prefix + name, case, knobs) for prefix, knobs in routes for name, case in cases
              if not (knobs and name == "int64 offsets") and (args.only is None or args.only in prefix + name)]
     failed = []

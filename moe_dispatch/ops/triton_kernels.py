@@ -891,6 +891,19 @@ def _abs_or_inf(x):
 
 
 @triton.jit
+def _scale_and_inverse(amax, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """(bad int32, scale, inv) for a vector of amax (NaN counted as inf): scale = div_rn(amax, FP8_MAX)
+    and inv = div_rn(FP8_MAX, amax), both 1 below AMAX_FLOOR; bad = 1 where amax is inf, and there
+    the scale is NaN (the quantised values are zeros)."""
+    bad = (amax == float("inf")).to(tl.int32)
+    top = tl.full(amax.shape, FP8_MAX, tl.float32)
+    small = amax < AMAX_FLOOR
+    scale = tl.where(small, 1.0, tl.math.div_rn(amax, top))
+    inv = tl.where(small, 1.0, tl.math.div_rn(top, tl.where(small, 1.0, amax)))
+    return bad, tl.where(bad == 0, scale, float("nan")), inv
+
+
+@triton.jit
 def _store_quantized(x, inv, bad, q_ptr, offs_t, mask_t, h0, H, FP8_MAX: tl.constexpr, BLOCK_H: tl.constexpr):
     offs_h = h0 + tl.arange(0, BLOCK_H)
     mask = mask_t[:, None] & (offs_h < H)[None, :]
@@ -922,12 +935,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scales_ptr, T, H, stride_xt, stride_xh, 
                 x = _load_rows(x_ptr, offs_t, mask_t, h0, H, stride_xt, stride_xh, BLOCK_H)
                 running = tl.maximum(running, _abs_or_inf(x))
             amax = tl.max(running, axis=1)
-        bad = (amax == float("inf")).to(tl.int32)
-        top = tl.full([BLOCK_T], FP8_MAX, tl.float32)
-        small = amax < AMAX_FLOOR
-        scale = tl.where(small, 1.0, tl.math.div_rn(amax, top))
-        inv = tl.where(small, 1.0, tl.math.div_rn(top, tl.where(small, 1.0, amax)))
-        tl.store(scales_ptr + offs_t, tl.where(bad == 0, scale, float("nan")), mask=mask_t)
+        bad, scale, inv = _scale_and_inverse(amax, FP8_MAX, AMAX_FLOOR)
+        tl.store(scales_ptr + offs_t, scale, mask=mask_t)
         if ONE_PASS:
             _store_quantized(x, inv, bad, q_ptr, offs_t, mask_t, 0, H, FP8_MAX, BLOCK_H)
         else:
@@ -968,8 +977,12 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor
 # slices' column maxima, so that an expert holding many rows no longer sets the end time alone).
 # None changes a value: a column's amax is a max (exact in any order) and every element is quantised
 # alone.
+# "group_columns_tiles": the tiled route instead: every group's padded width cut into tiles of
+# block_r rows, one program per (tile, column block) in each of three kernels (the tiles' column
+# maxima, each group's scales from its tiles' maxima, the cast), so every program does the same
+# small amount of work whatever the split of the rows.
 LAUNCH.update({"group_columns_block_c": 64, "group_columns_block_r": 128, "group_columns_warps": 4,
-               "group_columns_splits": 1})
+               "group_columns_splits": 1, "group_columns_tiles": False})
 
 
 @triton.jit
@@ -1025,8 +1038,7 @@ def _slice_amax(x_ptr, rs_ptr, s, rows, begin, end, N, offs_c, mask_c, stride_xn
     for r0 in range(begin, end, BLOCK_R):
         x, _ = _group_rows(x_ptr, rs_ptr, s, rows, r0, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R,
                            HAS_SCALES, X_FP8_MAX)
-        a = tl.abs(x)
-        running = tl.maximum(running, tl.where(a == a, a, float("inf")))
+        running = tl.maximum(running, _abs_or_inf(x))
     return tl.max(running, axis=0)
 
 
@@ -1076,12 +1088,8 @@ def _quantize_group_columns_kernel(x_ptr, row_scales_ptr, starts_ptr, pstarts_pt
         amax = tl.zeros([BLOCK_C], dtype=tl.float32)
         for k in tl.static_range(SPLITS):
             amax = tl.maximum(amax, tl.load(partial_ptr + (k * E + e) * C + offs_c, mask=mask_c, other=0.0))
-    bad = (amax == float("inf")).to(tl.int32)
-    top = tl.full([BLOCK_C], FP8_MAX, tl.float32)
-    small = amax < AMAX_FLOOR
-    scale = tl.where(small, 1.0, tl.math.div_rn(amax, top))
-    inv = tl.where(small, 1.0, tl.math.div_rn(top, tl.where(small, 1.0, amax)))
-    tl.store(scales_ptr + e * C + offs_c, tl.where(bad == 0, scale, float("nan")), mask=mask_c & (split == 0))
+    bad, scale, inv = _scale_and_inverse(amax, FP8_MAX, AMAX_FLOOR)
+    tl.store(scales_ptr + e * C + offs_c, scale, mask=mask_c & (split == 0))
     begin, end = _slice_of(width, split, SPLITS, BLOCK_R)
     for j0 in range(begin, end, BLOCK_R):
         x, offs_j = _group_rows(x_ptr, row_scales_ptr, s, rows, j0, N, offs_c, mask_c, stride_xn, stride_xc,
@@ -1090,6 +1098,119 @@ def _quantize_group_columns_kernel(x_ptr, row_scales_ptr, starts_ptr, pstarts_pt
         col = p + offs_j
         mask = mask_c[:, None] & ((offs_j < end) & (col >= 0) & (col < P))[None, :]
         tl.store(qt_ptr + offs_c[:, None] * P + col[None, :], tl.trans(_round_out(q, qt_ptr, FP8_MAX)), mask=mask)
+
+
+@triton.jit
+def _group_tile(tile_ends_ptr, G, C, LOG2_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's (tile k, group g, the tile's first position j0 in the group's padded width,
+    live, columns offs_c, their mask) on the tiled route's 1-D grid of (tile, column block)
+    programs, column blocks fastest (neighbouring programs read neighbouring columns of the same
+    rows). tile_ends [G] int64: the groups' cumulative tile counts; g is the first group whose end
+    exceeds k (a binary search of LOG2_G steps); live: k lies before the last group's end."""
+    blocks_c = tl.cdiv(C, BLOCK_C)
+    pid = tl.program_id(0).to(tl.int64)
+    k = pid // blocks_c
+    offs_c = (pid % blocks_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    lo = k * 0
+    hi = lo + G
+    for _ in tl.static_range(LOG2_G):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        right = active & (tl.load(tile_ends_ptr + mid, mask=active, other=0) <= k)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    live = lo < G
+    g = tl.minimum(lo, G - 1)
+    first = tl.load(tile_ends_ptr + g - 1, mask=g > 0, other=0)
+    return k, g, (k - first) * BLOCK_R, live, offs_c, offs_c < C
+
+
+@triton.jit
+def _quantize_tiles_amax_kernel(x_ptr, row_scales_ptr, starts_ptr, tile_ends_ptr, partial_ptr, N, C, G, stride_xn,
+                                stride_xc, LOG2_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                                HAS_SCALES: tl.constexpr, X_FP8_MAX: tl.constexpr):
+    """Tile k of group g: partial[k, offs_c] = max |v| over the group's rows in the tile (positions
+    j0 + [0, BLOCK_R) below n_g; NaN counted as inf; 0.0 with no such row)."""
+    k, g, j0, live, offs_c, mask_c = _group_tile(tile_ends_ptr, G, C, LOG2_G, BLOCK_R, BLOCK_C)
+    s = tl.load(starts_ptr + g).to(tl.int64)
+    rows = tl.where(live, tl.load(starts_ptr + g + 1).to(tl.int64) - s, 0)
+    x, _ = _group_rows(x_ptr, row_scales_ptr, s, rows, j0, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R,
+                       HAS_SCALES, X_FP8_MAX)
+    tl.store(partial_ptr + k * C + offs_c, tl.max(_abs_or_inf(x), axis=0), mask=mask_c & live)
+
+
+@triton.jit
+def _quantize_tiles_scales_kernel(partial_ptr, tile_ends_ptr, scales_ptr, inv_ptr, C, FP8_MAX: tl.constexpr,
+                                  AMAX_FLOOR: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Group g = pid // column blocks: the column amax over its tiles' partial maxima (a max: exact
+    in any order), then scales[g] and inv[g] (_scale_and_inverse; inv NaN where the column is not
+    finite, which tells the cast to write zeros)."""
+    blocks_c = tl.cdiv(C, BLOCK_C)
+    pid = tl.program_id(0).to(tl.int64)
+    g = pid // blocks_c
+    offs_c = (pid % blocks_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    first = tl.load(tile_ends_ptr + g - 1, mask=g > 0, other=0)
+    last = tl.load(tile_ends_ptr + g)
+    running = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
+    for k0 in range(first, last, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        part = tl.load(partial_ptr + offs_k[:, None] * C + offs_c[None, :],
+                       mask=(offs_k < last)[:, None] & mask_c[None, :], other=0.0)
+        running = tl.maximum(running, part)
+    bad, scale, inv = _scale_and_inverse(tl.max(running, axis=0), FP8_MAX, AMAX_FLOOR)
+    tl.store(scales_ptr + g * C + offs_c, scale, mask=mask_c)
+    tl.store(inv_ptr + g * C + offs_c, tl.where(bad == 0, inv, float("nan")), mask=mask_c)
+
+
+@triton.jit
+def _quantize_tiles_cast_kernel(x_ptr, row_scales_ptr, starts_ptr, pstarts_ptr, tile_ends_ptr, inv_ptr, qt_ptr,
+                                N, C, P, G, stride_xn, stride_xc, FP8_MAX: tl.constexpr, LOG2_G: tl.constexpr,
+                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_SCALES: tl.constexpr,
+                                X_FP8_MAX: tl.constexpr):
+    """Tile k of group g: q = _round_out(v * inv[g]) (zeros where inv is NaN, and +0.0 past the
+    group's rows) transposed into qt's columns p_g + j0 + [0, BLOCK_R) below the group's padded
+    width; stores masked to [0, C) x [0, P)."""
+    k, g, j0, live, offs_c, mask_c = _group_tile(tile_ends_ptr, G, C, LOG2_G, BLOCK_R, BLOCK_C)
+    s = tl.load(starts_ptr + g).to(tl.int64)
+    rows = tl.where(live, tl.load(starts_ptr + g + 1).to(tl.int64) - s, 0)
+    p = tl.load(pstarts_ptr + g).to(tl.int64)
+    width = tl.where(live, tl.load(pstarts_ptr + g + 1).to(tl.int64) - p, 0)
+    inv = tl.load(inv_ptr + g * C + offs_c, mask=mask_c, other=1.0)
+    x, offs_j = _group_rows(x_ptr, row_scales_ptr, s, rows, j0, N, offs_c, mask_c, stride_xn, stride_xc, BLOCK_R,
+                            HAS_SCALES, X_FP8_MAX)
+    q = tl.where((inv == inv)[None, :], x * inv[None, :], 0.0)  # rows past n_g: +0.0 * inv = +0.0
+    col = p + offs_j
+    mask = mask_c[:, None] & ((offs_j < width) & (col >= 0) & (col < P))[None, :]
+    tl.store(qt_ptr + offs_c[:, None] * P + col[None, :], tl.trans(_round_out(q, qt_ptr, FP8_MAX)), mask=mask)
+
+
+def _quantize_group_columns_tiled(x: torch.Tensor, row_starts: torch.Tensor, padded_starts: torch.Tensor,
+                                  qt: torch.Tensor, scales: torch.Tensor, row_scales: torch.Tensor | None) -> None:
+    """The tiled route of quantize_group_columns (LAUNCH["group_columns_tiles"]), into qt and scales.
+    Group g's padded width w_g takes max(1, ceil(w_g / block_r)) tiles, at most ceil(P / block_r) + G
+    in all (P = qt's columns; a starts tensor that breaks the contract may want more, and the tiles
+    past that bound are not run: unspecified values, in bounds)."""
+    N, C = x.shape
+    G, P = row_starts.shape[0] - 1, qt.shape[1]
+    block_c, block_r = LAUNCH["group_columns_block_c"], LAUNCH["group_columns_block_r"]
+    widths = torch.diff(padded_starts.to(torch.int64)).clamp(min=1)
+    tile_ends = torch.cumsum(torch.div(widths + block_r - 1, block_r, rounding_mode="floor"), 0)
+    tiles = triton.cdiv(P, block_r) + G
+    blocks_c = triton.cdiv(C, block_c)
+    partial = torch.empty((tiles, C), dtype=torch.float32, device=x.device)
+    inv = torch.empty((G, C), dtype=torch.float32, device=x.device)
+    rs = row_scales if row_scales is not None else scales  # not read without HAS_SCALES
+    common = dict(BLOCK_R=block_r, BLOCK_C=block_c, HAS_SCALES=row_scales is not None, X_FP8_MAX=fp8_max(x.dtype),
+                  LOG2_G=G.bit_length(), num_warps=LAUNCH["group_columns_warps"], **_launch_opts())
+    _quantize_tiles_amax_kernel[(tiles * blocks_c,)](x, rs, row_starts, tile_ends, partial, N, C, G, x.stride(0),
+                                                     x.stride(1), **common)
+    _quantize_tiles_scales_kernel[(G * blocks_c,)](partial, tile_ends, scales, inv, C, FP8_MAX=fp8_max(qt.dtype),
+                                                   AMAX_FLOOR=torch_twin.AMAX_FLOOR, BLOCK_K=8, BLOCK_C=block_c,
+                                                   num_warps=LAUNCH["group_columns_warps"], **_launch_opts())
+    _quantize_tiles_cast_kernel[(tiles * blocks_c,)](x, rs, row_starts, padded_starts, tile_ends, inv, _bytes_of(qt)[0],
+                                                     N, C, P, G, x.stride(0), x.stride(1), FP8_MAX=fp8_max(qt.dtype),
+                                                     **common)
 
 
 def quantize_group_columns(x: torch.Tensor, row_starts: torch.Tensor, padded_starts: torch.Tensor,
@@ -1104,6 +1225,9 @@ def quantize_group_columns(x: torch.Tensor, row_starts: torch.Tensor, padded_sta
     qt = torch.empty((C, padded_rows), dtype=fp8_dtype, device=x.device)
     scales = torch.empty((E, C), dtype=torch.float32, device=x.device)
     if E == 0 or C == 0:
+        return qt, scales
+    if LAUNCH["group_columns_tiles"]:
+        _quantize_group_columns_tiled(x, row_starts, padded_starts, qt, scales, row_scales)
         return qt, scales
     block_c, block_r, splits = (LAUNCH[f"group_columns_{k}"] for k in ("block_c", "block_r", "splits"))
     grid = (triton.cdiv(C, block_c), E, splits)

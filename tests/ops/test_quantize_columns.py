@@ -89,6 +89,14 @@ def _columns(n_rows, c, dtype, seed):
     return x.to(dtype)
 
 
+def _route(monkeypatch, K, splits):
+    """Small blocks (8 columns, 16 rows) and the route: splits slices per expert, or "tiles"."""
+    monkeypatch.setitem(K.LAUNCH, "group_columns_block_c", 8)
+    monkeypatch.setitem(K.LAUNCH, "group_columns_block_r", 16)
+    monkeypatch.setitem(K.LAUNCH, "group_columns_splits", 1 if splits == "tiles" else splits)
+    monkeypatch.setitem(K.LAUNCH, "group_columns_tiles", splits == "tiles")
+
+
 def _kernel(*args):
     with set_backend("triton"):
         return quantize_group_columns(*args)
@@ -97,15 +105,14 @@ def _kernel(*args):
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's masked lanes
 @pytest.mark.parametrize("fp8", FP8, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("splits", [1, 3], ids=["one_slice", "three_slices"])
+@pytest.mark.parametrize("splits", [1, 3, "tiles"], ids=["one_slice", "three_slices", "tiles"])
 def test_kernel_twin_and_old_algorithm_bitwise(monkeypatch, fp8, dtype, splits):
     from moe_dispatch.ops import triton_kernels as K
 
     # Small blocks: several column blocks, several row steps per expert, and partial ones; with three
-    # slices an expert's rows (and its padded width) are split over three programs, some empty.
-    monkeypatch.setitem(K.LAUNCH, "group_columns_block_c", 8)
-    monkeypatch.setitem(K.LAUNCH, "group_columns_block_r", 16)
-    monkeypatch.setitem(K.LAUNCH, "group_columns_splits", splits)
+    # slices an expert's rows (and its padded width) are split over three programs, some empty; the
+    # tiled route cuts each padded width into tiles of 16 rows, one program each.
+    _route(monkeypatch, K, splits)
     for i, counts in enumerate(PATTERNS):
         x = _columns(sum(counts), 16, dtype, seed=i)
         args = (x, *_starts(counts), fp8)
@@ -116,7 +123,7 @@ def test_kernel_twin_and_old_algorithm_bitwise(monkeypatch, fp8, dtype, splits):
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("x_dtype", [*FP8, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("splits", [1, 2], ids=["one_slice", "two_slices"])
+@pytest.mark.parametrize("splits", [1, 2, "tiles"], ids=["one_slice", "two_slices", "tiles"])
 def test_row_scales(monkeypatch, x_dtype, splits):
     """With row_scales the values are x.float() * row_scales[:, None] (the FP8 GEMM's dequantised
     forward rows), bitwise as if that product had been materialised first; a NaN scale or a float8
@@ -124,9 +131,7 @@ def test_row_scales(monkeypatch, x_dtype, splits):
     the column's other rows)."""
     from moe_dispatch.ops import triton_kernels as K
 
-    monkeypatch.setitem(K.LAUNCH, "group_columns_block_c", 8)
-    monkeypatch.setitem(K.LAUNCH, "group_columns_block_r", 16)
-    monkeypatch.setitem(K.LAUNCH, "group_columns_splits", splits)
+    _route(monkeypatch, K, splits)
     counts = [5, 17, 0, 20]
     gen = torch.Generator().manual_seed(21)
     x = (torch.randn((sum(counts), 16), generator=gen) * 8).to(x_dtype)
@@ -227,8 +232,12 @@ def test_bad_input_names_the_argument(change, exc, match):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", FP8, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_cuda_kernel_matches_twin_bitwise(fp8, dtype):
-    """The compiled kernel (its float8 casts are the hardware's) against the CPU twin."""
+@pytest.mark.parametrize("tiles", [False, True], ids=["per_expert", "tiles"])
+def test_cuda_kernel_matches_twin_bitwise(monkeypatch, fp8, dtype, tiles):
+    """The compiled kernel (its float8 casts are the hardware's) against the CPU twin, both routes."""
+    from moe_dispatch.ops import triton_kernels as K
+
+    monkeypatch.setitem(K.LAUNCH, "group_columns_tiles", tiles)
     gen = torch.Generator().manual_seed(11)
     counts = torch.randint(0, 300, (64,), generator=gen).tolist()
     counts[3], counts[7], counts[9] = 0, 1, 4000
@@ -263,10 +272,18 @@ def variants():
         yield K._quantize_group_columns_kernel, dict(common, FP8_MAX=fp8, AMAX_FLOOR=2.0 ** -64), pointers
         if splits > 1:
             yield K._group_columns_amax_kernel, common, pointers
+        else:  # the tiled route's three kernels
+            tiled = dict(common, LOG2_G=7)
+            del tiled["SPLITS"]
+            yield K._quantize_tiles_amax_kernel, tiled, pointers
+            yield K._quantize_tiles_scales_kernel, dict(FP8_MAX=fp8, AMAX_FLOOR=2.0 ** -64, BLOCK_K=8, BLOCK_C=64), \
+                pointers
+            yield K._quantize_tiles_cast_kernel, dict(tiled, FP8_MAX=fp8), pointers
 
 
 C.variants = variants
-C.POINTERS.update(starts_ptr="*i64", pstarts_ptr="*i64", qt_ptr="*u8", row_scales_ptr="*fp32")
+C.POINTERS.update(starts_ptr="*i64", pstarts_ptr="*i64", qt_ptr="*u8", row_scales_ptr="*fp32", tile_ends_ptr="*i64",
+                  inv_ptr="*fp32")
 sys.exit(C.main())
 """
 
@@ -274,7 +291,7 @@ sys.exit(C.main())
 def test_kernel_compiles_for_sm90():
     """The real compiler path (the interpreter skips it), with compile_sm90.py's settings: both
     float8 casts, bf16, fp32 and float8 rows (these with row scales), int64 and int32 starts, one
-    slice per expert and four (with the slices' amax kernel)."""
+    slice per expert and four (with the slices' amax kernel), and the tiled route's three kernels."""
     import os
     import subprocess
     import sys
@@ -289,7 +306,7 @@ def test_kernel_compiles_for_sm90():
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, cwd=root, capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0 and proc.stdout.count("ok ") == 8, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and proc.stdout.count("ok ") == 20, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("counts,n_rows", [([5, 0, 17, 1], 23), ([5, 0, 17, 1], 40), ([0, 0], 0), ([16, 32], 48)])
