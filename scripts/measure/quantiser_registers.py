@@ -7,7 +7,8 @@ path for sm_90 at several launch settings, runs the ptxas bundled with Triton (`
 and prints one table: registers a thread, bytes spilled, shared memory, and the programs that fit
 on one SM by registers and threads (65536 registers, 2048 threads and 32 programs a SM). A
 memory-bound kernel wants many programs a SM (loads in flight); a program that holds a whole row
-in registers gets one or two. The launch
+in registers gets one or two. quantize_group_columns' tiled route (three kernels) is listed by
+its two kernels that read x. The launch
 settings change no value (tests/ops/test_fp8.py, tests/ops/test_quantize_columns.py).
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ from moe_dispatch.ops import triton_kernels as K  # noqa: E402
 E4M3 = 448.0
 REGISTERS_PER_SM, THREADS_PER_SM, PROGRAMS_PER_SM = 65536, 2048, 32
 POINTERS = {"x_ptr": "*bf16", "q_ptr": "*u8", "scales_ptr": "*fp32", "row_scales_ptr": "*fp32", "starts_ptr": "*i64",
-            "pstarts_ptr": "*i64", "partial_ptr": "*fp32", "qt_ptr": "*u8"}
+            "pstarts_ptr": "*i64", "partial_ptr": "*fp32", "qt_ptr": "*u8", "tile_ends_ptr": "*i64", "inv_ptr": "*fp32"}
 
 
 def ptxas() -> str:
@@ -88,6 +89,17 @@ def main() -> None:
             print(f"| quantize_group_columns | {block_c} columns x {block_r} rows, x {x_type[1:]} | {warps} | "
                   f"{block_c * block_r // (32 * warps)} | {r} | {s} | {sh} | {programs_per_sm(r, warps)} |",
                   flush=True)
+    # The tiled route (LAUNCH["group_columns_tiles"]): one tile a program, no loop over the rows.
+    for block_c, block_r, warps in ((64, 128, 4), (64, 64, 4), (32, 64, 8)):
+        for x_type, has_scales in (("*bf16", False), ("*fp8e4nv", True)):
+            tiled = dict(BLOCK_R=block_r, BLOCK_C=block_c, HAS_SCALES=has_scales, LOG2_G=7,
+                         X_FP8_MAX=E4M3 if has_scales else 0.0)
+            for name, kernel, constexprs in (("tiles' amax", K._quantize_tiles_amax_kernel, tiled),
+                                             ("tiles' cast", K._quantize_tiles_cast_kernel, dict(tiled, FP8_MAX=E4M3))):
+                r, s, sh = usage(kernel, constexprs, warps, x_type)
+                print(f"| quantize_group_columns, {name} | {block_c} columns x {block_r} rows, x {x_type[1:]} | "
+                      f"{warps} | {block_c * block_r // (32 * warps)} | {r} | {s} | {sh} | "
+                      f"{programs_per_sm(r, warps)} |", flush=True)
 
 
 if __name__ == "__main__":
