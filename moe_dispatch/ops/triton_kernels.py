@@ -204,7 +204,10 @@ def _probs_args(probs: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
 # must return zero-filled gets zeros only in the other rows, rather than a fill of all N rows
 # first (at EP 1 no row is left over, and the fill was a write of the whole buffer).
 # --------------------------------------------------------------------------------------------
-LAUNCH.update({"cover_block_t": 64, "cover_block_j": 8, "uncovered_block_r": 64, "uncovered_block_w": 256})
+# "zero_only_uncovered": False (the default until it is measured on a GPU) fills the whole buffer
+# with zeros first, as before; True writes zeros only in the uncovered rows. Either way the same bits.
+LAUNCH.update({"zero_only_uncovered": False, "cover_block_t": 64, "cover_block_j": 8, "uncovered_block_r": 64,
+               "uncovered_block_w": 256})
 _uninitialised = torch.empty  # the buffers these kernels fill whole; tests pass a garbage-filling allocator
 
 
@@ -243,6 +246,9 @@ def zero_uncovered_rows(out: torch.Tensor, slots: torch.Tensor) -> None:
     out that no slot j < n_t points at, in place; the other rows are left as they are."""
     N, W = out.shape
     if N == 0 or W == 0:
+        return
+    if not LAUNCH["zero_only_uncovered"]:
+        _bytes_of(out)[0].zero_()
         return
     T = slots.shape[0]
     E = (slots.shape[1] - 1) // 2

@@ -11,11 +11,14 @@ from tests.ops.oracle import U32, assert_within, expected_rows, half_ulp, random
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture
-def garbage_buffers(monkeypatch):
+@pytest.fixture(params=[False, True], ids=["zero_all", "zero_uncovered"])
+def garbage_buffers(monkeypatch, request):
     """The Triton launchers' output buffers start as all-ones bytes (NaN in every float dtype), so a
-    row the kernels leave unwritten, or a pad row left unzeroed, cannot pass as zeros by chance."""
+    row the kernels leave unwritten, or a pad row left unzeroed, cannot pass as zeros by chance; with
+    both ways of zeroing (the whole buffer first, or only the rows no slot points at)."""
     from moe_dispatch.ops import triton_kernels as K
+
+    monkeypatch.setitem(K.LAUNCH, "zero_only_uncovered", request.param)
 
     def garbage(shape, *, dtype, device):
         out = torch.empty(shape, dtype=dtype, device=device)
