@@ -147,28 +147,31 @@ def bench_wgrad_accumulation(config: MoEConfig, x: torch.Tensor, upstream: torch
               f"{((f - d).norm() / d.norm()).item():.3g}")
 
 
-def bench_tiled_route(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, ref: torch.Tensor,
-                      default: tuple) -> None:
-    """The FP8 step with ``quantize_group_columns``' tiled route (``LAUNCH["group_columns_tiles"]``),
-    per call and with the weights quantised once: times, the same bitwise checks, its output, input
-    gradient and expert weight gradients bitwise the default route's, and the weights' quantisation
-    alone."""
+def bench_route(key: str, config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, ref: torch.Tensor,
+                default: tuple, bf16_config: MoEConfig | None = None) -> None:
+    """The FP8 step with the other value of the route ``LAUNCH[key]`` (``group_columns_tiles``:
+    ``quantize_group_columns``' tiles; ``zero_only_uncovered``: zeros only in rows no slot points
+    at), per call and with the weights quantised once: times, the same bitwise checks, its output,
+    input gradient and expert weight gradients bitwise the default route's, and the weights'
+    quantisation alone. With ``bf16_config``, the bf16 step's row too."""
     weights_default = weight_grads(config, x, upstream)
-    saved = KT.LAUNCH["group_columns_tiles"]
-    KT.LAUNCH["group_columns_tiles"] = not saved
+    saved = KT.LAUNCH[key]
+    KT.LAUNCH[key] = not saved
     try:
-        print(f"\n## quantize_group_columns' other route (group_columns_tiles = {not saved})\n")
+        print(f"\n## The other route: {key} = {not saved}\n")
         print("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
               "| 64 tokens alone bitwise | median rel. error vs bf16 |\n|---|---|---|---|---|---|---|")
-        out, gx, _ = layer_row("fp8 e4m3, other route", config, x, upstream, ref)
-        layer_row("fp8 e4m3, other route, weights quantised once", config, x, upstream, ref, once=True)
+        if bf16_config is not None:
+            layer_row(f"bf16, {key} = {not saved}", bf16_config, x, upstream, None)
+        out, gx, _ = layer_row(f"fp8 e4m3, {key} = {not saved}", config, x, upstream, ref)
+        layer_row(f"fp8 e4m3, {key} = {not saved}, weights quantised once", config, x, upstream, ref, once=True)
         same = torch.equal(out, default[0]) and torch.equal(gx, default[1]) and all(
             torch.equal(a, b) for a, b in zip(weight_grads(config, x, upstream), weights_default))
         layer = MoELayer(config, layer_index=0).to(DEVICE)
         print(f"\noutput, input and expert weight gradients bitwise the default route's: {same}; "
               f"layer.quantize_fp8_weights() alone: {median_ms(layer.quantize_fp8_weights):.3f} ms")
     finally:
-        KT.LAUNCH["group_columns_tiles"] = saved
+        KT.LAUNCH[key] = saved
 
 
 CATEGORIES = [("GEMM", r"gemm|cutlass|nvjet|xmma|sm90_|grouped_mm|scaled_mm|f8f8"),
@@ -380,7 +383,8 @@ def main() -> None:
     quantise_ms = median_ms(layer.quantize_fp8_weights)
     print(f"\nlayer.quantize_fp8_weights() alone (both weights, forward and dgrad operands): {quantise_ms:.3f} ms")
     bench_wgrad_accumulation(config, x, upstream, ref)
-    bench_tiled_route(config, x, upstream, ref, (out, gx))
+    bench_route("group_columns_tiles", config, x, upstream, ref, (out, gx))
+    bench_route("zero_only_uncovered", config, x, upstream, ref, (out, gx), bf16_config=MoEConfig(**base))
     print("\n## Row quantisation (ops.quantize_rows), against its byte floor\n")
     src = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
     dst = torch.empty_like(src)
