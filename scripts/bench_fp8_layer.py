@@ -155,23 +155,20 @@ def bench_route(key: str, config: MoEConfig, x: torch.Tensor, upstream: torch.Te
     input gradient and expert weight gradients bitwise the default route's, and the weights'
     quantisation alone. With ``bf16_config``, the bf16 step's row too."""
     weights_default = weight_grads(config, x, upstream)
-    saved = KT.LAUNCH[key]
-    KT.LAUNCH[key] = not saved
-    try:
-        print(f"\n## The other route: {key} = {not saved}\n")
+    other = not KT.LAUNCH[key]
+    with KT.launch_settings(**{key: other}):
+        print(f"\n## The other route: {key} = {other}\n")
         print("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
               "| 64 tokens alone bitwise | median rel. error vs bf16 |\n|---|---|---|---|---|---|---|")
         if bf16_config is not None:
-            layer_row(f"bf16, {key} = {not saved}", bf16_config, x, upstream, None)
-        out, gx, _ = layer_row(f"fp8 e4m3, {key} = {not saved}", config, x, upstream, ref)
-        layer_row(f"fp8 e4m3, {key} = {not saved}, weights quantised once", config, x, upstream, ref, once=True)
+            layer_row(f"bf16, {key} = {other}", bf16_config, x, upstream, None)
+        out, gx, _ = layer_row(f"fp8 e4m3, {key} = {other}", config, x, upstream, ref)
+        layer_row(f"fp8 e4m3, {key} = {other}, weights quantised once", config, x, upstream, ref, once=True)
         same = torch.equal(out, default[0]) and torch.equal(gx, default[1]) and all(
             torch.equal(a, b) for a, b in zip(weight_grads(config, x, upstream), weights_default))
         layer = MoELayer(config, layer_index=0).to(DEVICE)
         print(f"\noutput, input and expert weight gradients bitwise the default route's: {same}; "
               f"layer.quantize_fp8_weights() alone: {median_ms(layer.quantize_fp8_weights):.3f} ms")
-    finally:
-        KT.LAUNCH[key] = saved
 
 
 CATEGORIES = [("GEMM", r"gemm|cutlass|nvjet|xmma|sm90_|grouped_mm|scaled_mm|f8f8"),
@@ -216,25 +213,21 @@ def bench_group_columns(args, bandwidth: float, sweep: bool = True) -> None:
     e4m3 = torch.float8_e4m3fn
     operands = [("fc1 x (saved rows, row scales)", H, e4m3), ("fc1 dy", ffn, torch.bfloat16),
                 ("fc2 x (saved rows, row scales)", ffn, e4m3), ("fc2 dy", H, torch.bfloat16)]
-    saved = dict(KT.LAUNCH)
-    try:
-        for name, cols, dtype in operands:
-            for skewed in (False, True):
-                x, s, p, P, rs, moved = group_columns_case(N, cols, dtype, E, skewed)
-                floor = moved / bandwidth * 1e3
-                want = None
-                for route, knobs in routes:
-                    KT.LAUNCH.clear()
-                    KT.LAUNCH.update(saved, **knobs)
+    for name, cols, dtype in operands:
+        for skewed in (False, True):
+            x, s, p, P, rs, moved = group_columns_case(N, cols, dtype, E, skewed)
+            floor = moved / bandwidth * 1e3
+            want = None
+            for route, knobs in routes:
+                with KT.launch_settings(**knobs):
                     got = quantize_group_columns(x, s, p, P, e4m3, rs)
                     want = got if want is None else want
                     same = torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and \
                         torch.equal(got[1], want[1])
                     ms = median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3, rs), iters=50)
-                    print(f"| {name} | {N} x {cols}, {str(dtype)[6:]} | {'one expert half' if skewed else 'random'} | "
-                          f"{route} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} | {same} |", flush=True)
-        KT.LAUNCH.clear()
-        KT.LAUNCH.update(saved)
+                print(f"| {name} | {N} x {cols}, {str(dtype)[6:]} | {'one expert half' if skewed else 'random'} | "
+                      f"{route} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} | {same} |", flush=True)
+    with KT.launch_settings():
         for name, cols, dtype in (("fc2 dy", H, torch.bfloat16), ("fc2 x", ffn, e4m3)) if sweep else ():
             x, s, p, P, rs, moved = group_columns_case(N, cols, dtype, E, False)
             floor = moved / bandwidth * 1e3
@@ -247,12 +240,9 @@ def bench_group_columns(args, bandwidth: float, sweep: bool = True) -> None:
                     (32, 32, 4, 1), (64, 16, 4, 1), (64, 32, 8, 1), (32, 128, 8, 1), (128, 32, 8, 1),
                     (64, 128, 4, 4), (32, 64, 8, 4), (32, 32, 4, 4), (64, 32, 8, 4), (32, 64, 8, 8)]:
                 KT.LAUNCH.update(group_columns_block_c=block_c, group_columns_block_r=block_r,
-                                 group_columns_warps=warps, group_columns_splits=splits)
+                                 group_columns_warps=warps, group_columns_splits=splits, group_columns_tiles=False)
                 ms = median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3, rs), iters=50)
                 print(f"| {block_c} | {block_r} | {warps} | {splits} | {ms:.4f} | {ms / floor:.2f} |", flush=True)
-    finally:
-        KT.LAUNCH.clear()
-        KT.LAUNCH.update(saved)
 
 
 def bench_quantize_rows_launch(rows_list: list[int], H: int, bandwidth: float) -> None:
@@ -260,8 +250,7 @@ def bench_quantize_rows_launch(rows_list: list[int], H: int, bandwidth: float) -
     default's)."""
     print("\n| rows x H | elements | warps | programs per SM | stages | ms | / floor | bitwise default |")
     print("|---|---|---|---|---|---|---|---|")
-    saved = dict(KT.LAUNCH)
-    try:
+    with KT.launch_settings():
         for rows in rows_list:
             xr = torch.randn(rows, H, device=DEVICE).to(torch.bfloat16)
             want = quantize_rows(xr, torch.float8_e4m3fn)
@@ -288,9 +277,6 @@ def bench_quantize_rows_launch(rows_list: list[int], H: int, bandwidth: float) -
                            for u, v in zip(want, got))
                 print(f"| {rows} x {H} | {elements} | {warps} | {per_sm} | {stages} | {ms:.4f} | {ms / floor:.2f} | "
                       f"{same} |", flush=True)
-    finally:
-        KT.LAUNCH.clear()
-        KT.LAUNCH.update(saved)
 
 
 def row_quantisation_bytes(n: int, cols: int, in_bytes: int) -> int:

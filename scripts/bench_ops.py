@@ -89,12 +89,8 @@ def with_launch(fn, **knobs):
     from moe_dispatch.ops import triton_kernels as KT
 
     def call():
-        saved = {k: KT.LAUNCH[k] for k in knobs}
-        KT.LAUNCH.update(knobs)
-        try:
+        with KT.launch_settings(**knobs):
             return fn()
-        finally:
-            KT.LAUNCH.update(saved)
     return call
 
 

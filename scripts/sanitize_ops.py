@@ -367,11 +367,10 @@ def main() -> None:
              if not (knobs and name == "int64 offsets") and (args.only is None or args.only in prefix + name)]
     failed = []
     for name, case, knobs in cases:
-        saved = dict(KT.LAUNCH)
-        KT.LAUNCH.update(knobs)
         try:
-            detail = case()
-            synchronize()
+            with KT.launch_settings(**knobs):
+                detail = case()
+                synchronize()
             print(f"PASS  {name}: {detail}", flush=True)
         except Exception as exc:  # report every case, then fail the run
             failed.append(name)
@@ -381,8 +380,6 @@ def main() -> None:
                 check_device_errors()  # clear what the failed case left
             except ValueError:
                 pass
-        finally:
-            KT.LAUNCH.update(saved)
     print(f"\n{len(cases) - len(failed)} of {len(cases)} cases passed"
           + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     sys.exit(1 if failed else 0)

@@ -71,16 +71,15 @@ def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> N
         knobs = itertools.product(orders, warp_counts, blocks, stores, caches, per_steps)
         slots_key = "unpermute_bwd_slots_per_step" if name.startswith("unpermute bwd") else "slots_per_step"
         for token_major, warps, blk, per_store, cache, per_step in knobs:
-            KT.LAUNCH.update(token_major=token_major, warps=warps, rows_per_store=per_store, permute_store_cache=cache)
-            KT.LAUNCH[slots_key] = per_step
             try:
-                ms = graph_ms(make(blk))
+                with KT.launch_settings(token_major=token_major, warps=warps, rows_per_store=per_store,
+                                        permute_store_cache=cache, **{slots_key: per_step}):
+                    ms = graph_ms(make(blk))
             except Exception as exc:  # e.g. too many registers for a block/warps pair
                 print(f"# {name} {token_major} {warps} {blk} {per_store} {per_step}: {type(exc).__name__}",
                       file=sys.stderr)
                 continue
             results.append((ms / floor, ms, token_major, warps, blk, per_store, cache or "write-back", per_step))
-        KT.LAUNCH.update(defaults)
         default = graph_ms(make(None))
         results.sort()
         best = results[0]
@@ -93,12 +92,10 @@ def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> N
 def sweep_map(T: int, E: int, K: int) -> None:
     """make_slots alone (no floor worth the name: ~T*E bytes): microseconds per launch setting."""
     routing_map, _ = routing(T, E, K)
-    defaults = dict(KT.LAUNCH)
     results = []
     for chunks, block_t, warps in itertools.product([64, 128, 256], [None, 16, 64], [None, 2, 8]):
-        KT.LAUNCH.update(map_chunks=chunks, map_block_t=block_t, map_warps=warps)
-        results.append((graph_ms(lambda: KT.make_slots(routing_map, 1)) * 1e3, chunks, block_t, warps))
-    KT.LAUNCH.update(defaults)
+        with KT.launch_settings(map_chunks=chunks, map_block_t=block_t, map_warps=warps):
+            results.append((graph_ms(lambda: KT.make_slots(routing_map, 1)) * 1e3, chunks, block_t, warps))
     default = graph_ms(lambda: KT.make_slots(routing_map, 1)) * 1e3
     results.sort()
     best = results[0]
@@ -117,7 +114,6 @@ def sweep_routes(T: int, E: int, H: int, K: int, bw: float) -> None:
     N = rmap.num_out_tokens
     y = torch.randn((N, H), device="cuda", dtype=dt)
     g_out = torch.randn((T, H), device="cuda", dtype=dt)
-    defaults = dict(KT.LAUNCH)
     routes = {
         "unpermute bwd, per-token route": (
             (T * H + 2 * N * H) * b + 2 * T * E * 4,
@@ -131,13 +127,11 @@ def sweep_routes(T: int, E: int, H: int, K: int, bw: float) -> None:
         results = []
         for values in grid:
             *knobs, blk = values
-            KT.LAUNCH.update({k: v[0] for k, v in route.items()})
-            KT.LAUNCH.update(dict(zip(keys, knobs)))
             try:
-                results.append((graph_ms(make(blk)) / floor, values))
+                with KT.launch_settings(**{k: v[0] for k, v in route.items()}, **dict(zip(keys, knobs))):
+                    results.append((graph_ms(make(blk)) / floor, values))
             except Exception as exc:  # e.g. too many registers for a block/warps pair
                 print(f"# {name} {values}: {type(exc).__name__}", file=sys.stderr)
-            KT.LAUNCH.update(defaults)
         results.sort()
         best = results[0]
         print(f"| {T},{E},{H},{K} | {name} | {default / floor:.3f}x (default route) | {best[0]:.3f}x | "

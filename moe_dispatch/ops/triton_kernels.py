@@ -27,7 +27,9 @@ Rules that keep every access in bounds whatever the input (host sizes, hand-made
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -59,6 +61,23 @@ from .torch_twin import FP8_DTYPES, NUMERICS, block_h, fp8_max, max_slots_bound
 LAUNCH: dict = {"token_major": False, "warps": None, "rows_per_store": 8, "permute_store_cache": ".cs",
                 "map_chunks": 128, "map_block_t": None, "map_warps": None, "slots_per_step": 4,
                 "unpermute_bwd_slots_per_step": 2, "probs_grad_warps": 1, "unpermute_bwd_per_token": False}
+
+
+@contextlib.contextmanager
+def launch_settings(**settings) -> Iterator[None]:
+    """Overrides ``LAUNCH`` entries inside the ``with`` block and restores all of ``LAUNCH`` on exit
+    (also when the block raises), so benchmarks and sweeps cannot leak a setting into what follows.
+    A name that is not a launch setting raises KeyError before anything changes."""
+    unknown = sorted(set(settings) - set(LAUNCH))
+    if unknown:
+        raise KeyError(f"launch_settings: {unknown} are not launch settings; expected names from {sorted(LAUNCH)}")
+    saved = dict(LAUNCH)
+    LAUNCH.update(settings)
+    try:
+        yield
+    finally:
+        LAUNCH.clear()
+        LAUNCH.update(saved)
 
 
 def _num_warps(block: int) -> int:
