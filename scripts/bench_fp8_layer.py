@@ -378,12 +378,13 @@ def main() -> None:
     bandwidth = 2 * src.numel() * src.element_size() / (copy_ms * 1e-3)  # read + write, bytes/s
     print(f"device-to-device copy of [{T}, {H}] bf16: {copy_ms:.4f} ms, {bandwidth / 1e12:.2f} TB/s (read + write)\n")
     print("| rows | ms | floor ms | / floor |\n|---|---|---|---|")
-    for rows in (T, T * args.topk):
-        xr = torch.randn(rows, H, device=DEVICE).to(torch.bfloat16)
+    # the tokens, the fc2 gradient rows (dgrad), and fc2's input / fc1's gradient rows (ffn wide)
+    for rows, cols in ((T, H), (T * args.topk, H), (T * args.topk, args.ffn)):
+        xr = torch.randn(rows, cols, device=DEVICE).to(torch.bfloat16)
         ms = median_ms(lambda xr=xr: quantize_rows(xr, torch.float8_e4m3fn), iters=50)
-        moved = row_quantisation_bytes(rows, H, 2)  # bf16 in
+        moved = row_quantisation_bytes(rows, cols, 2)  # bf16 in
         floor = moved / bandwidth * 1e3
-        print(f"| {rows} x {H} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} |")
+        print(f"| {rows} x {cols} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} |")
     if not args.no_sweeps:
         bench_quantize_rows_launch([T, T * args.topk], H, bandwidth)
     bench_group_columns(args, bandwidth, sweep=not args.no_sweeps)
