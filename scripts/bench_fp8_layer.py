@@ -393,6 +393,14 @@ def main() -> None:
     profile_step("bf16", layer_step(MoEConfig(**base), x, upstream)[1])
     profile_step("FP8 per call", fp8_step)
     profile_step("FP8, the weights quantised once", layer_step(config, x, upstream, once=True)[1])
+    both = {key: not KT.LAUNCH[key] for key in ("group_columns_tiles", "zero_only_uncovered")}
+    with KT.launch_settings(**both):
+        print(f"\n## Both other routes at once ({both})\n")
+        print("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
+              "| 64 tokens alone bitwise | median rel. error vs bf16 |\n|---|---|---|---|---|---|---|")
+        layer_row("fp8 e4m3, both other routes, weights quantised once", config, x, upstream, ref, once=True)
+        profile_step("FP8, the weights quantised once, both other routes",
+                     layer_step(config, x, upstream, once=True)[1])
 
 
 def profile_step(label: str, step) -> None:
