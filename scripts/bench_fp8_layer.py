@@ -338,6 +338,8 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=6)
     parser.add_argument("--no-sweeps", action="store_true",
                         help="skip the quantisers' LAUNCH sweeps (the tables at the defaults still print)")
+    parser.add_argument("--no-accumulation", action="store_true",
+                        help="skip the rows with wgrad's other accumulation (FAST_ACCUM_WGRAD flipped)")
     parser.add_argument("--floor-only", type=float, metavar="TB_PER_S", default=None,
                         help="print only the quantisations' byte-floor table at this copy bandwidth (no GPU)")
     args = parser.parse_args()
@@ -368,7 +370,8 @@ def main() -> None:
           f"bitwise the per-call fp8 step: {same_per_call} | | |")
     quantise_ms = median_ms(layer.quantize_fp8_weights)
     print(f"\nlayer.quantize_fp8_weights() alone (both weights, forward and dgrad operands): {quantise_ms:.3f} ms")
-    bench_wgrad_accumulation(config, x, upstream, ref)
+    if not args.no_accumulation:
+        bench_wgrad_accumulation(config, x, upstream, ref)
     bench_route("group_columns_tiles", config, x, upstream, ref, (out, gx))
     bench_route("zero_only_uncovered", config, x, upstream, ref, (out, gx), bf16_config=MoEConfig(**base))
     print("\n## Row quantisation (ops.quantize_rows), against its byte floor\n")
