@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 import traceback
 
 import torch
@@ -46,27 +45,7 @@ WARMUP, ITERS = 5, 30  # --cpu-smoke: 1, 2 (the smoke run checks that the script
 def bench(fn, warmup: int = 0, iters: int = 0) -> float:
     """Median ms of fn over `iters` (default ITERS) timed calls after `warmup` (default WARMUP)
     (CUDA events; host clock on CPU); the same count on every rank."""
-    warmup, iters = warmup or WARMUP, iters or ITERS
-    cuda = DEVICE.type == "cuda"
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    dist.barrier()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return profiling.median_ms(fn, iters or ITERS, warmup or WARMUP, DEVICE, before=dist.barrier)
 
 
 def say(*args) -> None:

@@ -24,30 +24,16 @@ gives expert 0 half the rows, the rest even.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 
 from moe_dispatch.experts.fp8 import _cuda_mm, _cuda_wgrad, fp8_expert_gemm, quantize_rows, weight_operand, wgrad_layout
 from moe_dispatch.ops import quantize_group_columns
+from moe_dispatch.tools.profiling import median_ms
 
 PEAK = {"bf16": 989.4e12, "fp8": 1978.9e12}  # dense FLOP/s, H200 SXM datasheet
 E4M3 = torch.float8_e4m3fn
-
-
-def _time(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _counts(rows: int, experts: int, kind: str) -> list:
@@ -137,10 +123,10 @@ def main() -> None:
           f"counts {args.counts} ({sum(c % 16 != 0 for c in counts)} not multiples of 16)")
     print(f"{'GEMM':<10}{'bf16':>10}{'fp8 GEMM':>10}{'fp8+quant':>11}{'bf16 floor':>12}{'fp8 floor':>11}   (ms)")
     for name, bf16, fp8, fp8_quant in rows:
-        t = [_time(f, args.iters) for f in (bf16, fp8, fp8_quant)]
+        t = [median_ms(f, args.iters) for f in (bf16, fp8, fp8_quant)]
         print(f"{name:<10}{t[0]:>10.3f}{t[1]:>10.3f}{t[2]:>11.3f}"
               f"{flops / PEAK['bf16'] * 1e3:>12.3f}{flops / PEAK['fp8'] * 1e3:>11.3f}")
-    t_bf16, t_fp8 = _time(step_bf16, args.iters), _time(step_fp8, args.iters)
+    t_bf16, t_fp8 = median_ms(step_bf16, args.iters), median_ms(step_fp8, args.iters)
     print(f"{'step':<10}{t_bf16:>10.3f}{'':>10}{t_fp8:>11.3f}"
           f"{3 * flops / PEAK['bf16'] * 1e3:>12.3f}{3 * flops / PEAK['fp8'] * 1e3:>11.3f}"
           "   (autograd forward + backward, fp8 quantising x per row)")
@@ -179,7 +165,7 @@ def wgrad_accumulation(x: torch.Tensor, dy: torch.Tensor, counts: list, kind: st
         except RuntimeError as exc:  # a torch whose 2d x 2d kernel refuses fast accumulation
             print(f"  use_fast_accum={fast}: {type(exc).__name__}: {str(exc)[:200]}")
             continue
-        ms = _time(lambda f=fast: _cuda_wgrad(xt, sxc, dyt, sdyc, layout[1], fast_accum=f), iters)
+        ms = median_ms(lambda f=fast: _cuda_wgrad(xt, sxc, dyt, sdyc, layout[1], fast_accum=f), iters)
         err = ((dw.double() - ref).norm() / ref.norm()).item()
         worst = max(((dw[g].double() - ref[g]).norm() / ref[g].norm()).item() for g in range(len(counts)))
         other = _cuda_wgrad(xt, sxc, dyt2, sdyc2, layout[1], fast_accum=fast)

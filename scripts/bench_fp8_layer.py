@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -44,23 +43,9 @@ from moe_dispatch.numerics.rounding import round_up
 from moe_dispatch.ops import quantize_group_columns, quantize_rows
 from moe_dispatch.ops import triton_kernels as KT
 from moe_dispatch.tools.capture import capture_step
+from moe_dispatch.tools.profiling import median_ms
 
 DEVICE = torch.device("cuda")
-
-
-def median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def captured(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, eager: tuple,

@@ -2,20 +2,52 @@
 makes and the host<->device copies the GPU runs per call (scripts/bench_ep.py's "host waits"
 column; the GPU tests assert a layer step makes none it does not need). ``gpu_idle`` says, from
 a torch.profiler trace, how long the GPU sat idle and which part of the step the host was in
-when it finally launched the next kernel (scripts/bench_ep.py's profile tables)."""
+when it finally launched the next kernel (scripts/bench_ep.py's profile tables). ``median_ms`` is
+the benchmarks' timer."""
 from __future__ import annotations
 
 import bisect
+import statistics
+import time
 import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-__all__ = ["gpu_idle", "host_waits"]
+__all__ = ["gpu_idle", "host_waits", "median_ms"]
 
 # CPU events that name a part of the step: record_function ranges and autograd's backward nodes.
 _PHASE_PREFIXES = ("autograd::engine::evaluate_function: ",)
+
+
+def median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3,
+              device: torch.device | str = "cuda", before: Optional[Callable[[], None]] = None) -> float:
+    """The median time of ``iters`` calls of ``fn``, in ms, after ``warmup`` untimed calls. On a CUDA
+    ``device`` each call is timed by CUDA events around it (the GPU time of what it launched, the
+    host's launch gaps included) and followed by a synchronisation; elsewhere by the host clock.
+    ``before`` runs once between the warm-up and the timed calls (a barrier, for instance)."""
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    if before is not None:
+        before()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def host_waits(step: Callable[[], None], steps: int = 3, warmup: int = 2) -> dict:

@@ -1,4 +1,5 @@
-"""moe_dispatch.tools.profiling.gpu_idle on a hand-made trace (the CPU suite has no CUDA kernels)."""
+"""moe_dispatch.tools.profiling.gpu_idle on a hand-made trace (the CPU suite has no CUDA kernels), and
+median_ms on a hand-made clock."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -6,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
+from moe_dispatch.tools import profiling
 from moe_dispatch.tools.profiling import gpu_idle
 
 
@@ -53,3 +55,15 @@ def test_gpu_idle_untraced_launch_and_depth():
     assert rows == ["(launch not traced) -> k3", "(launch not traced) -> k5"]
     rows = [key for key, _, _ in gpu_idle(_trace(), steps=1, depth=1)["rows"]]
     assert "experts / aten::mm" in rows
+
+
+def test_median_ms_times_each_call_after_the_warmup_and_the_hook(monkeypatch):
+    """Off CUDA the host clock times each call: the warm-up calls are untimed, ``before`` runs once
+    between them and the timed calls, and the result is the median of the timed calls in ms."""
+    clock = iter([0.0, 0.005, 1.0, 1.001, 2.0, 2.010])  # three timed calls: 5, 1 and 10 ms
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: next(clock))
+    calls = []
+    ms = profiling.median_ms(lambda: calls.append("call"), iters=3, warmup=2, device="cpu",
+                             before=lambda: calls.append("before"))
+    assert calls == ["call", "call", "before", "call", "call", "call"]
+    assert ms == pytest.approx(5.0)
