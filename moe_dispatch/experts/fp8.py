@@ -173,6 +173,15 @@ def _cuda_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
                                     use_fast_accum=FAST_ACCUM_ROWS)
 
 
+def _rows_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
+             counts: Optional[List[int]], out_dtype: torch.dtype) -> torch.Tensor:
+    """a [N, C] fp8 (scales sa [N]) times b[e]^T per expert -> [N, D]: `_cuda_mm` (device
+    ``offsets``) on CUDA, `_twin_mm` (host ``counts``) elsewhere."""
+    if a.device.type == "cuda":
+        return _cuda_mm(a, sa, b, sb, offsets)
+    return _twin_mm(a, sa, b, sb, counts, out_dtype)
+
+
 def _cuda_wgrad(xt: torch.Tensor, sx: torch.Tensor, dyt: torch.Tensor, sdy: torch.Tensor,
                 padded_starts: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:
     """CUDA: `_twin_wgrad`'s product, 2d x 2d with groups along `wgrad_layout`'s columns (every
@@ -201,10 +210,7 @@ class _Fp8ExpertGemm(torch.autograd.Function):
             wq, sw = weight_operand(w.detach().transpose(1, 2), fp8_dtype)  # [E, M, K]: per (e, m), over K
         else:
             wq, sw = wq_forward, sw_forward
-        if cuda:
-            out = _cuda_mm(x, x_scales, wq, sw, offsets)
-        else:
-            out = _twin_mm(x, x_scales, wq, sw, counts, out_dtype)
+        out = _rows_mm(x, x_scales, wq, sw, offsets, counts, out_dtype)
         ctx.save_for_backward(x, x_scales, w, tokens_per_expert, offsets, wq_dgrad, sw_dgrad)
         ctx.args = (counts, fp8_dtype, out_dtype)
         return out
@@ -224,11 +230,7 @@ class _Fp8ExpertGemm(torch.autograd.Function):
                 wq, sw = weight_operand(w.detach(), fp8_dtype)  # [E, K, M]: per (e, k), over M
             else:
                 wq, sw = wq_dgrad, sw_dgrad
-            if cuda:
-                gx = _cuda_mm(dyq, sdy, wq, sw, offsets)
-            else:
-                gx = _twin_mm(dyq, sdy, wq, sw, counts, out_dtype)
-            gx = gx.to(ctx.rows_grad_dtype)
+            gx = _rows_mm(dyq, sdy, wq, sw, offsets, counts, out_dtype).to(ctx.rows_grad_dtype)
         if ctx.needs_input_grad[2]:
             row_ends = offsets if cuda else torch.tensor(counts, dtype=torch.int64).cumsum(0)
             row_starts, padded_starts, padded_rows = wgrad_layout(row_ends, x.shape[0])
