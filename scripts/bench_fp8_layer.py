@@ -46,6 +46,8 @@ from moe_dispatch.tools.capture import capture_step
 from moe_dispatch.tools.profiling import median_ms
 
 DEVICE = torch.device("cuda")
+LAYER_TABLE_HEADER = ("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
+                      "| 64 tokens alone bitwise | median rel. error vs bf16 |\n|---|---|---|---|---|---|---|")
 
 
 def captured(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, eager: tuple,
@@ -119,8 +121,7 @@ def bench_wgrad_accumulation(config: MoEConfig, x: torch.Tensor, upstream: torch
     label = "fast" if F.FAST_ACCUM_WGRAD else "fp32-promoted"
     try:
         print(f"\n## wgrad with the other accumulation (FAST_ACCUM_WGRAD = {F.FAST_ACCUM_WGRAD}: {label})\n")
-        print("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
-              "| 64 tokens alone bitwise | median rel. error vs bf16 |\n|---|---|---|---|---|---|---|")
+        print(LAYER_TABLE_HEADER)
         for once in (False, True):
             layer_row(f"fp8 e4m3, wgrad {label} accumulation{', weights quantised once' if once else ''}", config, x,
                       upstream, ref, once=once)
@@ -143,8 +144,7 @@ def bench_route(key: str, config: MoEConfig, x: torch.Tensor, upstream: torch.Te
     other = not KT.LAUNCH[key]
     with KT.launch_settings(**{key: other}):
         print(f"\n## The other route: {key} = {other}\n")
-        print("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
-              "| 64 tokens alone bitwise | median rel. error vs bf16 |\n|---|---|---|---|---|---|---|")
+        print(LAYER_TABLE_HEADER)
         if bf16_config is not None:
             layer_row(f"bf16, {key} = {other}", bf16_config, x, upstream, None)
         out, gx, _ = layer_row(f"fp8 e4m3, {key} = {other}", config, x, upstream, ref)
@@ -212,22 +212,21 @@ def bench_group_columns(args, bandwidth: float, sweep: bool = True) -> None:
                     ms = median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3, rs), iters=50)
                 print(f"| {name} | {N} x {cols}, {str(dtype)[6:]} | {'one expert half' if skewed else 'random'} | "
                       f"{route} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} | {same} |", flush=True)
-    with KT.launch_settings():
-        for name, cols, dtype in (("fc2 dy", H, torch.bfloat16), ("fc2 x", ffn, e4m3)) if sweep else ():
-            x, s, p, P, rs, moved = group_columns_case(N, cols, dtype, E, False)
-            floor = moved / bandwidth * 1e3
-            print(f"\nLAUNCH sweep, {name} ({N} x {cols} {str(dtype)[6:]}, random split; floor {floor:.4f} ms)\n")
-            print("| block_c | block_r | warps | slices | ms | / floor |\n|---|---|---|---|---|---|")
-            # ptxas -v (sm_90) registers a thread: 64 x 128 over 4 warps 254 (two programs per SM),
-            # 32 x 64 over 8 warps 64, 32 x 32 or 64 x 16 over 4 warps 88, 64 x 32 over 8 warps 95.
-            for block_c, block_r, warps, splits in [
-                    (64, 128, 4, 1), (32, 64, 4, 1), (64, 64, 4, 1), (64, 32, 4, 1), (64, 64, 8, 1), (32, 64, 8, 1),
-                    (32, 32, 4, 1), (64, 16, 4, 1), (64, 32, 8, 1), (32, 128, 8, 1), (128, 32, 8, 1),
-                    (64, 128, 4, 4), (32, 64, 8, 4), (32, 32, 4, 4), (64, 32, 8, 4), (32, 64, 8, 8)]:
-                KT.LAUNCH.update(group_columns_block_c=block_c, group_columns_block_r=block_r,
-                                 group_columns_warps=warps, group_columns_splits=splits, group_columns_tiles=False)
+    for name, cols, dtype in (("fc2 dy", H, torch.bfloat16), ("fc2 x", ffn, e4m3)) if sweep else ():
+        x, s, p, P, rs, moved = group_columns_case(N, cols, dtype, E, False)
+        floor = moved / bandwidth * 1e3
+        print(f"\nLAUNCH sweep, {name} ({N} x {cols} {str(dtype)[6:]}, random split; floor {floor:.4f} ms)\n")
+        print("| block_c | block_r | warps | slices | ms | / floor |\n|---|---|---|---|---|---|")
+        # ptxas -v (sm_90) registers a thread: 64 x 128 over 4 warps 254 (two programs per SM),
+        # 32 x 64 over 8 warps 64, 32 x 32 or 64 x 16 over 4 warps 88, 64 x 32 over 8 warps 95.
+        for block_c, block_r, warps, splits in [
+                (64, 128, 4, 1), (32, 64, 4, 1), (64, 64, 4, 1), (64, 32, 4, 1), (64, 64, 8, 1), (32, 64, 8, 1),
+                (32, 32, 4, 1), (64, 16, 4, 1), (64, 32, 8, 1), (32, 128, 8, 1), (128, 32, 8, 1),
+                (64, 128, 4, 4), (32, 64, 8, 4), (32, 32, 4, 4), (64, 32, 8, 4), (32, 64, 8, 8)]:
+            with KT.launch_settings(group_columns_block_c=block_c, group_columns_block_r=block_r,
+                                    group_columns_warps=warps, group_columns_splits=splits, group_columns_tiles=False):
                 ms = median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3, rs), iters=50)
-                print(f"| {block_c} | {block_r} | {warps} | {splits} | {ms:.4f} | {ms / floor:.2f} |", flush=True)
+            print(f"| {block_c} | {block_r} | {warps} | {splits} | {ms:.4f} | {ms / floor:.2f} |", flush=True)
 
 
 def bench_quantize_rows_launch(rows_list: list[int], H: int, bandwidth: float) -> None:
@@ -235,33 +234,32 @@ def bench_quantize_rows_launch(rows_list: list[int], H: int, bandwidth: float) -
     default's)."""
     print("\n| rows x H | elements | warps | programs per SM | stages | ms | / floor | bitwise default |")
     print("|---|---|---|---|---|---|---|---|")
-    with KT.launch_settings():
-        for rows in rows_list:
-            xr = torch.randn(rows, H, device=DEVICE).to(torch.bfloat16)
-            want = quantize_rows(xr, torch.float8_e4m3fn)
-            floor = row_quantisation_bytes(rows, H, 2) / bandwidth * 1e3
-            # Rows of H <= elements load once and stay in registers (one pass; 8192 elements over
-            # 8 warps take 199 registers a thread for sm_90, per ptxas -v: one program per SM);
-            # elements < H read each row twice, chunk by chunk (32-48 registers a thread, so many
-            # programs per SM; the second read likely from L2).
-            for elements, warps, per_sm, stages in [
-                    (8192, 8, 0, 1), (4096, 4, 0, 1), (4096, 8, 0, 1), (4096, 16, 0, 1), (16384, 16, 0, 1),
-                    (2048, 4, 0, 1), (2048, 8, 0, 1), (1024, 2, 0, 1), (1024, 4, 0, 1), (1024, 8, 0, 1),
-                    (512, 4, 0, 1), (1024, 4, 8, 2), (1024, 4, 16, 2), (2048, 8, 8, 2), (4096, 8, 4, 2),
-                    (8192, 8, 2, 3)]:
-                KT.LAUNCH.update(quantize_elements=elements, quantize_warps=warps,
-                                 quantize_programs_per_sm=per_sm, quantize_stages=stages)
-                try:
+    for rows in rows_list:
+        xr = torch.randn(rows, H, device=DEVICE).to(torch.bfloat16)
+        want = quantize_rows(xr, torch.float8_e4m3fn)
+        floor = row_quantisation_bytes(rows, H, 2) / bandwidth * 1e3
+        # Rows of H <= elements load once and stay in registers (one pass; 8192 elements over
+        # 8 warps take 199 registers a thread for sm_90, per ptxas -v: one program per SM);
+        # elements < H read each row twice, chunk by chunk (32-48 registers a thread, so many
+        # programs per SM; the second read likely from L2).
+        for elements, warps, per_sm, stages in [
+                (8192, 8, 0, 1), (4096, 4, 0, 1), (4096, 8, 0, 1), (4096, 16, 0, 1), (16384, 16, 0, 1),
+                (2048, 4, 0, 1), (2048, 8, 0, 1), (1024, 2, 0, 1), (1024, 4, 0, 1), (1024, 8, 0, 1),
+                (512, 4, 0, 1), (1024, 4, 8, 2), (1024, 4, 16, 2), (2048, 8, 8, 2), (4096, 8, 4, 2),
+                (8192, 8, 2, 3)]:
+            try:
+                with KT.launch_settings(quantize_elements=elements, quantize_warps=warps,
+                                        quantize_programs_per_sm=per_sm, quantize_stages=stages):
                     got = quantize_rows(xr, torch.float8_e4m3fn)
                     ms = median_ms(lambda xr=xr: quantize_rows(xr, torch.float8_e4m3fn), iters=50)
-                except Exception as exc:  # a setting the compiler refuses (e.g. shared memory)
-                    print(f"| {rows} x {H} | {elements} | {warps} | {per_sm} | {stages} | {type(exc).__name__} | | |")
-                    continue
-                same = all(torch.equal(u.view(torch.uint8) if u.dtype != torch.float32 else u,
-                                       v.view(torch.uint8) if v.dtype != torch.float32 else v)
-                           for u, v in zip(want, got))
-                print(f"| {rows} x {H} | {elements} | {warps} | {per_sm} | {stages} | {ms:.4f} | {ms / floor:.2f} | "
-                      f"{same} |", flush=True)
+            except Exception as exc:  # a setting the compiler refuses (e.g. shared memory)
+                print(f"| {rows} x {H} | {elements} | {warps} | {per_sm} | {stages} | {type(exc).__name__} | | |")
+                continue
+            same = all(torch.equal(u.view(torch.uint8) if u.dtype != torch.float32 else u,
+                                   v.view(torch.uint8) if v.dtype != torch.float32 else v)
+                       for u, v in zip(want, got))
+            print(f"| {rows} x {H} | {elements} | {warps} | {per_sm} | {stages} | {ms:.4f} | {ms / floor:.2f} | "
+                  f"{same} |", flush=True)
 
 
 def row_quantisation_bytes(n: int, cols: int, in_bytes: int) -> int:
@@ -340,9 +338,7 @@ def main() -> None:
 
     print(f"## The layer, forward + backward, EP 1 ({T} tokens, H {H}, ffn {args.ffn}, E {args.experts}, "
           f"K {args.topk}, bf16 tokens, eager)\n")
-    print("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
-          "| 64 tokens alone bitwise | median rel. error vs bf16 |")
-    print("|---|---|---|---|---|---|---|")
+    print(LAYER_TABLE_HEADER)
     ref = layer_row("bf16", MoEConfig(**base), x, upstream, None)[0].float()
     out, gx, fp8_step = layer_row("fp8 e4m3", MoEConfig(fp8="e4m3", **base), x, upstream, ref)
     config = MoEConfig(fp8="e4m3", **base)
@@ -384,8 +380,7 @@ def main() -> None:
     both = {key: not KT.LAUNCH[key] for key in ("group_columns_tiles", "zero_only_uncovered")}
     with KT.launch_settings(**both):
         print(f"\n## Both other routes at once ({both})\n")
-        print("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
-              "| 64 tokens alone bitwise | median rel. error vs bf16 |\n|---|---|---|---|---|---|---|")
+        print(LAYER_TABLE_HEADER)
         layer_row("fp8 e4m3, both other routes, weights quantised once", config, x, upstream, ref, once=True)
         profile_step("FP8, the weights quantised once, both other routes",
                      layer_step(config, x, upstream, once=True)[1])
