@@ -241,7 +241,10 @@ class MoEConfig:
     rows, their scales and the fp32 probs travel (about half the bytes of bf16 rows); the expert
     GEMMs run in FP8 (forward, dgrad, wgrad; `moe_dispatch.experts.fp8`), their outputs in the
     tokens' dtype (bf16 on CUDA); the combine stays the fp32 weighted sum. The router sees the
-    unquantised tokens. Needs hidden_size and ffn_hidden_size multiples of 16.
+    unquantised tokens. Needs hidden_size and ffn_hidden_size multiples of 16. ``fp8_wgrad``
+    (Megatron's field of that name; default True) runs the expert weight gradients in FP8 too; False
+    runs them in the tokens' dtype from the saved FP8 rows widened by their scales (TransformerEngine's
+    ``override_linear_precision`` wgrad), with no column quantisation. Only with ``fp8`` set.
 
     Types are strict: bool fields take only True/False, int fields only ints (not bools or
     floats), float fields ints or floats; the Optional fields above take None as described.
@@ -276,9 +279,11 @@ class MoEConfig:
     strict_call_order: bool = False
     ep_capacity_factor: Optional[float] = None
     fp8: Optional[str] = None
+    fp8_wgrad: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("pre_softmax", "enable_expert_bias", "pad_to_capacity", "probs_in_experts", "strict_call_order"):
+        for name in ("pre_softmax", "enable_expert_bias", "pad_to_capacity", "probs_in_experts", "strict_call_order",
+                     "fp8_wgrad"):
             _strict_bool(name, getattr(self, name))
         for name in ("hidden_size", "num_experts", "ffn_hidden_size", "pad_multiple"):
             _positive_int(name, getattr(self, name))
@@ -322,6 +327,9 @@ class MoEConfig:
         if not is_int(self.init_seed) or not 0 <= self.init_seed < _SEED_LIMIT:
             raise ValueError(f"init_seed must be an int in [0, 2**63), got {self.init_seed!r}")
         _fp8_format(self.fp8, self.hidden_size, self.ffn_hidden_size)
+        if not self.fp8_wgrad and self.fp8 is None:
+            raise ValueError("fp8_wgrad=False (the expert weight gradients in the tokens' dtype) needs fp8 set, "
+                             "got fp8=None")
 
     def _check_groups(self) -> None:
         if self.num_groups is not None:

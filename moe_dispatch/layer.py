@@ -72,7 +72,7 @@ class MoELayer(nn.Module):
             shared_config = config.replace(num_experts=1, topk=1, pre_softmax=True, num_groups=None,
                                            group_topk=None, capacity_factor=None, pad_to_capacity=False,
                                            ffn_hidden_size=config.shared_expert_ffn_hidden_size,
-                                           probs_in_experts=False, fp8=None,  # dense: the tokens' dtype
+                                           probs_in_experts=False, fp8=None, fp8_wgrad=True,  # dense: the tokens' dtype
                                            init_seed=seeded.init_seed + _SHARED_EXPERT_SEED_OFFSET)
             self.shared_expert = experts_cls(shared_config, 1, 0)
 

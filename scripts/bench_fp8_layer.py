@@ -11,10 +11,14 @@ Prints three tables:
    optimizer step for its micro-batches), its output and input gradient checked bitwise against
    the per-call FP8 step's, and the time of that quantisation alone. Then both again with wgrad's
    other accumulation (``experts.fp8.FAST_ACCUM_WGRAD`` flipped: fp32-promoted, the default being
-   fast), with the same checks and the expert weight gradients' relative change.
+   fast), with the same checks and the expert weight gradients' relative change. Then FP8 with
+   ``fp8_wgrad=False`` (the expert weight gradients in bf16), with the same checks, its expert weight
+   gradients bitwise across the dispatchers, and their distance from the bf16 layer's against FP8
+   wgrad's. ``--no-routes`` skips the LAUNCH routes' rows.
 2. The row quantisation (``ops.quantize_rows``) of the layer's tokens against its byte floor: each
    input read once and each output written once, over the device-to-device copy bandwidth
-   measured in the same run, and a sweep of its LAUNCH settings (each result checked bitwise
+   measured in the same run, ``ops.dequantize_rows`` (fp8_wgrad=False's widening of the saved rows)
+   against its floor, and a sweep of quantize_rows' LAUNCH settings (each result checked bitwise
    against the default's).
    Then the weight gradient's per-(expert, column) quantisation (``ops.quantize_group_columns``,
    one kernel) of the layer step's four wgrad operands (the saved float8 inputs dequantised by their
@@ -40,7 +44,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.numerics.rounding import round_up
-from moe_dispatch.ops import quantize_group_columns, quantize_rows
+from moe_dispatch.ops import dequantize_rows, quantize_group_columns, quantize_rows
 from moe_dispatch.ops import triton_kernels as KT
 from moe_dispatch.tools.capture import capture_step
 from moe_dispatch.tools.profiling import median_ms
@@ -156,6 +160,30 @@ def bench_route(key: str, config: MoEConfig, x: torch.Tensor, upstream: torch.Te
               f"layer.quantize_fp8_weights() alone: {median_ms(layer.quantize_fp8_weights):.3f} ms")
 
 
+def bench_wide_wgrad(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, ref: torch.Tensor,
+                     default: tuple, bf16_config: MoEConfig) -> None:
+    """The FP8 step with ``fp8_wgrad=False`` (the expert weight gradients in bf16 from the saved FP8
+    rows widened by their scales), per call and with the weights quantised once: times, the same
+    bitwise checks, its output and input gradient bitwise the FP8 step's, its expert weight gradients
+    bitwise across the dispatchers, and each expert weight gradient's relative distance from the bf16
+    layer's, with FP8 wgrad and without."""
+    wide = config.replace(fp8_wgrad=False)
+    print("\n## The expert weight gradients in bf16 (MoEConfig(fp8_wgrad=False))\n")
+    print(LAYER_TABLE_HEADER)
+    out, gx, _ = layer_row("fp8 e4m3, fp8_wgrad=False", wide, x, upstream, ref)
+    layer_row("fp8 e4m3, fp8_wgrad=False, weights quantised once", wide, x, upstream, ref, once=True)
+    configs = {"bf16": bf16_config, "fp8": config, "wide": wide, "wide allgather": wide.replace(dispatcher="allgather")}
+    grads = {name: weight_grads(c, x, upstream) for name, c in configs.items()}
+    same_kinds = all(torch.equal(a, b) for a, b in zip(grads["wide"], grads["wide allgather"]))
+    same_rows = torch.equal(out, default[0]) and torch.equal(gx, default[1])
+    print(f"\noutput and input gradient bitwise the FP8 step's: {same_rows}; expert weight gradients bitwise across "
+          f"the dispatchers: {same_kinds}")
+    for i, want in enumerate(grads["bf16"]):
+        errors = [((grads[name][i] - want).norm() / want.norm()).item() for name in ("fp8", "wide")]
+        print(f"expert weight {i + 1}'s gradient against bf16's (relative norm): FP8 wgrad {errors[0]:.3g}, "
+              f"fp8_wgrad=False {errors[1]:.3g}")
+
+
 CATEGORIES = [("GEMM", r"gemm|cutlass|nvjet|xmma|sm90_|grouped_mm|scaled_mm|f8f8"),
               ("quantise", r"quantize"), ("zero fill", r"fill|zero|cover_rows"),
               ("permute / combine", r"permute|unpermute|slots|gather|scatter|index"),
@@ -186,6 +214,8 @@ def group_columns_case(rows: int, cols: int, dtype: torch.dtype, experts: int, s
 
 
 def bench_group_columns(args, bandwidth: float, sweep: bool = True) -> None:
+    """The table of ``quantize_group_columns`` on the four wgrad operands: every route, or with
+    ``args.no_routes`` the default alone; then the launch sweep when ``sweep``."""
     N, H, ffn, E = args.tokens * args.topk, args.hidden, args.ffn, args.experts
     print("\n## wgrad's column quantisation (ops.quantize_group_columns), against its byte floor\n")
     print("| operand | rows x cols, dtype | split | route | ms | floor ms | / floor | bitwise the first route |")
@@ -195,6 +225,7 @@ def bench_group_columns(args, bandwidth: float, sweep: bool = True) -> None:
               ("tiles of 64 rows", dict(group_columns_tiles=True, group_columns_block_r=64)),
               ("tiles, 32 columns x 64 rows, 8 warps", dict(group_columns_tiles=True, group_columns_block_c=32,
                                                              group_columns_block_r=64, group_columns_warps=8))]
+    routes = routes[:1] if args.no_routes else routes
     e4m3 = torch.float8_e4m3fn
     operands = [("fc1 x (saved rows, row scales)", H, e4m3), ("fc1 dy", ffn, torch.bfloat16),
                 ("fc2 x (saved rows, row scales)", ffn, e4m3), ("fc2 dy", H, torch.bfloat16)]
@@ -323,6 +354,8 @@ def main() -> None:
                         help="skip the quantisers' LAUNCH sweeps (the tables at the defaults still print)")
     parser.add_argument("--no-accumulation", action="store_true",
                         help="skip the rows with wgrad's other accumulation (FAST_ACCUM_WGRAD flipped)")
+    parser.add_argument("--no-routes", action="store_true",
+                        help="skip the LAUNCH routes' rows (group_columns_tiles, zero_only_uncovered)")
     parser.add_argument("--floor-only", type=float, metavar="TB_PER_S", default=None,
                         help="print only the quantisations' byte-floor table at this copy bandwidth (no GPU)")
     args = parser.parse_args()
@@ -351,10 +384,12 @@ def main() -> None:
           f"bitwise the per-call fp8 step: {same_per_call} | | |")
     quantise_ms = median_ms(layer.quantize_fp8_weights)
     print(f"\nlayer.quantize_fp8_weights() alone (both weights, forward and dgrad operands): {quantise_ms:.3f} ms")
+    bench_wide_wgrad(config, x, upstream, ref, (out, gx), MoEConfig(**base))
     if not args.no_accumulation:
         bench_wgrad_accumulation(config, x, upstream, ref)
-    bench_route("group_columns_tiles", config, x, upstream, ref, (out, gx))
-    bench_route("zero_only_uncovered", config, x, upstream, ref, (out, gx), bf16_config=MoEConfig(**base))
+    if not args.no_routes:
+        bench_route("group_columns_tiles", config, x, upstream, ref, (out, gx))
+        bench_route("zero_only_uncovered", config, x, upstream, ref, (out, gx), bf16_config=MoEConfig(**base))
     print("\n## Row quantisation (ops.quantize_rows), against its byte floor\n")
     src = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
     dst = torch.empty_like(src)
@@ -369,6 +404,11 @@ def main() -> None:
         moved = row_quantisation_bytes(rows, cols, 2)  # bf16 in
         floor = moved / bandwidth * 1e3
         print(f"| {rows} x {cols} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} |")
+    for rows, cols in ((T * args.topk, H), (T * args.topk, args.ffn)):  # fp8_wgrad=False's widening
+        q, scales = quantize_rows(torch.randn(rows, cols, device=DEVICE), torch.float8_e4m3fn)
+        ms = median_ms(lambda q=q, scales=scales: dequantize_rows(q, scales, torch.bfloat16), iters=50)
+        floor = (rows * cols * 3 + rows * 4) / bandwidth * 1e3  # fp8 in, bf16 out, the scales
+        print(f"| dequantize_rows {rows} x {cols} to bf16 | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} |")
     if not args.no_sweeps:
         bench_quantize_rows_launch([T, T * args.topk], H, bandwidth)
     bench_group_columns(args, bandwidth, sweep=not args.no_sweeps)
@@ -377,6 +417,10 @@ def main() -> None:
     profile_step("bf16", layer_step(MoEConfig(**base), x, upstream)[1])
     profile_step("FP8 per call", fp8_step)
     profile_step("FP8, the weights quantised once", layer_step(config, x, upstream, once=True)[1])
+    profile_step("FP8 with fp8_wgrad=False, the weights quantised once",
+                 layer_step(config.replace(fp8_wgrad=False), x, upstream, once=True)[1])
+    if args.no_routes:
+        return
     both = {key: not KT.LAUNCH[key] for key in ("group_columns_tiles", "zero_only_uncovered")}
     with KT.launch_settings(**both):
         print(f"\n## Both other routes at once ({both})\n")

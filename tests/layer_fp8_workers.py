@@ -46,7 +46,8 @@ def run_layer(config: MoEConfig, group, ep_rank: int, ids: range) -> dict:
 
 def ep_worker(rank: int, world: int) -> dict:
     """EP 4 (the world) and EP 2 (two groups of 2), both dispatchers; and EP 2 sync-free
-    (``ep_capacity_factor``: static buffers with trailing rows), half the tokens on each rank."""
+    (``ep_capacity_factor``: static buffers with trailing rows), half the tokens on each rank; EP 4
+    and EP 2 sync-free again with ``fp8_wgrad=False``."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     results = {}
     half = T_GLOBAL // 2
@@ -56,4 +57,10 @@ def ep_worker(rank: int, world: int) -> dict:
         # capacity 2x the balanced load: a rank can receive every token's topk rows, so nothing drops
         results[(kind, "sync-free")] = run_layer(fp8_config(kind, ep_capacity_factor=2.0), pairs[rank // 2],
                                                  rank % 2, range(half * (rank % 2), half * (rank % 2 + 1)))
+        # the weight gradients in the tokens' dtype (fp8_wgrad=False): EP 4, and EP 2 sync-free
+        results[(kind, 4, "wide")] = run_layer(fp8_config(kind, fp8_wgrad=False), dist.group.WORLD, rank,
+                                               splits(4)[rank])
+        results[(kind, "sync-free", "wide")] = run_layer(fp8_config(kind, ep_capacity_factor=2.0, fp8_wgrad=False),
+                                                         pairs[rank // 2], rank % 2,
+                                                         range(half * (rank % 2), half * (rank % 2 + 1)))
     return results

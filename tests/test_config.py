@@ -41,7 +41,7 @@ def test_every_field_has_a_type_class():
     classified = BOOL_FIELDS + INT_FIELDS + OPTIONAL_INT_FIELDS + FLOAT_FIELDS + OPTIONAL_FLOAT_FIELDS + STR_FIELDS
     assert sorted(classified + ["params_dtype"]) == sorted(FIELDS)
     assert BOOL_FIELDS == ["pre_softmax", "enable_expert_bias", "pad_to_capacity", "probs_in_experts",
-                           "strict_call_order"]
+                           "strict_call_order", "fp8_wgrad"]
 
 
 @pytest.mark.parametrize("field", BOOL_FIELDS)
@@ -50,6 +50,13 @@ def test_every_field_has_a_type_class():
 def test_bool_fields_take_only_bools(field, value):
     with pytest.raises(ValueError, match=f"{field} must be a bool"):
         cfg(**{field: value})
+
+
+def test_fp8_wgrad_needs_fp8():
+    with pytest.raises(ValueError, match="fp8_wgrad=False .* needs fp8 set"):
+        cfg(fp8_wgrad=False)
+    assert cfg(fp8="e4m3", fp8_wgrad=False).fp8_wgrad is False
+    assert cfg().fp8_wgrad is True and cfg(fp8="e4m3").fp8_wgrad is True
 
 
 def test_bool_fields_take_bools():

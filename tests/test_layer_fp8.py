@@ -120,6 +120,19 @@ def test_ep2_and_ep4_bitwise_to_ep1():
                     assert torch.equal(g1, ref["experts"][e][0]) and torch.equal(g2, ref["experts"][e][1])
         for r in range(4):  # the router's: bitwise across the dispatchers
             assert torch.equal(ranks[r][("alltoall", ep)]["router"], ranks[r][("allgather", ep)]["router"])
+    wide = run_layer(fp8_config("alltoall", fp8_wgrad=False), None, 0, range(T_GLOBAL))
+    assert torch.equal(wide["out"], ref["out"]) and torch.equal(wide["gx"], ref["gx"])  # wgrad alone changes
+    assert not torch.equal(wide["experts"][0][0], ref["experts"][0][0])
+    for kind in ("alltoall", "allgather"):  # fp8_wgrad=False at EP 4 and EP 2 sync-free: bitwise EP 1's
+        for key in ((kind, 4, "wide"), (kind, "sync-free", "wide")):
+            parts = [ranks[r][key] for r in (range(4) if key[1] == 4 else range(2))]
+            assert torch.equal(torch.cat([p["out"] for p in parts]), wide["out"]), f"{key}: outputs"
+            assert torch.equal(torch.cat([p["gx"] for p in parts]), wide["gx"]), f"{key}: input gradients"
+            for p in parts:
+                for e, (g1, g2) in p["experts"].items():
+                    assert torch.equal(g1, wide["experts"][e][0]) and torch.equal(g2, wide["experts"][e][1]), key
+    for r in range(4):
+        assert torch.equal(ranks[r][("alltoall", 4, "wide")]["router"], ranks[r][("allgather", 4, "wide")]["router"])
     for kind in ("alltoall", "allgather"):  # EP 2 sync-free: the trailing rows of its buffers change nothing
         parts = [ranks[r][(kind, "sync-free")] for r in range(2)]
         assert torch.equal(torch.cat([p["out"] for p in parts]), ref["out"]), f"{kind} sync-free: outputs"
@@ -145,15 +158,25 @@ def test_gpu_fp8_layer_contract_and_accuracy():
         xs = xs.clone().requires_grad_()
         out = layer(xs)
         out.backward(up)
-        return out.detach(), xs.grad
+        return out.detach(), xs.grad, layer.experts.weight1.grad, layer.experts.weight2.grad
 
     a = run(MoEConfig(fp8="e4m3", **kw), x, upstream)
     b = run(MoEConfig(fp8="e4m3", dispatcher="allgather", **kw), x, upstream)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert all(torch.equal(u, v) for u, v in zip(a, b))  # output, input and expert weight gradients
+    # fp8_wgrad=False: the same output and input gradient (only the weight gradients change), its
+    # expert weight gradients bitwise across the dispatchers and closer to bf16's than FP8's
+    wide = run(MoEConfig(fp8="e4m3", fp8_wgrad=False, **kw), x, upstream)
+    wide_b = run(MoEConfig(fp8="e4m3", fp8_wgrad=False, dispatcher="allgather", **kw), x, upstream)
+    assert torch.equal(wide[0], a[0]) and torch.equal(wide[1], a[1])
+    assert all(torch.equal(u, v) for u, v in zip(wide, wide_b))
     keep = torch.arange(3, 512, 7, device=dev)
     c = run(MoEConfig(fp8="e4m3", **kw), x[keep], upstream[keep])
     assert torch.equal(c[0], a[0][keep]) and torch.equal(c[1], a[1][keep])
     ref = run(MoEConfig(**kw), x, upstream)
-    for got, want in zip(a, ref):
+    for i in (2, 3):
+        fp8_err, wide_err = (((got[i].float() - ref[i].float()).norm() / ref[i].float().norm()).item()
+                             for got in (a, wide))
+        assert wide_err < fp8_err, (i, wide_err, fp8_err)
+    for got, want in zip(a[:2], ref[:2]):
         err = ((got.float() - want.float()).norm(dim=1) / want.float().norm(dim=1)).median().item()
         assert 1e-2 <= err <= 0.2, err

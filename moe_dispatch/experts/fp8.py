@@ -4,7 +4,7 @@ Interface (the one public function)::
 
     fp8_expert_gemm(x, x_scales, w, tokens_per_expert, offsets=None,
                     fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, *, grad_sink=None,
-                    trailing_rows=False, weight_operands=None) -> out [N, M]
+                    trailing_rows=False, weight_operands=None, fp8_wgrad=True) -> out [N, M]
 
 - ``x`` [N, K], rows expert-major (expert 0's rows, then expert 1's, ...), either
   * already quantised: ``fp8_dtype`` rows with ``x_scales`` [N] float32, value = ``x.float() * x_scales[:, None]``
@@ -23,6 +23,11 @@ Interface (the one public function)::
 - ``weight_operands``: w already quantised, ``quantize_weight(w, fp8_dtype)``'s four tensors, so that
   several micro-batches between two optimizer steps quantise w once (its gradient still goes to w);
   None: w is quantised at each call (the forward's operand) and each backward (the dgrad's).
+- ``fp8_wgrad`` (Megatron's ``fp8_wgrad``): True runs the weight gradient in FP8 (below); False runs it
+  in the gradient's dtype, as TransformerEngine's ``override_linear_precision`` wgrad does: the forward's
+  saved FP8 rows widened by their row scales (``ops.dequantize_rows``), then ``dw[e] = deq(x_e)^T @ dy_e``
+  with fp32 accumulation and one rounding. No column quantisation of x or dy, so no second FP8
+  rounding in the weight gradient.
 - ``fp8_dtype``: ``torch.float8_e4m3fn`` only (the one float8 ``torch._scaled_grouped_mm`` takes on sm90).
 - ``out_dtype``: bf16 (CUDA: the only output of the sm90 kernel); the CPU also takes fp16 and fp32.
 
@@ -63,7 +68,7 @@ import torch
 from ..numerics.autograd import refuse_double_backward
 from ..numerics.fixed_order import ordered_mm
 from ..numerics.rounding import round_up
-from ..ops.quantize import quantize_group_columns, quantize_rows
+from ..ops.quantize import dequantize_rows, quantize_group_columns, quantize_rows
 from .activations import activate, scale_rows
 from .gemm import _counts as host_counts
 
@@ -194,10 +199,31 @@ def _cuda_wgrad(xt: torch.Tensor, sx: torch.Tensor, dyt: torch.Tensor, sdy: torc
     return dw[:-1]
 
 
+def _wide_wgrad(x: torch.Tensor, x_scales: torch.Tensor, grad: torch.Tensor, offsets: Optional[torch.Tensor],
+                counts: Optional[List[int]]) -> torch.Tensor:
+    """The weight gradient in grad's dtype (``fp8_wgrad=False``): x [N, K] fp8 with x_scales [N]
+    widened to grad's dtype (`dequantize_rows`), grad [N, M] dense -> dw [E, K, M] in grad's dtype,
+    ``dw[e] = deq(x_e)^T @ grad_e`` over expert e's rows only (rows past the last expert add nothing).
+    CUDA: one bf16 ``torch._grouped_mm`` with groups along the rows (device ``offsets``; fp32
+    accumulation, empty groups give zeros). CPU: `ordered_mm` per expert (host ``counts``) in fp32,
+    rounded once."""
+    xd = dequantize_rows(x, x_scales, grad.dtype)
+    if x.device.type == "cuda":
+        if x.shape[0] == 0:
+            return grad.new_zeros(offsets.shape[0], x.shape[1], grad.shape[1])
+        return torch._grouped_mm(xd.t(), grad, offs=offsets)
+    dw = grad.new_empty(len(counts), x.shape[1], grad.shape[1])
+    start = 0
+    for e, n in enumerate(counts):
+        dw[e] = ordered_mm(xd[start : start + n].float().t(), grad[start : start + n].float()).to(grad.dtype)
+        start += n
+    return dw
+
+
 class _Fp8ExpertGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, x_scales, w, grad_sink, tokens_per_expert, offsets, fp8_dtype, out_dtype,  # type: ignore[override]
-                trailing_rows, wq_forward, sw_forward, wq_dgrad, sw_dgrad):
+                trailing_rows, fp8_wgrad, wq_forward, sw_forward, wq_dgrad, sw_dgrad):
         cuda = x.device.type == "cuda"
         counts = None if cuda else host_counts(tokens_per_expert, x.shape[0], trailing_rows)  # a CPU tensor
         # Where the rows' gradient goes: x itself (quantised here), or the sink of pre-quantised rows.
@@ -212,14 +238,14 @@ class _Fp8ExpertGemm(torch.autograd.Function):
             wq, sw = wq_forward, sw_forward
         out = _rows_mm(x, x_scales, wq, sw, offsets, counts, out_dtype)
         ctx.save_for_backward(x, x_scales, w, tokens_per_expert, offsets, wq_dgrad, sw_dgrad)
-        ctx.args = (counts, fp8_dtype, out_dtype)
+        ctx.args = (counts, fp8_dtype, out_dtype, fp8_wgrad)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         refuse_double_backward("fp8_expert_gemm")
         x, x_scales, w, tokens_per_expert, offsets, wq_dgrad, sw_dgrad = ctx.saved_tensors
-        counts, fp8_dtype, out_dtype = ctx.args
+        counts, fp8_dtype, out_dtype, fp8_wgrad = ctx.args
         cuda = x.device.type == "cuda"
         grad = _dense(grad)
         rows_index = ctx.rows_index
@@ -231,7 +257,9 @@ class _Fp8ExpertGemm(torch.autograd.Function):
             else:
                 wq, sw = wq_dgrad, sw_dgrad
             gx = _rows_mm(dyq, sdy, wq, sw, offsets, counts, out_dtype).to(ctx.rows_grad_dtype)
-        if ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2] and not fp8_wgrad:
+            gw = _wide_wgrad(x, x_scales, grad, offsets, counts).to(w.dtype)
+        elif ctx.needs_input_grad[2]:
             row_ends = offsets if cuda else torch.tensor(counts, dtype=torch.int64).cumsum(0)
             row_starts, padded_starts, padded_rows = wgrad_layout(row_ends, x.shape[0])
             # the forward's rows dequantised by their scales inside the kernel, and dy, per (expert, column)
@@ -242,7 +270,7 @@ class _Fp8ExpertGemm(torch.autograd.Function):
             else:
                 gw = _twin_wgrad(xt, sx, dyt, sdy, counts, padded_starts, out_dtype)
             gw = gw.to(w.dtype)
-        grads = [None] * 13
+        grads = [None] * 14
         grads[rows_index], grads[2] = gx, gw
         return tuple(grads)
 
@@ -305,10 +333,13 @@ def fp8_expert_gemm(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.
                     tokens_per_expert: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                     fp8_dtype: torch.dtype = torch.float8_e4m3fn, out_dtype: torch.dtype = torch.bfloat16, *,
                     grad_sink: Optional[torch.Tensor] = None, trailing_rows: bool = False,
-                    weight_operands: Optional[Tuple[torch.Tensor, ...]] = None) -> torch.Tensor:
+                    weight_operands: Optional[Tuple[torch.Tensor, ...]] = None, fp8_wgrad: bool = True
+                    ) -> torch.Tensor:
     """out [N, M] out_dtype: ``out[rows of e] = deq(x[rows of e]) @ deq(w[e])`` in FP8, differentiable
     (rows' gradient to x, or to ``grad_sink`` for pre-quantised x; w's to w). The module docstring
-    states the shapes, the scales, ``trailing_rows``, ``weight_operands`` and the devices."""
+    states the shapes, the scales, ``trailing_rows``, ``weight_operands``, ``fp8_wgrad`` and the devices."""
+    if not isinstance(fp8_wgrad, bool):
+        raise ValueError(f"fp8_wgrad must be a bool (True or False), got {fp8_wgrad!r}")
     _check(x, x_scales, w, tokens_per_expert, offsets, fp8_dtype, out_dtype, grad_sink)
     _check_weight_operands(weight_operands, w, fp8_dtype)
     if x.device.type == "cuda" and offsets is None:
@@ -317,26 +348,28 @@ def fp8_expert_gemm(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.
     if x.device.type == "cpu":
         offsets = None  # the twin reads the host counts
     return _Fp8ExpertGemm.apply(x, x_scales, w, grad_sink, tokens_per_expert, offsets, fp8_dtype, out_dtype,
-                                trailing_rows, *(weight_operands or (None,) * 4))
+                                trailing_rows, fp8_wgrad, *(weight_operands or (None,) * 4))
 
 
 def fp8_mlp(rows: torch.Tensor, row_scales: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             tokens_per_expert: torch.Tensor, offsets: Optional[torch.Tensor], fp8_dtype: torch.dtype,
             activation: str, probs: Optional[torch.Tensor], row_grad_sink: torch.Tensor,
-            trailing_rows: bool = False, weight_operands: Optional[Tuple[Tuple[torch.Tensor, ...], ...]] = None
-            ) -> torch.Tensor:
+            trailing_rows: bool = False, weight_operands: Optional[Tuple[Tuple[torch.Tensor, ...], ...]] = None,
+            fp8_wgrad: bool = True) -> torch.Tensor:
     """The experts' MLP on the dispatch's FP8 rows: rows [N, H] fp8 with row_scales [N] fp32 ->
     [N, H] in row_grad_sink's dtype. fc1 (w1 [E, H, F]) on the rows as they are (their gradient to
     ``row_grad_sink`` [N, H]), the activation in that dtype, times ``probs`` [N] when given, then
     fc2 (w2 [E, F, H]) quantising its input per row. ``trailing_rows``: as `fp8_expert_gemm`'s (a
     sync-free dispatch's device counts and buffer). ``weight_operands``: (``quantize_weight(w1)``,
-    ``quantize_weight(w2)``), or None to quantise them per call."""
+    ``quantize_weight(w2)``), or None to quantise them per call. ``fp8_wgrad``: both GEMMs' weight
+    gradients in FP8 (True) or in the rows' dtype (False; `fp8_expert_gemm`)."""
     out_dtype = row_grad_sink.dtype
     ops1, ops2 = weight_operands or (None, None)
     h = fp8_expert_gemm(rows, row_scales, w1, tokens_per_expert, offsets, fp8_dtype, out_dtype,
-                        grad_sink=row_grad_sink, trailing_rows=trailing_rows, weight_operands=ops1)
+                        grad_sink=row_grad_sink, trailing_rows=trailing_rows, weight_operands=ops1,
+                        fp8_wgrad=fp8_wgrad)
     act = activate(h, activation)
     if probs is not None:
         act = scale_rows(act, probs)
     return fp8_expert_gemm(act, None, w2, tokens_per_expert, offsets, fp8_dtype, out_dtype,
-                           trailing_rows=trailing_rows, weight_operands=ops2)
+                           trailing_rows=trailing_rows, weight_operands=ops2, fp8_wgrad=fp8_wgrad)

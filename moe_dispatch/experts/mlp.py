@@ -72,7 +72,7 @@ class LocalExperts(nn.Module):
         ep_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         """``config``: a `moe_dispatch.config.MoEConfig` (reads hidden_size, ffn_hidden_size,
-        num_experts, activation, init_seed, params_dtype, probs_in_experts).
+        num_experts, activation, init_seed, params_dtype, probs_in_experts, fp8, fp8_wgrad).
         ``row_stable``: False allows the faster non-row-stable paths (see the module docstring).
         ``row_tile``: rows per GEMM call of the "tiled" fallback (CUDA); 0 = 256.
         ``ep_group``: the expert-parallel group whose rank r holds experts r*E_local.. (as the
@@ -93,6 +93,7 @@ class LocalExperts(nn.Module):
         self.activation = config.activation
         self.probs_in_experts = bool(config.probs_in_experts)
         self.fp8 = config.fp8  # None, or the FP8 format of the GEMMs (`moe_dispatch.experts.fp8`)
+        self.fp8_wgrad = config.fp8_wgrad  # the weight gradients in FP8 too, or in the tokens' dtype
         self.init_seed = config.init_seed
         self.num_local_experts = num_local_experts
         self.local_expert_offset = local_expert_offset
@@ -263,7 +264,7 @@ class LocalExperts(nn.Module):
             operands = (fp8_weights.weight1, fp8_weights.weight2)
         probs = permuted_probs if self.probs_in_experts else None
         return fp8_mlp(x, row_scales, self.weight1, self.weight2, tokens_per_expert, offsets, FP8_FORMATS[self.fp8],
-                       self.activation, probs, row_grad_sink, trailing_rows, operands)
+                       self.activation, probs, row_grad_sink, trailing_rows, operands, fp8_wgrad=self.fp8_wgrad)
 
     def quantize_fp8_weights(self) -> Fp8ExpertWeights:
         """weight1 and weight2 quantised for the FP8 GEMMs, once: pass the result to the forwards of

@@ -18,6 +18,9 @@ q * scale approximates x to the format's precision (q[t] reaches +-M at the row'
 scales (MXFP8: one power-of-two scale per 32 elements) need Blackwell's scaled GEMMs; they are
 not implemented (docs/ops.md says where the code is ready for them).
 
+dequantize_rows widens float8 rows back by their scales (one fp32 multiply, one rounding to the
+output dtype): the FP8 experts' saved rows for a weight gradient in the gradient's dtype.
+
 quantize_group_columns applies the same arithmetic per (expert, column) over each expert's block
 of rows, writing the quantised blocks transposed and padded per expert (the FP8 expert GEMM's
 weight-gradient operands) in one kernel.
@@ -68,6 +71,46 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor
     if _direct():
         return _impl(x).quantize_rows(x, fp8_dtype)
     return _quantize_rows_op(x, fp8_dtype)
+
+
+@torch.library.custom_op("moe_dispatch::dequantize_rows", mutates_args=())
+def _dequantize_rows_op(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return _impl(q).dequantize_rows(q, scales, out_dtype)
+
+
+@_dequantize_rows_op.register_fake
+def _(q, scales, out_dtype):
+    return q.new_empty(tuple(q.shape), dtype=out_dtype)
+
+
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Widen float8 rows by their row scales: ``quantize_rows``' inverse, up to the format's precision.
+
+    Args:
+        q: [T, H] float8_e4m3fn or float8_e5m2 (any strides; a row stride above H, e.g. the FP8
+            wire's rows read in place, is not copied).
+        scales: [T] float32 on q's device, one per row (``quantize_rows``' scales).
+        out_dtype: float32, bfloat16 or float16.
+
+    Returns:
+        [T, H] out_dtype, contiguous: ``q[t, h] * scales[t]``, one fp32 multiply (q widens exactly),
+        then one rounding to out_dtype; a NaN scale (a non-finite row) gives a NaN row. The Triton
+        kernel and the torch twin are bitwise alike. No gradient flows through it.
+    """
+    if not isinstance(q, torch.Tensor) or not isinstance(scales, torch.Tensor):
+        raise TypeError(f"q and scales must be torch.Tensors, got {type(q).__name__} and {type(scales).__name__}")
+    if q.dim() != 2 or q.dtype not in FP8_DTYPES:
+        raise TypeError(f"q must be a 2-D [T, H] float8_e4m3fn or float8_e5m2 tensor, got {q.dtype} of shape "
+                        f"{tuple(q.shape)}")
+    if scales.dtype != torch.float32 or scales.shape != (q.shape[0],) or scales.device != q.device:
+        raise ValueError(f"scales must be float32 [{q.shape[0]}] (q's rows) on q's device {q.device}, got "
+                         f"{scales.dtype} {tuple(scales.shape)} on {scales.device}")
+    if out_dtype not in _INPUT_DTYPES:
+        raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype!r}")
+    q, scales = q.detach(), scales.detach().contiguous()
+    if _direct():
+        return _impl(q).dequantize_rows(q, scales, out_dtype)
+    return _dequantize_rows_op(q, scales, out_dtype)
 
 
 # Experts per call: the kernel's grid runs experts along its second axis (at most 65535).

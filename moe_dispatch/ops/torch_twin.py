@@ -312,6 +312,12 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor
     return round_to(q, fp8_dtype), torch.where(finite, scale, float("nan"))
 
 
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """q [T, H] float8 (any row stride), scales [T] fp32 -> [T, H] out_dtype: ``q[t, h] * scales[t]``,
+    one fp32 multiply (q widens exactly), then one rounding to out_dtype. A NaN scale gives a NaN row."""
+    return (q.to(torch.float32) * scales[:, None]).to(out_dtype)
+
+
 def group_starts_problem(starts: list, pads: list, num_rows: int, padded_rows: int) -> str | None:
     """What is wrong with quantize_group_columns' row_starts / padded_starts values, or None."""
     if starts[0] != 0 or starts[-1] != num_rows or any(b < a for a, b in zip(starts, starts[1:])):

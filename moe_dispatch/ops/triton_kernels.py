@@ -994,6 +994,47 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor
 
 
 # --------------------------------------------------------------------------------------------
+# Row-wise dequantisation (ops/quantize.py's dequantize_rows): the FP8 experts' saved rows widened
+# for a weight gradient in the gradient's dtype (MoEConfig.fp8_wgrad=False).
+# --------------------------------------------------------------------------------------------
+# Rows and columns per program; no setting changes a value (every element is computed alone).
+LAUNCH.update({"dequantize_block_t": 4, "dequantize_block_h": 1024, "dequantize_warps": 4})
+
+
+@triton.jit
+def _dequantize_rows_kernel(q_ptr, scales_ptr, out_ptr, T, H, stride_qt, X_FP8_MAX: tl.constexpr,
+                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t, h] = float(q[t, h]) * scales[t] (one fp32 multiply), rounded once to out's dtype, for
+    rows program_id(0) * BLOCK_T + [0, BLOCK_T) and columns program_id(1) * BLOCK_H + [0, BLOCK_H);
+    q [T, H] float8 with unit column stride, out [T, H] contiguous (torch_twin.dequantize_rows)."""
+    offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_t = offs_t < T
+    mask = mask_t[:, None] & (offs_h < H)[None, :]
+    x = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+    if _INTERPRETED:
+        x = _interpreted_fp8_specials(x, X_FP8_MAX)
+    scale = tl.load(scales_ptr + offs_t, mask=mask_t, other=0.0)
+    tl.store(out_ptr + offs_t[:, None] * H + offs_h[None, :], _round_out(x * scale[:, None], out_ptr, 0.0), mask=mask)
+
+
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Launcher. q [T, H] float8 (unit column stride, any row stride), scales [T] fp32 contiguous ->
+    [T, H] out_dtype contiguous; torch_twin.dequantize_rows states the arithmetic."""
+    T, H = q.shape
+    out = torch.empty((T, H), dtype=out_dtype, device=q.device)
+    if T == 0 or H == 0:
+        return out
+    if q.stride(1) != 1:
+        q = q.contiguous()
+    block_t, block_h = LAUNCH["dequantize_block_t"], min(LAUNCH["dequantize_block_h"], triton.next_power_of_2(H))
+    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    _dequantize_rows_kernel[grid](q, scales, out, T, H, q.stride(0), X_FP8_MAX=fp8_max(q.dtype), BLOCK_T=block_t,
+                                  BLOCK_H=block_h, num_warps=LAUNCH["dequantize_warps"], **_launch_opts())
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # Per-(expert, column) float8 quantisation (ops/quantize.py's quantize_group_columns): the wgrad
 # operands of the FP8 expert GEMM, transposed and padded per expert, in one launch.
 # --------------------------------------------------------------------------------------------

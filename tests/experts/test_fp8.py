@@ -25,18 +25,18 @@ def _weights(e: int, k: int, m: int, seed: int = 7) -> torch.Tensor:
     return (torch.randn(e, k, m, generator=torch.Generator().manual_seed(seed)) / math.sqrt(k)).to(torch.bfloat16)
 
 
-def _run(x, w, counts, g, prequant: bool, out_dtype=torch.bfloat16, device="cpu"):
+def _run(x, w, counts, g, prequant: bool, out_dtype=torch.bfloat16, device="cpu", fp8_wgrad=True):
     """(out, rows' gradient, w's gradient) of sum(out * g)."""
     x, w, g = x.to(device), w.detach().to(device).requires_grad_(), g.to(device)
     tokens = torch.tensor(counts, device=device)
     if prequant:
         q, s = quantize_rows(x, E4M3)
         sink = torch.zeros((), dtype=x.dtype, device=device).expand(x.shape).requires_grad_()
-        out = fp8_expert_gemm(q, s, w, tokens, out_dtype=out_dtype, grad_sink=sink)
+        out = fp8_expert_gemm(q, s, w, tokens, out_dtype=out_dtype, grad_sink=sink, fp8_wgrad=fp8_wgrad)
         out.backward(g)
         return out.detach(), sink.grad, w.grad
     x = x.detach().clone().requires_grad_()
-    out = fp8_expert_gemm(x, None, w, tokens, out_dtype=out_dtype)
+    out = fp8_expert_gemm(x, None, w, tokens, out_dtype=out_dtype, fp8_wgrad=fp8_wgrad)
     out.backward(g)
     return out.detach(), x.grad, w.grad
 
@@ -50,8 +50,9 @@ def _batch(block: torch.Tensor, g_block: torch.Tensor, counts, expert: int, seed
     return x, g, before
 
 
+@pytest.mark.parametrize("fp8_wgrad", [True, False], ids=["fp8_wgrad", "wide_wgrad"])
 @pytest.mark.parametrize("prequant", [False, True])
-def test_rows_and_groups_invariant(prequant):
+def test_rows_and_groups_invariant(prequant, fp8_wgrad):
     """A row's output and input gradient are bitwise the same whatever rows share the call and
     however the others are grouped; expert 2's wgrad is bitwise the same whatever the others hold."""
     k, m, rows = 48, 32, 13
@@ -61,11 +62,11 @@ def test_rows_and_groups_invariant(prequant):
     results = []
     for i, counts in enumerate(splits):
         x, g, start = _batch(block, g_block, counts, 2, 10 * i + 20, m)
-        out, gx, gw = _run(x, w, counts, g, prequant)
+        out, gx, gw = _run(x, w, counts, g, prequant, fp8_wgrad=fp8_wgrad)
         results.append((out[start : start + rows], gx[start : start + rows], gw[2]))
     for out, gx, gw in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(gx, results[0][1]) and torch.equal(gw, results[0][2])
-    out, gx, _ = _run(block[5:6], w, [0, 0, 1, 0], g_block[5:6], prequant)  # one row alone
+    out, gx, _ = _run(block[5:6], w, [0, 0, 1, 0], g_block[5:6], prequant, fp8_wgrad=fp8_wgrad)  # one row alone
     assert torch.equal(out, results[0][0][5:6]) and torch.equal(gx, results[0][1][5:6])
 
 
@@ -126,6 +127,33 @@ def test_float64_bound(out_dtype):
         start += rows
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_wide_wgrad(out_dtype):
+    """fp8_wgrad=False: the forward and the input gradient are bitwise those of fp8_wgrad=True; the
+    weight gradient is within the float64 bound of deq(x_e)^T @ g_e, with deq(x) the saved rows
+    widened to the gradient's dtype (one fp32 multiply, one rounding); and it is closer to the
+    unquantised product than the FP8 weight gradient (one FP8 rounding of x instead of three
+    quantisations: x per row, then x and g per column)."""
+    counts, k, m = [40, 1, 0, 23], 48, 32
+    n = sum(counts)
+    x, g, w = _rows(n, k, 5), _rows(n, m, 6).to(out_dtype), _weights(4, k, m)
+    fp8 = _run(x, w, counts, g, prequant=False, out_dtype=out_dtype)
+    wide = _run(x, w, counts, g, prequant=False, out_dtype=out_dtype, fp8_wgrad=False)
+    assert torch.equal(wide[0], fp8[0]) and torch.equal(wide[1], fp8[1])
+    xq, xs = quantize_rows(x, E4M3)
+    xd = (xq.float() * xs[:, None]).to(out_dtype).double()
+    start, errors = 0, {"fp8": [], "wide": []}
+    for e, rows in enumerate(counts):
+        sl = slice(start, start + rows)
+        _within_bound(wide[2][e], xd[sl].t(), g[sl].double())
+        if rows > 1:
+            ref = x[sl].double().t() @ g[sl].double()
+            for name, got in (("fp8", fp8[2]), ("wide", wide[2])):
+                errors[name].append(((got[e].double() - ref).norm() / ref.norm()).item())
+        start += rows
+    assert max(errors["wide"]) < min(errors["fp8"])
+
+
 def test_group_columns_match_one_call_per_expert():
     """The wgrad operands (wgrad_layout's padding) equal quantize_rows(x_e.T) per expert, zeros in
     the padding; an expert of no rows gets 16 zero columns."""
@@ -162,8 +190,9 @@ def test_weight_operand_is_quantize_rows_per_expert(layout):
         assert torch.equal(q[e].contiguous().view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s[e], ref_s)
 
 
+@pytest.mark.parametrize("fp8_wgrad", [True, False], ids=["fp8_wgrad", "wide_wgrad"])
 @pytest.mark.parametrize("prequant", [False, True])
-def test_trailing_rows_change_nothing(prequant):
+def test_trailing_rows_change_nothing(prequant, fp8_wgrad):
     """trailing_rows: rows after sum(counts) (a sync-free buffer, here holding large values and a
     NaN) change no real row's output or gradient nor w's gradient, bitwise, and give zero output
     rows on the CPU; without trailing_rows the same counts are refused."""
@@ -172,19 +201,19 @@ def test_trailing_rows_change_nothing(prequant):
     x, g = _rows(30, k, 11), _rows(30, m, 12)
     junk_x, junk_g = 1e4 * _rows(7, k, 13), _rows(7, m, 14)
     junk_x[2, 3] = float("nan")
-    ref = _run(x, w, counts, g, prequant)
+    ref = _run(x, w, counts, g, prequant, fp8_wgrad=fp8_wgrad)
     xb, gb = torch.cat([x, junk_x]), torch.cat([g, junk_g])
     wb = w.detach().clone().requires_grad_()
     tokens = torch.tensor(counts)
     if prequant:
         q, s = quantize_rows(xb, E4M3)
         sink = torch.zeros((), dtype=xb.dtype).expand(xb.shape).requires_grad_()
-        out = fp8_expert_gemm(q, s, wb, tokens, grad_sink=sink, trailing_rows=True)
+        out = fp8_expert_gemm(q, s, wb, tokens, grad_sink=sink, trailing_rows=True, fp8_wgrad=fp8_wgrad)
         out.backward(gb)
         gx = sink.grad
     else:
         xr = xb.detach().clone().requires_grad_()
-        out = fp8_expert_gemm(xr, None, wb, tokens, trailing_rows=True)
+        out = fp8_expert_gemm(xr, None, wb, tokens, trailing_rows=True, fp8_wgrad=fp8_wgrad)
         out.backward(gb)
         gx = xr.grad
     assert torch.equal(out[:30], ref[0]) and torch.equal(gx[:30], ref[1]) and torch.equal(wb.grad, ref[2])
@@ -212,12 +241,16 @@ def test_bad_arguments_name_them():
         fp8_expert_gemm(x, None, w, torch.tensor([1, 3]), out_dtype=torch.float64)
     with pytest.raises(ValueError, match="grad_sink"):
         fp8_expert_gemm(x, None, w, torch.tensor([1, 3]), grad_sink=torch.zeros(4, 16))
+    with pytest.raises(ValueError, match="fp8_wgrad"):
+        fp8_expert_gemm(x, None, w, torch.tensor([1, 3]), fp8_wgrad="no")
 
 
+@pytest.mark.parametrize("fp8_wgrad", [True, False], ids=["fp8_wgrad", "wide_wgrad"])
 @pytest.mark.parametrize("counts", [[0, 9, 0], [0, 0, 0]])
-def test_empty_experts_give_zeros(counts):
+def test_empty_experts_give_zeros(counts, fp8_wgrad):
     n, k, m = sum(counts), 16, 16
-    out, gx, gw = _run(_rows(n, k, 1), _weights(3, k, m), counts, _rows(n, m, 2), prequant=False)
+    out, gx, gw = _run(_rows(n, k, 1), _weights(3, k, m), counts, _rows(n, m, 2), prequant=False,
+                       fp8_wgrad=fp8_wgrad)
     assert out.shape == (n, m) and gx.shape == (n, k)
     for e, rows in enumerate(counts):
         if rows == 0:
@@ -228,8 +261,9 @@ def test_empty_experts_give_zeros(counts):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8_wgrad", [True, False], ids=["fp8_wgrad", "wide_wgrad"])
 @pytest.mark.parametrize("prequant", [False, True])
-def test_cuda_invariant_and_close_to_twin(prequant):
+def test_cuda_invariant_and_close_to_twin(prequant, fp8_wgrad):
     """CUDA: 128 rows alone and inside a batch of unaligned groups (1068 rows included, which FP8
     wgrad cannot take unpadded) give bitwise the same output, input gradient and their expert's
     wgrad; the batch is close to the CPU twin (per expert, in the Frobenius norm)."""
@@ -238,12 +272,12 @@ def test_cuda_invariant_and_close_to_twin(prequant):
     block, g_block = _rows(rows, k, 1), _rows(rows, m, 2)
     counts = [1068, 13, 0, rows, 301, 7]
     x, g, start = _batch(block, g_block, counts, 3, 30, m)
-    got = _run(x, w, counts, g, prequant, device="cuda")
-    alone = _run(block, w, [0, 0, 0, rows, 0, 0], g_block, prequant, device="cuda")
+    got = _run(x, w, counts, g, prequant, device="cuda", fp8_wgrad=fp8_wgrad)
+    alone = _run(block, w, [0, 0, 0, rows, 0, 0], g_block, prequant, device="cuda", fp8_wgrad=fp8_wgrad)
     sl = slice(start, start + rows)
     assert torch.equal(got[0][sl], alone[0]) and torch.equal(got[1][sl], alone[1])
     assert torch.equal(got[2][3], alone[2][3])
-    twin = _run(x, w, counts, g, prequant)
+    twin = _run(x, w, counts, g, prequant, fp8_wgrad=fp8_wgrad)
     # The H200's FP8 MMA accumulates with fewer bits than fp32 (DeepSeek-V3's report, section
     # 3.3.2): out and dx with its fast accumulation (FAST_ACCUM_ROWS), dw between its promotions to
     # fp32 (there an elementwise bound with an fp32 summation term failed: 1.09x it, and 1.05x with
@@ -266,7 +300,8 @@ def test_cuda_invariant_and_close_to_twin(prequant):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_sync_free_with_trailing_rows():
+@pytest.mark.parametrize("fp8_wgrad", [True, False], ids=["fp8_wgrad", "wide_wgrad"])
+def test_cuda_sync_free_with_trailing_rows(fp8_wgrad):
     """CUDA, device counts and trailing rows (a sync-free buffer, holding junk): forward and
     backward run with CUDA's sync debug mode set to 'error' (no host read), and every real row's
     output and gradient and w's gradient are bitwise those of the call without the trailing rows."""
@@ -274,7 +309,7 @@ def test_cuda_sync_free_with_trailing_rows():
     n = sum(counts)
     w = _weights(4, k, m)
     x, g = _rows(n, k, 21), _rows(n, m, 22)
-    ref = _run(x, w, counts, g, True, device="cuda")
+    ref = _run(x, w, counts, g, True, device="cuda", fp8_wgrad=fp8_wgrad)
     dev = torch.device("cuda")
     xb = torch.cat([x, 1e4 * _rows(37, k, 23)]).to(dev)
     gb = torch.cat([g, _rows(37, m, 24)]).to(dev)
@@ -286,7 +321,7 @@ def test_cuda_sync_free_with_trailing_rows():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = fp8_expert_gemm(q, s, wb, tokens, offsets, grad_sink=sink, trailing_rows=True)
+        out = fp8_expert_gemm(q, s, wb, tokens, offsets, grad_sink=sink, trailing_rows=True, fp8_wgrad=fp8_wgrad)
         out.backward(gb)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -190,6 +190,10 @@ def fp8_worker(rank: int, world_size: int) -> dict:
             install(layer2, fp8=FP8)
             rec["megatron_ep2"] = _megatron_step(layer2, x[mine], dy[mine])
             rec["ours_ep2"] = _ours_step(layer2, world, x[mine], dy[mine])
+            layer2.config.fp8_wgrad = False  # Megatron's --no-fp8-wgrad: the weight gradients in the tokens' dtype
+            rec["megatron_ep2_wide_wgrad"] = _megatron_step(layer2, x[mine], dy[mine])
+            rec["ours_ep2_wide_wgrad"] = _ours_step(layer2, world, x[mine], dy[mine])
+            layer2.config.fp8_wgrad = True
             layer1 = install(_megatron(kind, dtype, 1, pg1), fp8=FP8)
             rec["megatron_ep1"] = _megatron_step(layer1, x, dy)
             rec["ours_ep1"] = _ours_step(layer1, singles[rank], x, dy)

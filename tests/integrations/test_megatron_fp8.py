@@ -11,6 +11,8 @@ scales to row-stable FP8 experts, on 2 CPU gloo ranks (one spawn, megatron_fp8_w
   whole layer): bitwise the dropless dispatch's step;
 - bad values raise MoEConfig's own ValueError before any collective; unsupported settings
   (Megatron's TE FP8, Megatron's experts, sizes, sync-free at EP 2) raise naming the setting;
+- ``TransformerConfig.fp8_wgrad=False`` (``--no-fp8-wgrad``): the expert weight gradients in the
+  tokens' dtype, bitwise our layer's with ``MoEConfig(fp8_wgrad=False)`` and across the dispatchers;
 - ``install(fp8=..., quantize_weights_once=True)``: bitwise per-forward quantisation over two
   micro-batches, an optimizer step and an in-place weight change, quantising once per phase;
   refused without fp8 or with a non-bool;
@@ -73,6 +75,21 @@ def test_bitwise_across_dispatchers(ranks, dtype):
             for field in ("out", "gx"):
                 assert_equal(rank[ag][step][field], rank[a2a][step][field], (dtype, r, step, field))
             _assert_experts_equal(rank[ag][step]["experts"], rank[a2a][step]["experts"], (dtype, r, step))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_no_fp8_wgrad(ranks, case):
+    """TransformerConfig.fp8_wgrad=False (Megatron's --no-fp8-wgrad) at EP 2: the output and input
+    gradient bitwise those of FP8 wgrad, the expert weight gradients changed, bitwise our layer's
+    (moe_config_from_megatron carries the field) and across the dispatchers."""
+    other = (case[0], "allgather" if case[1] == "alltoall" else "alltoall")
+    for r, rank in enumerate(ranks):
+        wide, fp8 = rank[case]["megatron_ep2_wide_wgrad"], rank[case]["megatron_ep2"]
+        for field in ("out", "gx"):
+            assert_equal(wide[field], fp8[field], (case, r, field))
+        assert all(not torch.equal(wide["experts"][e][0], fp8["experts"][e][0]) for e in wide["experts"])
+        _assert_experts_equal(wide["experts"], rank[case]["ours_ep2_wide_wgrad"]["experts"], (case, r, "ours"))
+        _assert_experts_equal(wide["experts"], rank[other]["megatron_ep2_wide_wgrad"]["experts"], (case, r, "kinds"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_dispatch.ops import custom_ops, expert_row_counts, permute, quantize_rows, set_backend, unpermute
+from moe_dispatch.ops import (
+    custom_ops,
+    dequantize_rows,
+    expert_row_counts,
+    permute,
+    quantize_rows,
+    set_backend,
+    unpermute,
+)
 from moe_dispatch.ops import torch_twin as TW
 from tests.ops.oracle import U32, assert_within, expected_rows, half_ulp, random_routing, reference_unpermute
 
@@ -24,6 +32,12 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _same_bits_but_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, except that any NaN equals any NaN (their payloads are not values)."""
+    nan = a.isnan()
+    return _same_bits(nan, b.isnan()) and _same_bits(a[~nan], b[~nan])
 
 
 def _case(T, E, K, H, dtype, out_dtype, seed=0, pad_multiple=1):
@@ -278,6 +292,76 @@ def test_quantize_empty_and_the_registered_op():
         assert _same_bits(u, v)
 
 
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_dequantize_rows_against_float64(fp8, out_dtype):
+    """dequantize_rows: q * scale rounded once from its exact value (the fp32 product of a float8
+    value and an fp32 scale is exact up to one fp32 rounding, then one to out_dtype), zero rows
+    zero, a NaN scale a NaN row; and it undoes quantize_rows to the format's precision."""
+    x = _rows_to_quantize(40, 72, torch.float32, seed=9)
+    q, scales = quantize_rows(x, fp8)
+    out = dequantize_rows(q, scales, out_dtype)
+    assert out.dtype == out_dtype and out.shape == x.shape and out.is_contiguous()
+    exact = q.double() * scales.double()[:, None]
+    finite = torch.isfinite(scales)
+    assert torch.equal(out[finite], exact[finite].float().to(out_dtype))  # fp32 product: exact here
+    assert bool(out[~finite].isnan().all())
+    amax = x.double().abs().amax(1)
+    # rows within out_dtype's range (fp16 overflows the rows of 1e6)
+    normal = finite & (amax >= 2.0 ** -64) & (amax < float(torch.finfo(out_dtype).max) / 2)
+    err = (out[normal].double() - x.double()[normal]).abs() / amax[normal, None]
+    bound = float(torch.finfo(fp8).eps) / 2 * 1.01 + float(torch.finfo(out_dtype).eps)
+    assert float(err.max()) <= bound
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dequantize_kernel_matches_twin_bitwise(monkeypatch, fp8, out_dtype):
+    """The interpreted kernel against the twin, bitwise, on rows read in place with a row stride
+    above H (the FP8 wire's layout), blocks that leave ragged edges in both dimensions, float8
+    NaN and inf bytes, and a NaN scale; rows alone give the bits they get in the batch."""
+    from moe_dispatch.ops import triton_kernels as K
+
+    monkeypatch.setitem(K.LAUNCH, "dequantize_block_t", 4)
+    monkeypatch.setitem(K.LAUNCH, "dequantize_block_h", 64)
+    gen = torch.Generator().manual_seed(10)
+    wide = (torch.randn((11, 208), generator=gen) * 100).to(fp8)
+    wide.view(torch.uint8)[1, 3] = 0x7F  # NaN in both formats
+    if fp8 == torch.float8_e5m2:
+        wide.view(torch.uint8)[2, 4] = 0x7C  # +inf
+    q = wide[:, :200]
+    scales = torch.rand(11, generator=gen) + 0.25
+    scales[5] = float("nan")
+    twin = TW.dequantize_rows(q, scales, out_dtype)
+    with set_backend("triton"):
+        kernel = dequantize_rows(q, scales, out_dtype)
+        alone = dequantize_rows(q[6:9], scales[6:9], out_dtype)
+    # NaN payloads differ between torch's and the kernel's widening: every NaN counts as one.
+    if out_dtype == torch.float32:
+        assert _same_bits_but_nan(twin, kernel)
+    else:  # the interpreter truncates fp32 -> bf16 (compiled, it rounds: test_cuda_dequantize_matches_twin)
+        nan = twin.isnan()
+        assert _same_bits(nan, kernel.isnan())
+        step = (twin.float().abs() * 2.0 ** -7)[~nan]
+        k, t = kernel.float()[~nan], twin.float()[~nan]
+        assert bool(((k == t) | ((k - t).abs() <= step)).all())  # == for the infs
+    assert _same_bits(alone, kernel[6:9])
+    assert bool(kernel[1, 3].isnan()) and bool(kernel[5].isnan().all())
+
+
+def test_dequantize_empty_and_the_registered_op():
+    for shape in ((0, 16), (3, 0)):
+        out = dequantize_rows(torch.zeros(shape).to(torch.float8_e4m3fn), torch.ones(shape[0]), torch.bfloat16)
+        assert out.shape == shape and out.dtype == torch.bfloat16
+    from moe_dispatch.ops import quantize as quantize_module
+
+    q, scales = quantize_rows(torch.randn(5, 24), torch.float8_e4m3fn)
+    torch.library.opcheck(quantize_module._dequantize_rows_op, (q, scales, torch.float32),
+                          test_utils=("test_autograd_registration", "test_faketensor"))
+    compiled = torch.compile(lambda a, b: dequantize_rows(a, b, torch.bfloat16), backend="aot_eager", fullgraph=True)
+    assert _same_bits(compiled(q, scales), dequantize_rows(q, scales, torch.bfloat16))
+
+
 def test_quantize_then_permute_and_unpermute():
     """The FP8 dispatch's path: quantise the tokens, permute bytes and scales, unpermute the
     dequantised rows into bf16: within float8's precision of the bf16 path."""
@@ -310,6 +394,11 @@ def test_quantize_then_permute_and_unpermute():
     (lambda t, m, s: quantize_rows(t.to(torch.int8), torch.float8_e4m3fn), TypeError, "x"),
     (lambda t, m, s: quantize_rows(t, torch.float8_e4m3fn), TypeError, "x"),
     (lambda t, m, s: quantize_rows(t.float(), torch.bfloat16), TypeError, "fp8_dtype"),
+    (lambda t, m, s: dequantize_rows(t.float(), s, torch.bfloat16), TypeError, "q"),
+    (lambda t, m, s: dequantize_rows(t, s[:-1], torch.bfloat16), ValueError, "scales"),
+    (lambda t, m, s: dequantize_rows(t, s.double(), torch.bfloat16), ValueError, "scales"),
+    (lambda t, m, s: dequantize_rows(t, s, torch.float8_e4m3fn), TypeError, "out_dtype"),
+    (lambda t, m, s: dequantize_rows(t, s, torch.float64), TypeError, "out_dtype"),
 ])
 def test_bad_input(make, exc, match):
     gen = torch.Generator().manual_seed(7)
@@ -331,6 +420,20 @@ def test_custom_op_schemas_keep_older_calls():
 # ---------------------------------------------------------------------------------------------
 # GPU: the kernels on CUDA against the CPU twin, bitwise.
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_dequantize_matches_twin(fp8, out_dtype):
+    """dequantize_rows' compiled kernel against the CPU twin, bitwise (any NaN equal to any NaN), on
+    the FP8 wire's layout (rows read in place at a row stride above H)."""
+    gen = torch.Generator().manual_seed(11)
+    wide = (torch.randn((3000, 4112), generator=gen) * 100).to(fp8)
+    q, scales = wide[:, :4096], torch.rand(3000, generator=gen) + 0.25
+    scales[7] = float("nan")
+    cuda = dequantize_rows(q.cuda(), scales.cuda(), out_dtype).cpu()
+    assert _same_bits_but_nan(TW.dequantize_rows(q, scales, out_dtype), cuda)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", FP8, ids=str)
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float32], ids=str)

@@ -28,6 +28,9 @@ def moe_config_from_megatron(transformer_config: Any, *, megatron_layer: bool = 
     router / expert fields keep neutral values that no Megatron setting can make invalid.
     Capacity dropping is Megatron's router's, so the dispatcher sees a capacity only when
     Megatron pads each expert to it (``moe_pad_expert_input_to_capacity``).
+
+    With ``fp8`` among the overrides, ``fp8_wgrad`` follows the TransformerConfig's own ``fp8_wgrad``
+    (Megatron's ``--no-fp8-wgrad`` sets it False) unless overridden too.
     """
     tc = transformer_config
     check_dispatcher_supported(tc)
@@ -37,6 +40,9 @@ def moe_config_from_megatron(transformer_config: Any, *, megatron_layer: bool = 
     if not megatron_layer:
         fields.update(_router_expert_fields(tc))
     fields.update(overrides)
+    if fields.get("fp8") is not None and "fp8_wgrad" not in overrides:
+        # Megatron's --no-fp8-wgrad: the expert weight gradients in the tokens' dtype
+        fields["fp8_wgrad"] = megatron_field(tc, "fp8_wgrad", True) is not False
     return MoEConfig(**fields)
 
 
