@@ -118,6 +118,18 @@ def test_check_end_to_end():
     assert "throughput (" in proc.stdout and "ALL PASS (2 reference rows DIFF)" in proc.stdout
 
 
+def test_check_fp8_without_fp8_wgrad_end_to_end():
+    """`moe-dispatch check --fp8 --no-fp8-wgrad` on 2 gloo ranks: every contract row bitwise; exit 0."""
+    proc = subprocess.run([sys.executable, "-m", "moe_dispatch.tools.check", "--fp8", "--no-fp8-wgrad", "--ranks", "2",
+                           "--tokens", "32", "--hidden", "32", "--ffn", "32", "--experts", "4"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fp8 e4m3, wgrad in the tokens' dtype" in proc.stdout
+    ours = [line for line in proc.stdout.splitlines() if line.endswith(("PASS", "FAIL")) and "|" in line]
+    assert len(ours) >= 10 and all(line.endswith("PASS") for line in ours), proc.stdout
+    assert all(float(line.split("|")[1]) == 0 for line in ours if "float64" not in line), proc.stdout
+
+
 def test_check_help_lists_options():
     proc = subprocess.run([sys.executable, "-m", "moe_dispatch.tools.check", "--help"], capture_output=True, text=True)
     for option in ["--ranks", "--ep-sizes", "--dispatcher", "--dtype", "--tokens", "--megatron"]:

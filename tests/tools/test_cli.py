@@ -78,6 +78,7 @@ CHECK_BAD = [
     (["--tokens", "many"], "--tokens", "invalid int value"),
     (["--dtype", "fp8"], "--dtype", "invalid choice"),
     (["--dispatcher", "flex"], "--dispatcher", "invalid choice"),
+    (["--no-fp8-wgrad"], "--no-fp8-wgrad", "needs --fp8"),
 ]
 
 
@@ -117,6 +118,7 @@ def test_megatron_missing_is_a_flag_error(spawned, capsys, monkeypatch):
     (["--ranks", "2", "--tokens", "2"], 2),  # keeps 1 token (half of 2), zeroes the other
     (["--tokens", "64"], 4),  # the default --truncate-at 90 falls to 32, as the help says
     (["--ranks", "1", "--dispatcher", "alltoall", "--ep-sizes", "1"], 1),
+    (["--fp8", "--no-fp8-wgrad"], 4),
     (["--ranks", "8", "--ep-sizes", "1,2,8", "--truncate-at", "127", "--seed", str(2**63 - 1000)], 8),
 ])
 def test_good_flags_reach_spawn(spawned, capsys, argv, nprocs):

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp8", nargs="?", const="e4m3", default=None, choices=["e4m3"],
                         help="the layer in FP8 (MoEConfig(fp8=...)): per-token fp8 rows and scales over the wire, "
                              "FP8 expert GEMMs; --fp8 alone is e4m3; needs --dtype bf16")
+    parser.add_argument("--no-fp8-wgrad", action="store_true",
+                        help="with --fp8: the expert weight gradients in the tokens' dtype "
+                             "(MoEConfig(fp8_wgrad=False), Megatron's --no-fp8-wgrad)")
     parser.add_argument("--seed", type=int, default=1234)
     return parser
 
@@ -89,7 +92,8 @@ def base_config(args: argparse.Namespace, **overrides) -> MoEConfig:
     from ...config import MoEConfig
 
     return MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
-                     router_dtype=args.router_dtype, init_seed=args.seed, fp8=args.fp8, **overrides)
+                     router_dtype=args.router_dtype, init_seed=args.seed, fp8=args.fp8,
+                     fp8_wgrad=not args.no_fp8_wgrad, **overrides)
 
 
 def default_backend(args: argparse.Namespace) -> str:
@@ -114,7 +118,7 @@ def under_torchrun() -> bool:
 # The check's flags by the MoEConfig field they set: a config error names the flag.
 _FLAG_OF_FIELD = {"hidden_size": "--hidden", "ffn_hidden_size": "--ffn", "num_experts": "--experts",
                   "topk": "--topk", "router_dtype": "--router-dtype", "init_seed": "--seed",
-                  "dispatcher": "--dispatcher", "fp8": "--fp8"}
+                  "dispatcher": "--dispatcher", "fp8_wgrad": "--no-fp8-wgrad", "fp8": "--fp8"}
 
 
 def _config_error_as_flags(message: str) -> str:
@@ -151,6 +155,8 @@ def validate_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, ar
              "or the truncation test zeroes nothing")
     if args.fp8 is not None and args.dtype != "bf16":  # the FP8 GEMMs' outputs are bf16 on CUDA
         fail(f"argument --fp8: needs --dtype bf16, got --dtype {args.dtype}")
+    if args.no_fp8_wgrad and args.fp8 is None:
+        fail("argument --no-fp8-wgrad: needs --fp8 (it sets where the FP8 layer's weight gradients run)")
     if args.topk == 1:  # MoEConfig would ask for pre_softmax, which the check has no flag for
         fail("argument --topk: must be >= 2 (the check's softmax router over one chosen expert gets no gradient)")
     if args.ep_sizes is not None:

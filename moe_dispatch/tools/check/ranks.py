@@ -74,7 +74,8 @@ def main_worker(args: argparse.Namespace, backend: str) -> int:
         if rank == 0:
             print(f"moe-dispatch check: {dist.get_world_size()} ranks on {backend} ({device.type}), "
                   f"{args.tokens} tokens per rank, H={args.hidden}, E={args.experts}, K={args.topk}, "
-                  f"{args.dtype}, router {args.router_dtype}" + (f", fp8 {args.fp8}" if args.fp8 else ""), flush=True)
+                  f"{args.dtype}, router {args.router_dtype}" + (f", fp8 {args.fp8}" if args.fp8 else "")
+                  + (", wgrad in the tokens' dtype" if args.no_fp8_wgrad else ""), flush=True)
         # torch's custom ops (our permute/unpermute) import torch._dynamo on their first call: a
         # one-time wait of seconds, said here rather than left silent in the first row.
         progress(rank, "importing torch._dynamo (torch's custom ops need it, once per process)")
