@@ -275,9 +275,9 @@ def _quantise_input(T: int, C: int, dtype: torch.dtype, seed: int) -> torch.Tens
 
 
 def case_quantisers() -> str:
-    """quantize_rows and quantize_group_columns: CUDA against the twin, bitwise."""
+    """quantize_rows, dequantize_rows and quantize_group_columns: CUDA against the twin, bitwise."""
     from moe_dispatch.experts.fp8 import wgrad_layout
-    from moe_dispatch.ops import quantize_group_columns, quantize_rows
+    from moe_dispatch.ops import dequantize_rows, quantize_group_columns, quantize_rows
 
     checked = 0
     for dtype in DTYPES if DEVICE == "cuda" else [torch.float32]:
@@ -289,6 +289,13 @@ def case_quantisers() -> str:
                 got = quantize_rows(x.to(DEVICE), fp8)
                 assert torch.equal(got[0].view(torch.uint8).cpu(), want[0].view(torch.uint8)), (dtype, fp8, T, C)
                 assert torch.equal(got[1].cpu().nan_to_num(-1.0), want[1].nan_to_num(-1.0)), (dtype, fp8, T, C)
+                checked += 1
+                # dequantize_rows back to dtype, on the rows read in place at a row stride above C
+                wide = torch.cat([want[0].view(torch.uint8), want[0].view(torch.uint8)[:, :16]], 1).view(fp8)
+                with set_backend("torch"):
+                    back = dequantize_rows(wide[:, :C], want[1], dtype)
+                got_back = dequantize_rows(wide.to(DEVICE)[:, :C], want[1].to(DEVICE), dtype).cpu()
+                assert torch.equal(got_back.nan_to_num(-1.0), back.nan_to_num(-1.0)), ("dequantize", dtype, fp8, T, C)
                 checked += 1
                 for counts in ([0, 5, 0, 16, T - 21] if T >= 21 else [T], [T, 0, 0]):
                     row_ends = torch.tensor(counts).cumsum(0)

@@ -23,6 +23,7 @@ each token's row quantised once before the dispatch, both expert GEMMs in FP8), 
 above are made of those runs. ``--compare-fp8`` trains every seed (``--seeds``) twice, without and
 with FP8, from the same weights on the same tokens, and prints per seed the mean loss over the last
 20 steps of both and the gap (``--fp8-svg``: both runs' loss curves for every seed in one panel).
+``--no-fp8-wgrad`` (Megatron's flag) runs the FP8 layers' expert weight gradients in the tokens' dtype.
 
 Where it runs:
     python scripts/train_moe_gpt.py --ep-sizes 1 --stock   # CUDA: one rank per GPU on NCCL
@@ -89,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-fp8", action="store_true",
                    help="train every seed without and with FP8 (--fp8, default e4m3) and print the loss gap "
                         f"over the last {LAST_STEPS} steps")
+    p.add_argument("--no-fp8-wgrad", action="store_true",
+                   help="with --fp8 or --compare-fp8: the FP8 runs' expert weight gradients in the tokens' dtype "
+                        "(Megatron's own flag: TransformerConfig.fp8_wgrad=False)")
     p.add_argument("--fp8-svg", default=None,
                    help="with --compare-fp8: write both runs' loss curves for every seed to this SVG file")
     p.add_argument("--svg", default=None,
@@ -120,6 +124,8 @@ def check_args(args: argparse.Namespace, cuda: bool) -> None:
     if uses_fp8 and args.stock:
         raise SystemExit(f"--{'compare-fp8' if args.compare_fp8 else 'fp8'} with --stock: stock Megatron has no "
                          "per-token FP8 (its FP8 is TransformerEngine's), so FP8 runs are ours only; drop --stock")
+    if args.no_fp8_wgrad and not uses_fp8:
+        raise SystemExit("--no-fp8-wgrad sets where the FP8 runs' weight gradients run: add --fp8 or --compare-fp8")
     if args.fp8_svg and not args.compare_fp8:
         raise SystemExit("--fp8-svg draws the --compare-fp8 runs: add --compare-fp8")
     if uses_fp8 and (args.hidden % 16 or args.ffn % 16):
@@ -170,7 +176,8 @@ def transformer_config(args: argparse.Namespace, kind: str, ep: int):
         add_bias_linear=False, use_cpu_initialization=True, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, expert_model_parallel_size=ep)
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, expert_model_parallel_size=ep,
+        fp8_wgrad=not args.no_fp8_wgrad)
 
 
 def build_model(args: argparse.Namespace, kind: str, ep: int, stock: bool, device: torch.device,

@@ -219,7 +219,8 @@ def _to_cpu(value):
 
 def gpu_fp8_worker(rank: int, world_size: int) -> dict:
     """CUDA, one rank (nccl), EP 1, bf16 (the FP8 kernel's only output): per dispatcher kind, the
-    installed layer's step and our layer's, moved to the CPU."""
+    installed layer's step and our layer's, then both with TransformerConfig.fp8_wgrad=False, moved
+    to the CPU."""
     assert world_size == 1
     import warnings
 
@@ -234,7 +235,10 @@ def gpu_fp8_worker(rank: int, world_size: int) -> dict:
     out = {}
     for kind in KINDS:
         layer = install(_megatron(kind, torch.bfloat16, 1, pg), pg, fp8=FP8).to(device)
-        out[kind] = _to_cpu({"megatron": _megatron_step(layer, x, dy),
-                             "ours": _ours_step(layer, dist.group.WORLD, x, dy),
-                             "quantised_once": quantised_once(kind, torch.bfloat16, pg, x, dy)})
+        rec = {"megatron": _megatron_step(layer, x, dy), "ours": _ours_step(layer, dist.group.WORLD, x, dy),
+               "quantised_once": quantised_once(kind, torch.bfloat16, pg, x, dy)}
+        layer.config.fp8_wgrad = False  # Megatron's --no-fp8-wgrad
+        rec["megatron_wide_wgrad"] = _megatron_step(layer, x, dy)
+        rec["ours_wide_wgrad"] = _ours_step(layer, dist.group.WORLD, x, dy)
+        out[kind] = _to_cpu(rec)
     return out

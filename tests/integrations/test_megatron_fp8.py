@@ -195,6 +195,13 @@ def test_gpu_equals_our_fp8_layer():
         _assert_experts_equal(rec["megatron"]["experts"], rec["ours"]["experts"], kind)
         for phase, got in rec["quantised_once"].items():  # the kept weight operands, as on the CPU
             assert got == dict(same=True, grads_same=True, quantised=2), (kind, phase, got)
+        wide = rec["megatron_wide_wgrad"]  # fp8_wgrad=False: same rows, other expert weight gradients
+        for field in ("out", "gx"):
+            assert_equal(wide[field], rec["megatron"][field], (kind, "wide", field))
+        _assert_experts_equal(wide["experts"], rec["ours_wide_wgrad"]["experts"], (kind, "wide"))
+        assert not torch.equal(wide["experts"][0][0], rec["megatron"]["experts"][0][0]), kind
+    _assert_experts_equal(results["allgather"]["megatron_wide_wgrad"]["experts"],
+                          results["alltoall"]["megatron_wide_wgrad"]["experts"], "dispatchers, wide")
     ag, a2a = results["allgather"]["megatron"], results["alltoall"]["megatron"]
     for field in ("out", "gx"):
         assert_equal(ag[field], a2a[field], ("dispatchers", field))

@@ -116,7 +116,27 @@ def test_compare_fp8(tmp_path):
     assert labels_outside(svg) == [] and labels_overlapping(svg) == []
 
 
+def test_no_fp8_wgrad(tmp_path):
+    """--fp8 e4m3 with and without --no-fp8-wgrad (Megatron's TransformerConfig.fp8_wgrad), EP 1, 3
+    steps: both runs' claims pass (losses and gradients bitwise across the dispatchers); the first
+    step's loss is the same (the forward does not depend on it) and the later ones differ (the
+    weight gradients do)."""
+    losses = {}
+    for wide in (False, True):
+        out = tmp_path / f"runs{int(wide)}.json"
+        cmd = [sys.executable, "-m", "tests.integrations.train_moe_gpt_cpu", "--ep-sizes", "1", "--steps", "3",
+               *SMALL, "--lr", "1e-2", "--fp8", "e4m3", *(["--no-fp8-wgrad"] if wide else []), "--json", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        assert "ALL PASS" in proc.stdout, proc.stdout
+        losses[wide] = json.loads(out.read_text())["EP 1 ours FP8 e4m3-allgather"]["mean_losses"]
+    assert losses[True][0] == losses[False][0]
+    assert losses[True][1:] != losses[False][1:] and all(math.isfinite(v) for v in losses[True])
+
+
 @pytest.mark.parametrize("argv, flag", [(["--fp8", "e4m3", "--stock"], "--stock"),
+                                        (["--no-fp8-wgrad"], "--no-fp8-wgrad"),
                                         (["--compare-fp8", "--stock"], "--stock"),
                                         (["--fp8", "e4m3", "--hidden", "40"], "--hidden"),
                                         (["--fp8-svg", "x.svg"], "--compare-fp8"),
