@@ -97,7 +97,7 @@ def test_every_label_inside_the_drawing(tmp_path, writer):
 
 
 @pytest.mark.parametrize("name", ["BENCHMARKS_train_loss.svg", "BENCHMARKS_dispatcher_diff.svg",
-                                  "BENCHMARKS_fp8_loss.svg"])
+                                  "BENCHMARKS_fp8_loss.svg", "BENCHMARKS_fp8_wide_wgrad_loss.svg"])
 def test_committed_plot_is_drawn_from_its_embedded_data(tmp_path, name):
     """The committed plot is what its writer draws now from the data in the file (redraw after a
     layout change: python scripts/svg_plot.py FILE)."""
