@@ -354,6 +354,8 @@ def main() -> None:
                         help="skip the quantisers' LAUNCH sweeps (the tables at the defaults still print)")
     parser.add_argument("--no-accumulation", action="store_true",
                         help="skip the rows with wgrad's other accumulation (FAST_ACCUM_WGRAD flipped)")
+    parser.add_argument("--layer-only", action="store_true",
+                        help="only the layer table's rows (bf16, FP8, FP8 with fp8_wgrad=False), then stop")
     parser.add_argument("--no-routes", action="store_true",
                         help="skip the LAUNCH routes' rows (group_columns_tiles, zero_only_uncovered)")
     parser.add_argument("--floor-only", type=float, metavar="TB_PER_S", default=None,
@@ -385,6 +387,8 @@ def main() -> None:
     quantise_ms = median_ms(layer.quantize_fp8_weights)
     print(f"\nlayer.quantize_fp8_weights() alone (both weights, forward and dgrad operands): {quantise_ms:.3f} ms")
     bench_wide_wgrad(config, x, upstream, ref, (out, gx), MoEConfig(**base))
+    if args.layer_only:
+        return
     if not args.no_accumulation:
         bench_wgrad_accumulation(config, x, upstream, ref)
     if not args.no_routes:

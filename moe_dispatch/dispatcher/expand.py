@@ -88,6 +88,9 @@ class Expand(torch.autograd.Function):
         if not ctx.wire:
             return rows, row_probs, None
         ctx.mark_non_differentiable(rows)
+        # The wire rows take no gradient: with autograd's default (grads materialised) the backward
+        # would get a zero-filled [N, W] tensor for them.
+        ctx.set_materialize_grads(False)
         sink = x.new_zeros(()).expand(rows.shape[0], x.shape[1])  # no memory: a stride-0 view
         return rows, row_probs, sink
 

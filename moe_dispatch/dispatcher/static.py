@@ -229,7 +229,9 @@ class StaticPlan(Plan):
     def owner_sum(self, returned: Returned, handle: DispatchHandle) -> torch.Tensor:
         weights = None if self.config.probs_in_experts else handle.probs  # None: the experts applied them
         out = poison(unpermute(returned.rows, handle.owner_map, weights), returned.words, self.layout)
-        return out[:self.num_real].reshape(handle.hidden_shape)  # without the plan's padding rows
+        if out.shape[0] != self.num_real:  # without the plan's padding rows; a whole-tensor slice would
+            out = out[:self.num_real]      # cost its backward a zero fill and a copy of [T, H]
+        return out.reshape(handle.hidden_shape)
 
 
 BAD_INPUT = object()  # hidden_states of a rank whose input was bad (it takes part with zeros)

@@ -81,9 +81,12 @@ if triton is not None:
 
 
 def triton_row_stable_mm(
-    a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dtype, _config: Optional[tuple] = None
+    a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dtype, _config: Optional[tuple] = None,
+    store_dtype: Optional[torch.dtype] = None,
 ) -> Optional[torch.Tensor]:
     """``a @ b_t.T`` for a: [M, K], b_t: [N, K] on CUDA in ``out_dtype`` -> [M, N]; None if unsupported.
+    ``store_dtype``: the result is stored in this dtype instead (each ``out_dtype`` value rounded once
+    as it is written, bitwise ``.to(store_dtype)`` of the ``out_dtype`` result, without that tensor).
 
     With half activations and an fp32 (or half) result, the products are taken on half operands
     with fp32 accumulation on tensor cores: a bf16 x bf16 product is exact in fp32, and an fp32
@@ -107,7 +110,7 @@ def triton_row_stable_mm(
     bm, bn, bk, warps, stages = _config or _config_for(kind, b_t.shape[0])  # _config: scripts/measure/gating_tiles.py
     m, k = a.shape
     n = b_t.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    out = torch.empty(m, n, dtype=store_dtype or out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
     if k == 0:

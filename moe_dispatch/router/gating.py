@@ -56,7 +56,8 @@ def _blocked_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
     return out[:m]
 
 
-def row_stable_mm(a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def row_stable_mm(a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dtype,
+                  store_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Row-stable ``(a @ b_t.T)`` computed in ``out_dtype``.
 
     Args:
@@ -64,17 +65,23 @@ def row_stable_mm(a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dtype) ->
         b_t: [N, K], the right operand transposed (as nn.Linear stores weights); cast to
             ``out_dtype`` like ``weight.to(router_dtype)``.
         out_dtype: compute and result dtype (bf16/fp16 accumulate in fp32).
+        store_dtype: None, or the dtype the result is returned in: bitwise ``.to(store_dtype)`` of
+            the ``out_dtype`` result (the Triton kernel rounds as it stores, with no ``out_dtype``
+            tensor in between).
     Returns:
-        [M, N] in ``out_dtype``.
+        [M, N] in ``store_dtype`` or ``out_dtype``.
     """
+    store_dtype = store_dtype or out_dtype
     if a.is_cuda:
         from ._triton_gemm import triton_row_stable_mm
 
-        result = triton_row_stable_mm(a, b_t, out_dtype)
+        # fp64 results are cast by torch: the kernel's fp64 -> half conversion is not known to be torch's
+        in_kernel = store_dtype if out_dtype != torch.float64 else None
+        result = triton_row_stable_mm(a, b_t, out_dtype, store_dtype=in_kernel)
         if result is not None:
-            return result
-        return _blocked_mm(a.to(out_dtype), b_t.to(out_dtype).contiguous())
-    return ordered_mm(a.to(out_dtype), b_t.to(out_dtype).t())
+            return result.to(store_dtype)
+        return _blocked_mm(a.to(out_dtype), b_t.to(out_dtype).contiguous()).to(store_dtype)
+    return ordered_mm(a.to(out_dtype), b_t.to(out_dtype).t()).to(store_dtype)
 
 
 class _GatingLinear(torch.autograd.Function):
@@ -94,7 +101,7 @@ class _GatingLinear(torch.autograd.Function):
             # [T, E] @ [E, H]: weight.t() is the [N, K] = [H, E] right operand row_stable_mm takes.
             # Cast first (as the kernel would, [E, H] only): converting a bf16 weight in the
             # kernel's strided loads costs more than the cast (BENCHMARKS.md "Router").
-            grad_hidden = row_stable_mm(grad, weight.to(ctx.dtype).t(), ctx.dtype).to(hidden.dtype)
+            grad_hidden = row_stable_mm(grad, weight.to(ctx.dtype).t(), ctx.dtype, store_dtype=hidden.dtype)
         if ctx.needs_input_grad[1]:
             # A reduction over tokens: deterministic for a fixed T, batch-dependent by nature.
             mm = torch.mm if grad.is_cuda else ordered_mm

@@ -198,6 +198,27 @@ def test_triton_input_grad_kernel_row_stable_under_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("store", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["fp32", "split", "half"])
+def test_gpu_store_dtype_is_the_cast_of_the_result(kind, store):
+    """triton_row_stable_mm(..., store_dtype=...) (the router's input gradient, stored in the
+    tokens' dtype) is bitwise ``.to(store_dtype)`` of the result in the compute dtype."""
+    from moe_dispatch.router._triton_gemm import triton_row_stable_mm
+
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(1000, 64, generator=gen)
+    b_t = torch.randn(4096, 64, generator=gen)
+    if kind != "fp32":  # half activations: "split" with an fp32 weight, "half" with a half one
+        a = a.to(store)
+        b_t = b_t.to(store) if kind == "half" else b_t
+    a, b_t = a.cuda(), b_t.cuda()
+    want = triton_row_stable_mm(a, b_t, torch.float32).to(store)
+    got = triton_row_stable_mm(a, b_t, torch.float32, store_dtype=store)
+    assert got.dtype == store and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("e", [128, 256])
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w-fp32", "w-bf16"])
 @pytest.mark.parametrize("in_dtype,dtype", CASES, ids=IDS)
