@@ -1,11 +1,15 @@
 """Which lines of the layer launch the GPU time that is neither a GEMM nor one of our kernels.
 
-Run (one GPU):  python scripts/measure/step_ops_by_source.py [--fp8] [--tokens 8192 ...]
+Run:  python scripts/measure/step_ops_by_source.py [--fp8] [--tokens 8192 ...] [--device cpu]
 
 Profiles 5 forward + backward steps of the EP-1 layer (torch.profiler with Python stacks) and
-prints, per step, the operators whose own CUDA kernels took the most time, each with the
-moe_dispatch frames that called it (innermost first). The copies, casts, adds and fills of the
-profile's "other" category are where their time goes without a line to point at; this names the line.
+prints, per step, the aten operators whose own kernels took the most time, with their input shapes
+and the moe_dispatch frames around them (innermost first), from the profiler's Python events.
+The copies, casts, adds and fills of the profile's "other" category have no line of ours to point
+at; this names it. On CUDA (torch 2.11, session 43) the profiler did not link those Python events
+to the aten ops (every row read "(autograd engine)"), so the GPU run gives the operators and shapes,
+and the same command with ``--device cpu`` at small sizes (ranked by CPU time) the lines behind a
+shape.
 """
 from __future__ import annotations
 
