@@ -166,6 +166,12 @@ class GradientTree:
             )
 
     def _check_experts(self, name: str, experts: LocalExperts) -> None:
+        if experts.fp8 is not None and experts.fp8_wgrad:
+            raise ValueError(
+                f"model.{name}: fp8={experts.fp8!r} with fp8_wgrad=True: FP8 wgrad's column scales span an expert's "
+                "rows from every source, so its weight gradient cannot be split by micro-batch; use "
+                "MoEConfig(fp8_wgrad=False) (the expert weight gradients in the tokens' dtype)"
+            )
         P = dist.get_world_size(experts.ep_group)
         first = self.rank // P * P
         ranks = dist.get_process_group_ranks(self.group)

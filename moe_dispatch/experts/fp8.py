@@ -4,7 +4,8 @@ Interface (the one public function)::
 
     fp8_expert_gemm(x, x_scales, w, tokens_per_expert, offsets=None,
                     fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, *, grad_sink=None,
-                    trailing_rows=False, weight_operands=None, fp8_wgrad=True) -> out [N, M]
+                    trailing_rows=False, weight_operands=None, fp8_wgrad=True, source_blocks=None,
+                    sink=None) -> out [N, M]
 
 - ``x`` [N, K], rows expert-major (expert 0's rows, then expert 1's, ...), either
   * already quantised: ``fp8_dtype`` rows with ``x_scales`` [N] float32, value = ``x.float() * x_scales[:, None]``
@@ -28,6 +29,11 @@ Interface (the one public function)::
   saved FP8 rows widened by their row scales (``ops.dequantize_rows``), then ``dw[e] = deq(x_e)^T @ dy_e``
   with fp32 accumulation and one rounding. No column quantisation of x or dy, so no second FP8
   rounding in the weight gradient.
+- ``source_blocks`` with ``sink`` (``fp8_wgrad=False`` only; GradientTree's per-source gradients): the
+  weight gradient is computed per (expert, source) block of rows, as `expert_gemm`'s
+  (`source_weight_grads` on the widened rows; fp32 accumulation, one rounding to the gradient's
+  dtype), and handed to ``sink`` as [E, P, K, M]; w gets no gradient. FP8 wgrad's column scales
+  span an expert's rows of every source, so it cannot be split by source.
 - ``fp8_dtype``: ``torch.float8_e4m3fn`` only (the one float8 ``torch._scaled_grouped_mm`` takes on sm90).
 - ``out_dtype``: bf16 (CUDA: the only output of the sm90 kernel); the CPU also takes fp16 and fp32.
 
@@ -61,7 +67,7 @@ e's rows only. The twin and CUDA agree closely, not bitwise (the kernel's summat
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -70,6 +76,7 @@ from ..numerics.fixed_order import ordered_mm
 from ..numerics.rounding import round_up
 from ..ops.quantize import dequantize_rows, quantize_group_columns, quantize_rows
 from .activations import activate, scale_rows
+from .gemm import SourceBlocks, _check_blocks, source_weight_grads
 from .gemm import _counts as host_counts
 
 # wgrad's group row counts are padded to this for the CUDA kernel (rows multiple of 16).
@@ -199,6 +206,16 @@ def _cuda_wgrad(xt: torch.Tensor, sx: torch.Tensor, dyt: torch.Tensor, sdy: torc
     return dw[:-1]
 
 
+def _wide_source_wgrad(x: torch.Tensor, x_scales: torch.Tensor, grad: torch.Tensor, blocks: SourceBlocks,
+                       w_shape: torch.Size) -> torch.Tensor:
+    """`_wide_wgrad` per (expert, source) block -> [E, P, K, M] in grad's dtype (`source_weight_grads`:
+    one bf16 grouped GEMM with a group per block on CUDA; `ordered_mm` per block in fp32 on the CPU)."""
+    xd = dequantize_rows(x, x_scales, grad.dtype)
+    if x.device.type == "cuda":
+        return source_weight_grads(xd, grad, blocks, w_shape, "grouped")
+    return source_weight_grads(xd.float(), grad.float(), blocks, w_shape, None).to(grad.dtype)
+
+
 def _wide_wgrad(x: torch.Tensor, x_scales: torch.Tensor, grad: torch.Tensor, offsets: Optional[torch.Tensor],
                 counts: Optional[List[int]]) -> torch.Tensor:
     """The weight gradient in grad's dtype (``fp8_wgrad=False``): x [N, K] fp8 with x_scales [N]
@@ -223,7 +240,7 @@ def _wide_wgrad(x: torch.Tensor, x_scales: torch.Tensor, grad: torch.Tensor, off
 class _Fp8ExpertGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, x_scales, w, grad_sink, tokens_per_expert, offsets, fp8_dtype, out_dtype,  # type: ignore[override]
-                trailing_rows, fp8_wgrad, wq_forward, sw_forward, wq_dgrad, sw_dgrad):
+                trailing_rows, fp8_wgrad, per_source, wq_forward, sw_forward, wq_dgrad, sw_dgrad):
         cuda = x.device.type == "cuda"
         counts = None if cuda else host_counts(tokens_per_expert, x.shape[0], trailing_rows)  # a CPU tensor
         # Where the rows' gradient goes: x itself (quantised here), or the sink of pre-quantised rows.
@@ -239,6 +256,7 @@ class _Fp8ExpertGemm(torch.autograd.Function):
         out = _rows_mm(x, x_scales, wq, sw, offsets, counts, out_dtype)
         ctx.save_for_backward(x, x_scales, w, tokens_per_expert, offsets, wq_dgrad, sw_dgrad)
         ctx.args = (counts, fp8_dtype, out_dtype, fp8_wgrad)
+        ctx.per_source = per_source  # (blocks, sink) or None
         return out
 
     @staticmethod
@@ -257,7 +275,10 @@ class _Fp8ExpertGemm(torch.autograd.Function):
             else:
                 wq, sw = wq_dgrad, sw_dgrad
             gx = _rows_mm(dyq, sdy, wq, sw, offsets, counts, out_dtype).to(ctx.rows_grad_dtype)
-        if ctx.needs_input_grad[2] and not fp8_wgrad:
+        if ctx.needs_input_grad[2] and ctx.per_source is not None:
+            blocks, sink = ctx.per_source
+            sink(_wide_source_wgrad(x, x_scales, grad, blocks, w.shape))
+        elif ctx.needs_input_grad[2] and not fp8_wgrad:
             gw = _wide_wgrad(x, x_scales, grad, offsets, counts).to(w.dtype)
         elif ctx.needs_input_grad[2]:
             row_ends = offsets if cuda else torch.tensor(counts, dtype=torch.int64).cumsum(0)
@@ -270,7 +291,7 @@ class _Fp8ExpertGemm(torch.autograd.Function):
             else:
                 gw = _twin_wgrad(xt, sx, dyt, sdy, counts, padded_starts, out_dtype)
             gw = gw.to(w.dtype)
-        grads = [None] * 14
+        grads = [None] * 15
         grads[rows_index], grads[2] = gx, gw
         return tuple(grads)
 
@@ -333,13 +354,21 @@ def fp8_expert_gemm(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.
                     tokens_per_expert: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                     fp8_dtype: torch.dtype = torch.float8_e4m3fn, out_dtype: torch.dtype = torch.bfloat16, *,
                     grad_sink: Optional[torch.Tensor] = None, trailing_rows: bool = False,
-                    weight_operands: Optional[Tuple[torch.Tensor, ...]] = None, fp8_wgrad: bool = True
-                    ) -> torch.Tensor:
+                    weight_operands: Optional[Tuple[torch.Tensor, ...]] = None, fp8_wgrad: bool = True,
+                    source_blocks: Optional[SourceBlocks] = None,
+                    sink: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
     """out [N, M] out_dtype: ``out[rows of e] = deq(x[rows of e]) @ deq(w[e])`` in FP8, differentiable
     (rows' gradient to x, or to ``grad_sink`` for pre-quantised x; w's to w). The module docstring
-    states the shapes, the scales, ``trailing_rows``, ``weight_operands``, ``fp8_wgrad`` and the devices."""
+    states the shapes, the scales, ``trailing_rows``, ``weight_operands``, ``fp8_wgrad``, ``source_blocks``
+    and the devices."""
     if not isinstance(fp8_wgrad, bool):
         raise ValueError(f"fp8_wgrad must be a bool (True or False), got {fp8_wgrad!r}")
+    per_source = None
+    if source_blocks is not None:
+        if fp8_wgrad or sink is None or trailing_rows:
+            raise ValueError("source_blocks (per-source weight gradients) need fp8_wgrad=False (FP8 wgrad's column "
+                             "scales span every source's rows), a sink and a dropless dispatch (trailing_rows=False)")
+        per_source = (_check_blocks(source_blocks, tokens_per_expert, w.shape[0]), sink)
     _check(x, x_scales, w, tokens_per_expert, offsets, fp8_dtype, out_dtype, grad_sink)
     _check_weight_operands(weight_operands, w, fp8_dtype)
     if x.device.type == "cuda" and offsets is None:
@@ -348,28 +377,31 @@ def fp8_expert_gemm(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.
     if x.device.type == "cpu":
         offsets = None  # the twin reads the host counts
     return _Fp8ExpertGemm.apply(x, x_scales, w, grad_sink, tokens_per_expert, offsets, fp8_dtype, out_dtype,
-                                trailing_rows, fp8_wgrad, *(weight_operands or (None,) * 4))
+                                trailing_rows, fp8_wgrad, per_source, *(weight_operands or (None,) * 4))
 
 
 def fp8_mlp(rows: torch.Tensor, row_scales: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             tokens_per_expert: torch.Tensor, offsets: Optional[torch.Tensor], fp8_dtype: torch.dtype,
             activation: str, probs: Optional[torch.Tensor], row_grad_sink: torch.Tensor,
             trailing_rows: bool = False, weight_operands: Optional[Tuple[Tuple[torch.Tensor, ...], ...]] = None,
-            fp8_wgrad: bool = True) -> torch.Tensor:
+            fp8_wgrad: bool = True, source_blocks: Optional[SourceBlocks] = None,
+            sinks: Tuple[Optional[Callable[[torch.Tensor], None]], ...] = (None, None)) -> torch.Tensor:
     """The experts' MLP on the dispatch's FP8 rows: rows [N, H] fp8 with row_scales [N] fp32 ->
     [N, H] in row_grad_sink's dtype. fc1 (w1 [E, H, F]) on the rows as they are (their gradient to
     ``row_grad_sink`` [N, H]), the activation in that dtype, times ``probs`` [N] when given, then
     fc2 (w2 [E, F, H]) quantising its input per row. ``trailing_rows``: as `fp8_expert_gemm`'s (a
     sync-free dispatch's device counts and buffer). ``weight_operands``: (``quantize_weight(w1)``,
     ``quantize_weight(w2)``), or None to quantise them per call. ``fp8_wgrad``: both GEMMs' weight
-    gradients in FP8 (True) or in the rows' dtype (False; `fp8_expert_gemm`)."""
+    gradients in FP8 (True) or in the rows' dtype (False; `fp8_expert_gemm`). ``source_blocks`` with
+    ``sinks`` (one a weight; ``fp8_wgrad=False``): the weight gradients per (expert, source) block."""
     out_dtype = row_grad_sink.dtype
     ops1, ops2 = weight_operands or (None, None)
     h = fp8_expert_gemm(rows, row_scales, w1, tokens_per_expert, offsets, fp8_dtype, out_dtype,
                         grad_sink=row_grad_sink, trailing_rows=trailing_rows, weight_operands=ops1,
-                        fp8_wgrad=fp8_wgrad)
+                        fp8_wgrad=fp8_wgrad, source_blocks=source_blocks, sink=sinks[0])
     act = activate(h, activation)
     if probs is not None:
         act = scale_rows(act, probs)
     return fp8_expert_gemm(act, None, w2, tokens_per_expert, offsets, fp8_dtype, out_dtype,
-                           trailing_rows=trailing_rows, weight_operands=ops2, fp8_wgrad=fp8_wgrad)
+                           trailing_rows=trailing_rows, weight_operands=ops2, fp8_wgrad=fp8_wgrad,
+                           source_blocks=source_blocks, sink=sinks[1])

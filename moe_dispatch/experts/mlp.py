@@ -213,6 +213,7 @@ class LocalExperts(nn.Module):
         dispatcher's ``handle.source_blocks``), only while ``source_grads`` is set: each weight's
         gradient is computed per block and appended to ``source_grads[name]`` as [E_local, P, ...]
         in the weight's dtype; ``.grad`` is left alone. Output and input gradient are unchanged.
+        With FP8 only at ``config.fp8_wgrad=False`` (weight gradients in the output dtype).
 
         FP8 (``config.fp8``): permuted_tokens are fp8 rows [N, H] with ``row_scales`` [N] fp32 (the
         dispatcher's wire rows, unpacked), ``row_grad_sink`` [N, H] the tensor their gradient goes
@@ -222,10 +223,11 @@ class LocalExperts(nn.Module):
         until the next optimizer step; a stale one raises a ValueError (`moe_dispatch.experts.fp8_weights`).
         """
         if self.fp8 is not None:
-            if source_blocks is not None:
-                raise ValueError("source_blocks (per-source weight gradients, GradientTree) are not supported with fp8")
+            if source_blocks is not None and self.fp8_wgrad:
+                raise ValueError("source_blocks (per-source weight gradients, GradientTree) with fp8 need "
+                                 "fp8_wgrad=False: FP8 wgrad's column scales span every source's rows")
             return self._forward_fp8(permuted_tokens, tokens_per_expert, permuted_probs, offsets, row_scales,
-                                     row_grad_sink, trailing_rows, fp8_weights)
+                                     row_grad_sink, trailing_rows, fp8_weights, source_blocks)
         if fp8_weights is not None:
             raise ValueError(problem_message(FP8_WEIGHTS_NOT_FP8, 0, 0))
         x = permuted_tokens
@@ -252,7 +254,8 @@ class LocalExperts(nn.Module):
     def _forward_fp8(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: Optional[torch.Tensor],
                      offsets: Optional[torch.Tensor], row_scales: Optional[torch.Tensor],
                      row_grad_sink: Optional[torch.Tensor], trailing_rows: bool,
-                     fp8_weights: Optional[Fp8ExpertWeights]) -> torch.Tensor:
+                     fp8_weights: Optional[Fp8ExpertWeights], source_blocks: Optional[SourceBlocks] = None
+                     ) -> torch.Tensor:
         if row_scales is None or row_grad_sink is None:
             raise ValueError("fp8 experts need row_scales [N] and row_grad_sink [N, H] (the dispatcher's FP8 rows, "
                              "handle.row_grad_sink)")
@@ -263,8 +266,10 @@ class LocalExperts(nn.Module):
                 raise ValueError(problem_message(problem.code, problem.expected, problem.got))
             operands = (fp8_weights.weight1, fp8_weights.weight2)
         probs = permuted_probs if self.probs_in_experts else None
+        sinks = (None, None) if source_blocks is None else (self._sink("weight1"), self._sink("weight2"))
         return fp8_mlp(x, row_scales, self.weight1, self.weight2, tokens_per_expert, offsets, FP8_FORMATS[self.fp8],
-                       self.activation, probs, row_grad_sink, trailing_rows, operands, fp8_wgrad=self.fp8_wgrad)
+                       self.activation, probs, row_grad_sink, trailing_rows, operands, fp8_wgrad=self.fp8_wgrad,
+                       source_blocks=source_blocks, sinks=sinks)
 
     def quantize_fp8_weights(self) -> Fp8ExpertWeights:
         """weight1 and weight2 quantised for the FP8 GEMMs, once: pass the result to the forwards of

@@ -152,6 +152,8 @@ def _refusals(rank: int, groups: Groups, device: str) -> Dict[str, Optional[str]
     out["micro_batches"] = value_error_of(lambda: GradientTree(Net(CONFIG, groups.pair, device), 3, groups.world))
     out["micro_batches differ"] = value_error_of(lambda: GradientTree(Net(CONFIG, groups.pair, device),
                                                                       2 if rank == 0 else 1, groups.world))
+    out["fp8_wgrad"] = value_error_of(lambda: GradientTree(Net(CONFIG.replace(fp8="e4m3"), groups.pair, device), 1,
+                                                           groups.world))
     three = dist.new_group([0, 1, 2])
     if rank < 3:
         out["group of 3"] = value_error_of(lambda: GradientTree(Net(CONFIG, groups.single, device), 1, three))
@@ -159,9 +161,11 @@ def _refusals(rank: int, groups: Groups, device: str) -> Dict[str, Optional[str]
 
 
 def layouts_worker(rank: int, world_size: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                   with_today: bool = True) -> dict:
+                   with_today: bool = True, fp8: bool = False) -> dict:
+    """``fp8``: the MoE layers in FP8 with their expert weight gradients in the tokens' dtype
+    (``fp8="e4m3", fp8_wgrad=False``), the tree only."""
     groups = Groups(rank)
-    config = CONFIG.replace(params_dtype=dtype)
+    config = CONFIG.replace(params_dtype=dtype, **(dict(fp8="e4m3", fp8_wgrad=False) if fp8 else {}))
     out: dict = {"tree": {}, "today": {}, "initial": {}}
 
     def run(layout: Tuple[int, int, int]) -> None:

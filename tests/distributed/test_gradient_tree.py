@@ -64,6 +64,7 @@ def test_refusals_name_the_argument(cpu_results):
         assert "sync-free" in errors["sync_free"] and "source_blocks" in errors["sync_free"], rank
         assert errors["micro_batches"].startswith("micro_batches must be a power of two"), rank
         assert "differ in (micro_batches" in errors["micro_batches differ"], (rank, errors)
+        assert "fp8_wgrad=True" in errors["fp8_wgrad"] and "fp8_wgrad=False" in errors["fp8_wgrad"], (rank, errors)
         if rank < 3:
             assert errors["group of 3"].startswith("group: its size must be a power of two"), rank
 
@@ -89,6 +90,16 @@ def test_single_process_misuse():
     assert "zero_grad" in value_error_of(tree.add_micro_batch)
 
 
+def test_layouts_bitwise_fp8_without_fp8_wgrad():
+    """The same six layouts with the MoE layers in FP8 (fp8="e4m3", fp8_wgrad=False: the expert
+    weight gradients per (expert, source) block from the widened FP8 rows), CPU: bitwise."""
+    results = run_ranks(layouts_worker, 4, "cpu", torch.float32, False, True, timeout=300)
+    merged = assemble(results, "tree")
+    _check_bitwise(merged)
+    moved = assemble(results, "initial")[LAYOUTS[0]]
+    assert all(not torch.equal(moved[k], merged[LAYOUTS[0]][k]) for k in moved), "a parameter did not train"
+
+
 @pytest.mark.gpu
 def test_layouts_bitwise_on_one_gpu_bf16():
     """The same six layouts on one GPU (4 gloo ranks sharing it), bf16: torch._grouped_mm with a
@@ -96,4 +107,13 @@ def test_layouts_bitwise_on_one_gpu_bf16():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     results = run_ranks(layouts_worker, 4, "cuda", torch.bfloat16, False, timeout=600)
+    _check_bitwise(assemble(results, "tree"))
+
+
+@pytest.mark.gpu
+def test_layouts_bitwise_on_one_gpu_fp8_without_fp8_wgrad():
+    """The same on one GPU in FP8 with fp8_wgrad=False (bf16 grouped GEMMs per (expert, source))."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    results = run_ranks(layouts_worker, 4, "cuda", torch.bfloat16, False, True, timeout=600)
     _check_bitwise(assemble(results, "tree"))

@@ -154,6 +154,41 @@ def test_wide_wgrad(out_dtype):
     assert max(errors["wide"]) < min(errors["fp8"])
 
 
+def test_per_source_weight_gradients():
+    """source_blocks with fp8_wgrad=False (GradientTree): each (expert, source) block's weight
+    gradient is bitwise the fp8_wgrad=False gradient of that source's rows alone; the output and
+    input gradient are unchanged; w gets no gradient. With FP8 wgrad, or no sink: refused."""
+    k, m = 32, 16
+    w = _weights(2, k, m)
+    # two sources (a micro-batch each), expert-major: expert 0 gets 3 + 5 rows, expert 1 gets 0 + 4
+    per_source = [[3, 0], [5, 4]]
+    x_src = [_rows(sum(c), k, 40 + i) for i, c in enumerate(per_source)]
+    g_src = [_rows(sum(c), m, 50 + i) for i, c in enumerate(per_source)]
+    split = [torch.split(t, c) for t, c in zip(x_src, per_source)]
+    split_g = [torch.split(t, c) for t, c in zip(g_src, per_source)]
+    x = torch.cat([split[s][e] for e in range(2) for s in range(2)])
+    g = torch.cat([split_g[s][e] for e in range(2) for s in range(2)])
+    blocks = [[(0, 3), (3, 5)], [(8, 0), (8, 4)]]
+    q, scales = quantize_rows(x, E4M3)
+    got = []
+    sink = torch.zeros((), dtype=x.dtype).expand(x.shape).requires_grad_()
+    wl = w.detach().clone().requires_grad_()
+    out = fp8_expert_gemm(q, scales, wl, torch.tensor([8, 4]), grad_sink=sink, fp8_wgrad=False,
+                          source_blocks=blocks, sink=got.append)
+    out.backward(g)
+    assert wl.grad is None and len(got) == 1 and got[0].shape == (2, 2, k, m)
+    ref = _run(x, w, [8, 4], g, prequant=True, fp8_wgrad=False)
+    assert torch.equal(out, ref[0]) and torch.equal(sink.grad, ref[1])
+    for s in range(2):  # each source alone
+        alone = _run(x_src[s], w, per_source[s], g_src[s], prequant=True, fp8_wgrad=False)
+        for e in range(2):
+            assert torch.equal(got[0][e, s], alone[2][e]), (e, s)
+    with pytest.raises(ValueError, match="fp8_wgrad=False"):
+        fp8_expert_gemm(q, scales, wl, torch.tensor([8, 4]), grad_sink=sink, source_blocks=blocks, sink=got.append)
+    with pytest.raises(ValueError, match="a sink"):
+        fp8_expert_gemm(q, scales, wl, torch.tensor([8, 4]), grad_sink=sink, fp8_wgrad=False, source_blocks=blocks)
+
+
 def test_group_columns_match_one_call_per_expert():
     """The wgrad operands (wgrad_layout's padding) equal quantize_rows(x_e.T) per expert, zeros in
     the padding; an expert of no rows gets 16 zero columns."""

@@ -32,8 +32,11 @@ def _worker(rank: int, world: int) -> dict:
 
     args = build_parser().parse_args([])  # the check's defaults: bf16, 128 tokens per micro-batch
     out = {"tree": layout_rows(args, torch.device("cpu"))}
+    out["fp8 wide"] = layout_rows(build_parser().parse_args(["--fp8", "--no-fp8-wgrad"]), torch.device("cpu"))
     GradientTree._doubling = _reversed_doubling  # this spawned rank's class only
     out["reversed"] = layout_rows(args, torch.device("cpu"))
+    out["fp8 wide reversed"] = layout_rows(build_parser().parse_args(["--fp8", "--no-fp8-wgrad"]),
+                                           torch.device("cpu"))
     out["fp8"] = layout_rows(build_parser().parse_args(["--fp8"]), torch.device("cpu"))
     return out
 
@@ -72,8 +75,18 @@ def test_layouts_rows_skip_fp8_with_the_reason(four_ranks):
         assert [r.check for r in out["fp8"]] == ["layouts: a GradientTree training run across layouts with L=4"]
         for r in out["fp8"]:
             assert not r.failed, r
-            assert r.status == "SKIP (fp8: the FP8 experts give no per-source weight gradients, which GradientTree " \
-                               "needs)", r.status
+            assert r.status == "SKIP (fp8 with FP8 wgrad: its experts give no per-source weight gradients, which " \
+                               "GradientTree needs (--no-fp8-wgrad gives them))", r.status
+
+
+def test_layouts_rows_pass_bitwise_fp8_without_fp8_wgrad(four_ranks):
+    """--fp8 --no-fp8-wgrad: the rows pass bitwise, and fail when the tree pairs in another order."""
+    for rank, out in enumerate(four_ranks):
+        rows = _by_row(out["fp8 wide"])
+        assert list(rows) == ROWS, (rank, [r.check for r in out["fp8 wide"]])
+        for r in rows.values():
+            assert r.status == "PASS" and r.max_diff == 0.0 and not r.informational, (rank, r)
+        assert any(r.status == "FAIL" and r.max_diff > 0 for r in out["fp8 wide reversed"]), rank
 
 
 def test_one_rank_skips_and_prints_no_number(tmp_path, capsys):

@@ -14,7 +14,8 @@ Every parameter and each step's clipped gradient (the routed experts by global e
 step's loss (the tree's global mean) and each step's clipped norm must be bitwise those of the
 reference on the same rank, and the reference the same on every rank. The limits are
 GradientTree's: power-of-two sizes, the dropless dispatch, micro-batches of equal size
-(docs/parallel.md); fp8 is skipped (its experts give no per-source weight gradients).
+(docs/parallel.md); ``--fp8`` runs only with ``--no-fp8-wgrad`` (FP8 wgrad's column scales span
+every source's rows, so it gives no per-source weight gradients) and is skipped without it.
 """
 from __future__ import annotations
 
@@ -154,8 +155,9 @@ def _skip(args: argparse.Namespace, world: int) -> Optional[str]:
         return "one rank: L = 1 micro-batch has only one layout"
     if world & (world - 1):
         return f"{world} ranks: GradientTree needs a power of two"
-    if args.fp8 is not None:
-        return "fp8: the FP8 experts give no per-source weight gradients, which GradientTree needs"
+    if args.fp8 is not None and not args.no_fp8_wgrad:
+        return ("fp8 with FP8 wgrad: its experts give no per-source weight gradients, which GradientTree needs "
+                "(--no-fp8-wgrad gives them)")
     return None
 
 
