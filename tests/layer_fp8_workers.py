@@ -64,3 +64,12 @@ def ep_worker(rank: int, world: int) -> dict:
                                                          pairs[rank // 2], rank % 2,
                                                          range(half * (rank % 2), half * (rank % 2 + 1)))
     return results
+
+
+def fp8_wgrad_differs_worker(rank: int, world: int) -> str | None:
+    """EP 2 with fp8_wgrad=False on rank 1 only: the first forward's error (None if it ran)."""
+    from tests.dispatcher.harness import value_error_of
+
+    layer = MoELayer(fp8_config("alltoall", fp8_wgrad=rank == 0), dist.group.WORLD, layer_index=0)
+    x, _ = global_data()
+    return value_error_of(lambda: layer(x[rank * 4:(rank + 1) * 4]))

@@ -9,7 +9,15 @@ import torch
 from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.dispatcher import pack_rows, unpack_rows, wire_width
 from tests.dispatcher.harness import run_ranks
-from tests.layer_fp8_workers import T_GLOBAL, ep_worker, fp8_config, global_data, run_layer, splits
+from tests.layer_fp8_workers import (
+    T_GLOBAL,
+    ep_worker,
+    fp8_config,
+    fp8_wgrad_differs_worker,
+    global_data,
+    run_layer,
+    splits,
+)
 
 
 @pytest.mark.parametrize("value, match", [("e5m2", "fp8"), (True, "fp8"), ("E4M3", "fp8")])
@@ -140,6 +148,13 @@ def test_ep2_and_ep4_bitwise_to_ep1():
         for p in parts:
             for e, (g1, g2) in p["experts"].items():
                 assert torch.equal(g1, ref["experts"][e][0]) and torch.equal(g2, ref["experts"][e][1])
+
+
+def test_fp8_wgrad_on_one_rank_only_is_refused_on_both():
+    """fp8_wgrad differing across the EP group: the same ValueError naming it on both ranks, at the
+    first forward, before rows move."""
+    errors = run_ranks(fp8_wgrad_differs_worker, 2, timeout=120)
+    assert errors[0] == errors[1] and errors[0] is not None and "fp8_wgrad" in errors[0], errors
 
 
 @pytest.mark.gpu
