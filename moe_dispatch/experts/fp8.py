@@ -208,33 +208,30 @@ def _cuda_wgrad(xt: torch.Tensor, sx: torch.Tensor, dyt: torch.Tensor, sdy: torc
 
 def _wide_source_wgrad(x: torch.Tensor, x_scales: torch.Tensor, grad: torch.Tensor, blocks: SourceBlocks,
                        w_shape: torch.Size) -> torch.Tensor:
-    """`_wide_wgrad` per (expert, source) block -> [E, P, K, M] in grad's dtype (`source_weight_grads`:
-    one bf16 grouped GEMM with a group per block on CUDA; `ordered_mm` per block in fp32 on the CPU)."""
+    """The weight gradient in grad's dtype (``fp8_wgrad=False``) per (expert, source) block: x [N, K]
+    fp8 with x_scales [N] widened to grad's dtype (`dequantize_rows`), grad [N, M] dense -> [E, P, K,
+    M] in grad's dtype, block (e, s) = ``deq(x_b)^T @ grad_b`` over its rows only (`source_weight_grads`:
+    one bf16 grouped GEMM with a group per block on CUDA; `ordered_mm` per block in fp32 on the CPU,
+    rounded once)."""
     xd = dequantize_rows(x, x_scales, grad.dtype)
     if x.device.type == "cuda":
         return source_weight_grads(xd, grad, blocks, w_shape, "grouped")
     return source_weight_grads(xd.float(), grad.float(), blocks, w_shape, None).to(grad.dtype)
 
 
-def _wide_wgrad(x: torch.Tensor, x_scales: torch.Tensor, grad: torch.Tensor, offsets: Optional[torch.Tensor],
-                counts: Optional[List[int]]) -> torch.Tensor:
-    """The weight gradient in grad's dtype (``fp8_wgrad=False``): x [N, K] fp8 with x_scales [N]
-    widened to grad's dtype (`dequantize_rows`), grad [N, M] dense -> dw [E, K, M] in grad's dtype,
-    ``dw[e] = deq(x_e)^T @ grad_e`` over expert e's rows only (rows past the last expert add nothing).
-    CUDA: one bf16 ``torch._grouped_mm`` with groups along the rows (device ``offsets``; fp32
-    accumulation, empty groups give zeros). CPU: `ordered_mm` per expert (host ``counts``) in fp32,
-    rounded once."""
-    xd = dequantize_rows(x, x_scales, grad.dtype)
+def _wide_wgrad(x: torch.Tensor, x_scales: torch.Tensor, grad: torch.Tensor, w_shape: torch.Size,
+                offsets: Optional[torch.Tensor], counts: Optional[List[int]]) -> torch.Tensor:
+    """`_wide_source_wgrad` with one block an expert -> dw [E, K, M] in grad's dtype, ``dw[e] =
+    deq(x_e)^T @ grad_e`` over expert e's rows only (rows past the last expert add nothing). CUDA:
+    one bf16 ``torch._grouped_mm`` with groups along the rows at the device ``offsets`` (no host
+    read, as the sync-free step needs; empty groups give zeros). CPU: the host ``counts``."""
     if x.device.type == "cuda":
         if x.shape[0] == 0:
-            return grad.new_zeros(offsets.shape[0], x.shape[1], grad.shape[1])
-        return torch._grouped_mm(xd.t(), grad, offs=offsets)
-    dw = grad.new_empty(len(counts), x.shape[1], grad.shape[1])
-    start = 0
-    for e, n in enumerate(counts):
-        dw[e] = ordered_mm(xd[start : start + n].float().t(), grad[start : start + n].float()).to(grad.dtype)
-        start += n
-    return dw
+            return grad.new_zeros(w_shape)
+        return torch._grouped_mm(dequantize_rows(x, x_scales, grad.dtype).t(), grad, offs=offsets)
+    starts = torch.tensor([0, *counts[:-1]], dtype=torch.int64).cumsum(0).tolist()
+    blocks = [[(start, n)] for start, n in zip(starts, counts)]
+    return _wide_source_wgrad(x, x_scales, grad, blocks, w_shape)[:, 0]
 
 
 class _Fp8ExpertGemm(torch.autograd.Function):
@@ -279,7 +276,7 @@ class _Fp8ExpertGemm(torch.autograd.Function):
             blocks, sink = ctx.per_source
             sink(_wide_source_wgrad(x, x_scales, grad, blocks, w.shape))
         elif ctx.needs_input_grad[2] and not fp8_wgrad:
-            gw = _wide_wgrad(x, x_scales, grad, offsets, counts).to(w.dtype)
+            gw = _wide_wgrad(x, x_scales, grad, w.shape, offsets, counts).to(w.dtype)
         elif ctx.needs_input_grad[2]:
             row_ends = offsets if cuda else torch.tensor(counts, dtype=torch.int64).cumsum(0)
             row_starts, padded_starts, padded_rows = wgrad_layout(row_ends, x.shape[0])

@@ -222,10 +222,7 @@ class LocalExperts(nn.Module):
         ``fp8_weights``: the weights quantised once (``quantize_fp8_weights()``), for the forwards
         until the next optimizer step; a stale one raises a ValueError (`moe_dispatch.experts.fp8_weights`).
         """
-        if self.fp8 is not None:
-            if source_blocks is not None and self.fp8_wgrad:
-                raise ValueError("source_blocks (per-source weight gradients, GradientTree) with fp8 need "
-                                 "fp8_wgrad=False: FP8 wgrad's column scales span every source's rows")
+        if self.fp8 is not None:  # source_blocks with FP8 wgrad: fp8_expert_gemm's ValueError
             return self._forward_fp8(permuted_tokens, tokens_per_expert, permuted_probs, offsets, row_scales,
                                      row_grad_sink, trailing_rows, fp8_weights, source_blocks)
         if fp8_weights is not None:

@@ -8,7 +8,14 @@ from typing import Any
 import torch
 
 from ...config import MoEConfig
-from .supported import check_dispatcher_supported, check_layer_supported, megatron_activation, megatron_field, one_loss
+from .supported import (
+    check_dispatcher_supported,
+    check_layer_supported,
+    megatron_activation,
+    megatron_field,
+    megatron_fp8_wgrad,
+    one_loss,
+)
 
 
 def moe_config_from_megatron(transformer_config: Any, *, megatron_layer: bool = False, **overrides: Any) -> MoEConfig:
@@ -42,7 +49,7 @@ def moe_config_from_megatron(transformer_config: Any, *, megatron_layer: bool = 
     fields.update(overrides)
     if fields.get("fp8") is not None and "fp8_wgrad" not in overrides:
         # Megatron's --no-fp8-wgrad: the expert weight gradients in the tokens' dtype
-        fields["fp8_wgrad"] = megatron_field(tc, "fp8_wgrad", True) is not False
+        fields["fp8_wgrad"] = megatron_fp8_wgrad(tc)
     return MoEConfig(**fields)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from .config import moe_config_from_megatron
-from .supported import check_row_stable_supported, megatron_field, row_stable_activation
+from .supported import check_row_stable_supported, megatron_fp8_wgrad, row_stable_activation
 
 if TYPE_CHECKING:
     import torch
@@ -121,10 +121,9 @@ def _fp8_experts(experts: Any, rows: "torch.Tensor", tokens_per_expert: "torch.T
     operands = None
     if experts._moe_dispatch_quantize_weights_once:
         operands = _weights_quantised_once(experts, [*fc1, *fc2], w1, w2, fp8_dtype)
-    # Megatron's --no-fp8-wgrad (TransformerConfig.fp8_wgrad False): the weight gradients in the tokens' dtype
-    fp8_wgrad = megatron_field(experts.config, "fp8_wgrad", True) is not False
     return fp8_mlp(q, scales, w1, w2, tokens_per_expert, offsets, fp8_dtype, activation, probs,
-                   handle.row_grad_sink, trailing, weight_operands=operands, fp8_wgrad=fp8_wgrad)
+                   handle.row_grad_sink, trailing, weight_operands=operands,
+                   fp8_wgrad=megatron_fp8_wgrad(experts.config))
 
 
 def _weights_quantised_once(experts: Any, weights: list, w1: "torch.Tensor", w2: "torch.Tensor",

@@ -48,6 +48,12 @@ def megatron_field(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default)
 
 
+def megatron_fp8_wgrad(config: Any) -> bool:
+    """``TransformerConfig.fp8_wgrad`` (default True; Megatron's ``--no-fp8-wgrad`` sets it False):
+    whether our FP8 experts' weight gradients run in FP8 (``MoEConfig.fp8_wgrad``)."""
+    return megatron_field(config, "fp8_wgrad", True) is not False
+
+
 def warn_if_untested(version: Optional[str] = None) -> bool:
     """Warn (once per version) when megatron-core is outside TESTED_MEGATRON_CORE; returns True
     when it is outside. Only this warning reads the version: behaviour follows features."""
