@@ -17,9 +17,10 @@ Prints three tables:
    wgrad's. ``--no-routes`` skips the LAUNCH routes' rows.
 2. The row quantisation (``ops.quantize_rows``) of the layer's tokens against its byte floor: each
    input read once and each output written once, over the device-to-device copy bandwidth
-   measured in the same run, ``ops.dequantize_rows`` (fp8_wgrad=False's widening of the saved rows)
-   against its floor, and a sweep of quantize_rows' LAUNCH settings (each result checked bitwise
-   against the default's).
+   measured in the same run (the kernels and the copy timed as CUDA-graph replays,
+   ``graph_median_ms``: a kernel's time without its launcher's host time, as in a captured step),
+   ``ops.dequantize_rows`` (fp8_wgrad=False's widening of the saved rows) against its floor, and a
+   sweep of quantize_rows' LAUNCH settings (each result checked bitwise against the default's).
    Then the weight gradient's per-(expert, column) quantisation (``ops.quantize_group_columns``,
    one kernel) of the layer step's four wgrad operands (the saved float8 inputs dequantised by their
    row scales inside the kernel, and the bf16 output gradients), rows split over the experts at random and
@@ -47,7 +48,7 @@ from moe_dispatch.numerics.rounding import round_up
 from moe_dispatch.ops import dequantize_rows, quantize_group_columns, quantize_rows
 from moe_dispatch.ops import triton_kernels as KT
 from moe_dispatch.tools.capture import capture_step
-from moe_dispatch.tools.profiling import median_ms
+from moe_dispatch.tools.profiling import graph_median_ms, median_ms
 
 DEVICE = torch.device("cuda")
 LAYER_TABLE_HEADER = ("| layer | eager ms | captured ms | replay bitwise eager | bitwise across dispatchers "
@@ -240,7 +241,7 @@ def bench_group_columns(args, bandwidth: float, sweep: bool = True) -> None:
                     want = got if want is None else want
                     same = torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and \
                         torch.equal(got[1], want[1])
-                    ms = median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3, rs), iters=50)
+                    ms = graph_median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3, rs))
                 print(f"| {name} | {N} x {cols}, {str(dtype)[6:]} | {'one expert half' if skewed else 'random'} | "
                       f"{route} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} | {same} |", flush=True)
     for name, cols, dtype in (("fc2 dy", H, torch.bfloat16), ("fc2 x", ffn, e4m3)) if sweep else ():
@@ -256,7 +257,7 @@ def bench_group_columns(args, bandwidth: float, sweep: bool = True) -> None:
                 (64, 128, 4, 4), (32, 64, 8, 4), (32, 32, 4, 4), (64, 32, 8, 4), (32, 64, 8, 8)]:
             with KT.launch_settings(group_columns_block_c=block_c, group_columns_block_r=block_r,
                                     group_columns_warps=warps, group_columns_splits=splits, group_columns_tiles=False):
-                ms = median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3, rs), iters=50)
+                ms = graph_median_ms(lambda: quantize_group_columns(x, s, p, P, e4m3, rs))
             print(f"| {block_c} | {block_r} | {warps} | {splits} | {ms:.4f} | {ms / floor:.2f} |", flush=True)
 
 
@@ -282,7 +283,7 @@ def bench_quantize_rows_launch(rows_list: list[int], H: int, bandwidth: float) -
                 with KT.launch_settings(quantize_elements=elements, quantize_warps=warps,
                                         quantize_programs_per_sm=per_sm, quantize_stages=stages):
                     got = quantize_rows(xr, torch.float8_e4m3fn)
-                    ms = median_ms(lambda xr=xr: quantize_rows(xr, torch.float8_e4m3fn), iters=50)
+                    ms = graph_median_ms(lambda xr=xr: quantize_rows(xr, torch.float8_e4m3fn))
             except Exception as exc:  # a setting the compiler refuses (e.g. shared memory)
                 print(f"| {rows} x {H} | {elements} | {warps} | {per_sm} | {stages} | {type(exc).__name__} | | |")
                 continue
@@ -397,20 +398,20 @@ def main() -> None:
     print("\n## Row quantisation (ops.quantize_rows), against its byte floor\n")
     src = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
     dst = torch.empty_like(src)
-    copy_ms = median_ms(lambda: dst.copy_(src), iters=50)
+    copy_ms = graph_median_ms(lambda: dst.copy_(src))
     bandwidth = 2 * src.numel() * src.element_size() / (copy_ms * 1e-3)  # read + write, bytes/s
     print(f"device-to-device copy of [{T}, {H}] bf16: {copy_ms:.4f} ms, {bandwidth / 1e12:.2f} TB/s (read + write)\n")
     print("| rows | ms | floor ms | / floor |\n|---|---|---|---|")
     # the tokens, the fc2 gradient rows (dgrad), and fc2's input / fc1's gradient rows (ffn wide)
     for rows, cols in ((T, H), (T * args.topk, H), (T * args.topk, args.ffn)):
         xr = torch.randn(rows, cols, device=DEVICE).to(torch.bfloat16)
-        ms = median_ms(lambda xr=xr: quantize_rows(xr, torch.float8_e4m3fn), iters=50)
+        ms = graph_median_ms(lambda xr=xr: quantize_rows(xr, torch.float8_e4m3fn))
         moved = row_quantisation_bytes(rows, cols, 2)  # bf16 in
         floor = moved / bandwidth * 1e3
         print(f"| {rows} x {cols} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} |")
     for rows, cols in ((T * args.topk, H), (T * args.topk, args.ffn)):  # fp8_wgrad=False's widening
         q, scales = quantize_rows(torch.randn(rows, cols, device=DEVICE), torch.float8_e4m3fn)
-        ms = median_ms(lambda q=q, scales=scales: dequantize_rows(q, scales, torch.bfloat16), iters=50)
+        ms = graph_median_ms(lambda q=q, scales=scales: dequantize_rows(q, scales, torch.bfloat16))
         floor = (rows * cols * 3 + rows * 4) / bandwidth * 1e3  # fp8 in, bf16 out, the scales
         print(f"| dequantize_rows {rows} x {cols} to bf16 | {ms:.4f} | {floor:.4f} | {ms / floor:.2f} |")
     if not args.no_sweeps:

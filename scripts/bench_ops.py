@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from moe_dispatch.ops import permute, unpermute
+from moe_dispatch.tools.profiling import graph_median_ms
 
 OPS = torch.ops.moe_dispatch  # the registered custom ops (importing moe_dispatch.ops registers them)
 
@@ -34,15 +35,10 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def graph_ms(fn, rep: int = 100) -> float:
-    """GPU time alone: median ms of the call replayed from a CUDA graph (no host launch cost)."""
-    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
-
-
 def bench_graph(fn) -> float:
-    """graph_ms, or nan for a call that synchronises (it cannot be captured)."""
+    """graph_median_ms, or nan for a call that synchronises (it cannot be captured)."""
     try:
-        return graph_ms(fn, rep=200)
+        return graph_median_ms(fn, rep=200)
     except Exception:
         return float("nan")
 

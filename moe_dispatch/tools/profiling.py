@@ -3,7 +3,7 @@ makes and the host<->device copies the GPU runs per call (scripts/bench_ep.py's 
 column; the GPU tests assert a layer step makes none it does not need). ``gpu_idle`` says, from
 a torch.profiler trace, how long the GPU sat idle and which part of the step the host was in
 when it finally launched the next kernel (scripts/bench_ep.py's profile tables). ``median_ms`` is
-the benchmarks' timer."""
+the benchmarks' timer of a call as the host makes it; ``graph_median_ms`` times a kernel alone."""
 from __future__ import annotations
 
 import bisect
@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-__all__ = ["gpu_idle", "host_waits", "median_ms"]
+__all__ = ["gpu_idle", "graph_median_ms", "host_waits", "median_ms"]
 
 # CPU events that name a part of the step: record_function ranges and autograd's backward nodes.
 _PHASE_PREFIXES = ("autograd::engine::evaluate_function: ",)
@@ -48,6 +48,16 @@ def median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3,
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def graph_median_ms(fn: Callable[[], object], rep: int = 100) -> float:
+    """The median GPU time of ``fn`` in ms, replayed from a CUDA graph (triton's do_bench_cudagraph):
+    its kernels alone, without the host's launch gaps that ``median_ms`` counts. A single small
+    kernel timed eagerly reads its Python launcher's tens of microseconds; a captured step does not
+    pay them. ``fn`` must not synchronise (capture refuses it)."""
+    import triton.testing  # lazily, as the ops import triton: CPU-only users need none
+
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
 def host_waits(step: Callable[[], None], steps: int = 3, warmup: int = 2) -> dict:
