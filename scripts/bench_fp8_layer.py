@@ -26,7 +26,7 @@ Prints three tables:
    row scales inside the kernel, and the bf16 output gradients), rows split over the experts at random and
    with one expert holding half of them, with 1, 4 and 8 slices per expert and the tiled route, against its byte
    floor (x read once, qt and the scales written once), and a sweep of its LAUNCH settings (none
-   changes a value). ``--no-sweeps`` skips both sweeps.
+   changes a value). ``--no-sweeps`` skips both sweeps; ``--kernels-only`` prints table 2 alone.
    Then every quantisation of one FP8 step at its byte floor (``--floor-only TB_PER_S`` prints
    only this table, from the shapes, without a GPU).
 3. Where the step's time goes (bf16, FP8 per call, FP8 with the weights quantised once):
@@ -357,6 +357,8 @@ def main() -> None:
                         help="skip the rows with wgrad's other accumulation (FAST_ACCUM_WGRAD flipped)")
     parser.add_argument("--layer-only", action="store_true",
                         help="only the layer table's rows (bf16, FP8, FP8 with fp8_wgrad=False), then stop")
+    parser.add_argument("--kernels-only", action="store_true",
+                        help="only table 2 (the quantisers against their floors and their sweeps), then stop")
     parser.add_argument("--no-routes", action="store_true",
                         help="skip the LAUNCH routes' rows (group_columns_tiles, zero_only_uncovered)")
     parser.add_argument("--floor-only", type=float, metavar="TB_PER_S", default=None,
@@ -364,6 +366,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.floor_only is not None:
         print_quantisation_floor(args, args.floor_only * 1e12)
+        return
+    if args.kernels_only:
+        bench_quantisers(args)
         return
     T, H = args.tokens, args.hidden
     gen = torch.Generator().manual_seed(0)
@@ -395,6 +400,27 @@ def main() -> None:
     if not args.no_routes:
         bench_route("group_columns_tiles", config, x, upstream, ref, (out, gx))
         bench_route("zero_only_uncovered", config, x, upstream, ref, (out, gx), bf16_config=MoEConfig(**base))
+    bench_quantisers(args)
+
+    profile_step("bf16", layer_step(MoEConfig(**base), x, upstream)[1])
+    profile_step("FP8 per call", fp8_step)
+    profile_step("FP8, the weights quantised once", layer_step(config, x, upstream, once=True)[1])
+    profile_step("FP8 with fp8_wgrad=False, the weights quantised once",
+                 layer_step(config.replace(fp8_wgrad=False), x, upstream, once=True)[1])
+    if args.no_routes:
+        return
+    both = {key: not KT.LAUNCH[key] for key in ("group_columns_tiles", "zero_only_uncovered")}
+    with KT.launch_settings(**both):
+        print(f"\n## Both other routes at once ({both})\n")
+        print(LAYER_TABLE_HEADER)
+        layer_row("fp8 e4m3, both other routes, weights quantised once", config, x, upstream, ref, once=True)
+        profile_step("FP8, the weights quantised once, both other routes",
+                     layer_step(config, x, upstream, once=True)[1])
+
+
+def bench_quantisers(args: argparse.Namespace) -> None:
+    """Table 2: the quantisers and the dequantiser against their byte floors, then the sweeps."""
+    T, H = args.tokens, args.hidden
     print("\n## Row quantisation (ops.quantize_rows), against its byte floor\n")
     src = torch.empty(T, H, dtype=torch.bfloat16, device=DEVICE)
     dst = torch.empty_like(src)
@@ -418,21 +444,6 @@ def main() -> None:
         bench_quantize_rows_launch([T, T * args.topk], H, bandwidth)
     bench_group_columns(args, bandwidth, sweep=not args.no_sweeps)
     print_quantisation_floor(args, bandwidth)
-
-    profile_step("bf16", layer_step(MoEConfig(**base), x, upstream)[1])
-    profile_step("FP8 per call", fp8_step)
-    profile_step("FP8, the weights quantised once", layer_step(config, x, upstream, once=True)[1])
-    profile_step("FP8 with fp8_wgrad=False, the weights quantised once",
-                 layer_step(config.replace(fp8_wgrad=False), x, upstream, once=True)[1])
-    if args.no_routes:
-        return
-    both = {key: not KT.LAUNCH[key] for key in ("group_columns_tiles", "zero_only_uncovered")}
-    with KT.launch_settings(**both):
-        print(f"\n## Both other routes at once ({both})\n")
-        print(LAYER_TABLE_HEADER)
-        layer_row("fp8 e4m3, both other routes, weights quantised once", config, x, upstream, ref, once=True)
-        profile_step("FP8, the weights quantised once, both other routes",
-                     layer_step(config, x, upstream, once=True)[1])
 
 
 def profile_step(label: str, step) -> None:
