@@ -42,11 +42,11 @@ def pack_rows(x: torch.Tensor, fp8: str) -> torch.Tensor:
     its fp32 scale's, then zeros up to W."""
     T, H = x.shape
     q, scales = quantize_rows(x.detach(), fp8_dtype(fp8))
-    buf = torch.empty((T, H + ROW_ALIGN), dtype=torch.uint8, device=x.device)
-    buf[:, :H].copy_(q.view(torch.uint8))
-    buf[:, H : H + SCALE_BYTES].copy_(scales.view(torch.uint8).view(T, SCALE_BYTES))
-    buf[:, H + SCALE_BYTES :].zero_()
-    return buf.view(WIRE_DTYPE)
+    # One concatenation of 4-byte words (H is a multiple of 16): a byte-wise copy into the rows'
+    # strided [:, :H] columns ran one byte a thread, slower than the quantisation itself.
+    words = torch.cat([q.view(torch.int32), scales.view(torch.int32).view(T, 1),
+                       torch.zeros((T, (ROW_ALIGN - SCALE_BYTES) // 4), dtype=torch.int32, device=x.device)], dim=1)
+    return words.view(WIRE_DTYPE)
 
 
 def wire_rows(x: torch.Tensor, cfg: DispatchConfig) -> Optional[torch.Tensor]:
