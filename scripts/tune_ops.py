@@ -21,10 +21,11 @@ import sys
 
 import torch
 import triton
-from bench_ops import copy_bandwidth, graph_ms, routing  # python puts this script's folder first on its path
+from bench_ops import copy_bandwidth, routing  # python puts this script's folder first on its path
 
 from moe_dispatch.ops import permute
 from moe_dispatch.ops import triton_kernels as KT
+from moe_dispatch.tools.profiling import graph_median_ms
 
 SHAPES = [(4096, 256, 7168, 8), (16384, 128, 4096, 6), (32768, 64, 4096, 8)]
 
@@ -74,13 +75,13 @@ def sweep_shape(T: int, E: int, H: int, K: int, bw: float, only: list[str]) -> N
             try:
                 with KT.launch_settings(token_major=token_major, warps=warps, rows_per_store=per_store,
                                         permute_store_cache=cache, **{slots_key: per_step}):
-                    ms = graph_ms(make(blk))
+                    ms = graph_median_ms(make(blk))
             except Exception as exc:  # e.g. too many registers for a block/warps pair
                 print(f"# {name} {token_major} {warps} {blk} {per_store} {per_step}: {type(exc).__name__}",
                       file=sys.stderr)
                 continue
             results.append((ms / floor, ms, token_major, warps, blk, per_store, cache or "write-back", per_step))
-        default = graph_ms(make(None))
+        default = graph_median_ms(make(None))
         results.sort()
         best = results[0]
         print(f"| {T},{E},{H},{K} | {name} | {default / floor:.3f}x | {best[0]:.3f}x | "
@@ -95,8 +96,8 @@ def sweep_map(T: int, E: int, K: int) -> None:
     results = []
     for chunks, block_t, warps in itertools.product([64, 128, 256], [None, 16, 64], [None, 2, 8]):
         with KT.launch_settings(map_chunks=chunks, map_block_t=block_t, map_warps=warps):
-            results.append((graph_ms(lambda: KT.make_slots(routing_map, 1)) * 1e3, chunks, block_t, warps))
-    default = graph_ms(lambda: KT.make_slots(routing_map, 1)) * 1e3
+            results.append((graph_median_ms(lambda: KT.make_slots(routing_map, 1)) * 1e3, chunks, block_t, warps))
+    default = graph_median_ms(lambda: KT.make_slots(routing_map, 1)) * 1e3
     results.sort()
     best = results[0]
     print(f"| {T},{E},-,{K} | map (make_slots), us | {default:.1f} | {best[0]:.1f} | {best[1]} chunks, block_t "
@@ -123,13 +124,13 @@ def sweep_routes(T: int, E: int, H: int, K: int, bw: float) -> None:
     }
     for name, (nbytes, make, route, grid, keys) in routes.items():
         floor = nbytes / bw * 1e3
-        default = graph_ms(make(None))
+        default = graph_median_ms(make(None))
         results = []
         for values in grid:
             *knobs, blk = values
             try:
                 with KT.launch_settings(**{k: v[0] for k, v in route.items()}, **dict(zip(keys, knobs))):
-                    results.append((graph_ms(make(blk)) / floor, values))
+                    results.append((graph_median_ms(make(blk)) / floor, values))
             except Exception as exc:  # e.g. too many registers for a block/warps pair
                 print(f"# {name} {values}: {type(exc).__name__}", file=sys.stderr)
         results.sort()

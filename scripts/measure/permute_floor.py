@@ -21,9 +21,10 @@ import triton
 import triton.language as tl
 
 from moe_dispatch.ops import triton_kernels as KT
+from moe_dispatch.tools.profiling import graph_median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for bench_ops
-from bench_ops import copy_bandwidth, graph_ms, routing  # noqa: E402
+from bench_ops import copy_bandwidth, routing  # noqa: E402
 
 SHAPES = [(4096, 256, 7168, 8), (16384, 128, 4096, 6), (32768, 64, 4096, 8)]
 
@@ -70,8 +71,8 @@ def main() -> None:
     block = 4096
     grid = (triton.cdiv(x.numel(), block),)
     sums = torch.empty(grid[0], dtype=torch.float32, device="cuda")
-    fill_ms = graph_ms(lambda: _fill_kernel[grid](x, x.numel(), BLOCK=block, num_warps=8))
-    read_ms = graph_ms(lambda: _read_kernel[grid](x, sums, x.numel(), BLOCK=block, num_warps=8))
+    fill_ms = graph_median_ms(lambda: _fill_kernel[grid](x, x.numel(), BLOCK=block, num_warps=8))
+    read_ms = graph_median_ms(lambda: _read_kernel[grid](x, sums, x.numel(), BLOCK=block, num_warps=8))
     nbytes = x.numel() * 2
     print(f"# {torch.cuda.get_device_name()}, triton {triton.__version__}")
     print(f"# copy (torch, read + write) {bw / 1e12:.2f} TB/s; write-only (Triton fill) "
@@ -91,7 +92,7 @@ def main() -> None:
         cases = [("expert-major", expert_major, True, ""), ("expert-major", expert_major, True, ".cs"),
                  ("token-major", token_major, True, ".cs"), ("expert-major", expert_major, False, ".cs"),
                  ("token-major", token_major, False, ".cs")]
-        shipped = graph_ms(lambda: KT.permute_rows(tokens, slots, None, N, False))
+        shipped = graph_median_ms(lambda: KT.permute_rows(tokens, slots, None, N, False))
         print(f"| {T},{E},{H},{K} | permute_rows as shipped | tokens | "
               f"{KT.LAUNCH['permute_store_cache'] or 'write-back'} | {shipped:.4f} | {shipped / floor:.3f}x |")
         for name, rows, read, cache in cases:
@@ -99,7 +100,7 @@ def main() -> None:
                 _broadcast_rows_kernel[(T * triton.cdiv(H, 1024),)](
                     tokens, rows, out, H, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_H=1024, READ=read,
                     STORE_CM=cache, num_warps=4)
-            ms = graph_ms(run)
+            ms = graph_median_ms(run)
             print(f"| | {name} | {'tokens' if read else 'zeros'} | {cache or 'write-back'} | {ms:.4f} | "
                   f"{ms / floor:.3f}x |", flush=True)
         torch.cuda.empty_cache()

@@ -29,9 +29,10 @@ import triton.language as tl
 from moe_dispatch.ops import guard, permute
 from moe_dispatch.ops import triton_kernels as KT
 from moe_dispatch.ops.torch_twin import block_h
+from moe_dispatch.tools.profiling import graph_median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for bench_ops
-from bench_ops import copy_bandwidth, graph_ms, routing  # noqa: E402
+from bench_ops import copy_bandwidth, routing  # noqa: E402
 
 SHAPES = [(8192, 16, 2048, 4), (16384, 128, 4096, 6), (4096, 256, 7168, 8), (32768, 64, 4096, 8)]
 
@@ -111,7 +112,7 @@ def main() -> None:
         cases += [(f"probs-gradient kernel alone, {w} warps", lambda w=w: probs_kernel(w)) for w in (1, 2, 4)]
         cases += [("same traffic, no dots", same_traffic), ("copy of the same bytes", lambda: half_dst.copy_(half))]
         for i, (name, fn) in enumerate(cases):
-            ms = graph_ms(fn)
+            ms = graph_median_ms(fn)
             print(f"| {f'{T},{E},{H},{K}' if i == 0 else ''} | {name} | {ms:.4f} | {ms / floor:.3f}x |", flush=True)
         fwd_bytes = (N * H + T * H) * 2 + T * E * 4
         fwd_floor = fwd_bytes / bw * 1e3
@@ -123,7 +124,7 @@ def main() -> None:
                     lambda: KT.permute_rows_backward(y, slots, None, torch.float32)),
                    ("copy of the forward's bytes", lambda: half_dst.copy_(half))]
         for name, fn in forward:
-            ms = graph_ms(fn)
+            ms = graph_median_ms(fn)
             print(f"| | {name} | {ms:.4f} | {ms / fwd_floor:.3f}x |", flush=True)
         half = half_dst = None  # free the buffers (the lambdas above already ran)
         torch.cuda.empty_cache()
