@@ -75,9 +75,27 @@ def captured(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, eager: 
     return median_ms(graph.replay), same
 
 
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """The layer's shape flags; the defaults are the standard EP-1 shape."""
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--ffn", type=int, default=1024)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--topk", type=int, default=6)
+
+
+def layer_inputs(tokens: int, hidden: int, device: torch.device = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, upstream), each [tokens, hidden] bf16 on ``device``, from seed 0: the same on every device."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+    upstream = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+    return x, upstream
+
+
 def layer_step(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, once: bool = False):
-    """(the layer, its forward + backward); ``once``: with the FP8 weights quantised once, here."""
-    layer = MoELayer(config, layer_index=0).to(DEVICE)
+    """(the layer, its forward + backward) on x's device; ``once``: with the FP8 weights quantised
+    once, here."""
+    layer = MoELayer(config, layer_index=0).to(x.device)
     weights = layer.quantize_fp8_weights() if once else None
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,11 +364,7 @@ def category(name: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--topk", type=int, default=6)
+    add_shape_args(parser)
     parser.add_argument("--no-sweeps", action="store_true",
                         help="skip the quantisers' LAUNCH sweeps (the tables at the defaults still print)")
     parser.add_argument("--no-accumulation", action="store_true",
@@ -371,9 +385,7 @@ def main() -> None:
         bench_quantisers(args)
         return
     T, H = args.tokens, args.hidden
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(DEVICE)
-    upstream = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(DEVICE)
+    x, upstream = layer_inputs(T, H)
     base = dict(hidden_size=H, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
                 params_dtype=torch.bfloat16)
 

@@ -18,22 +18,20 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for bench_fp8_layer
 
 import torch  # noqa: E402
+from bench_fp8_layer import add_shape_args, layer_inputs, layer_step  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from moe_dispatch import MoEConfig, MoELayer  # noqa: E402
+from moe_dispatch import MoEConfig  # noqa: E402
 
 STEPS = 5
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--topk", type=int, default=6)
+    add_shape_args(parser)
     parser.add_argument("--fp8", action="store_true", help="the FP8 layer (fp8='e4m3'), weights quantised once")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run, ranked by CPU time")
@@ -41,17 +39,8 @@ def main() -> None:
     device = torch.device(args.device)
     config = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
                        params_dtype=torch.bfloat16, fp8="e4m3" if args.fp8 else None)
-    layer = MoELayer(config, layer_index=0).to(device)
-    weights = layer.quantize_fp8_weights() if args.fp8 else None
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(args.tokens, args.hidden, generator=gen).to(torch.bfloat16).to(device)
-    upstream = torch.randn(args.tokens, args.hidden, generator=gen).to(torch.bfloat16).to(device)
-
-    def step() -> None:
-        xi = x.detach().requires_grad_()
-        layer(xi, fp8_weights=weights).backward(upstream)
-        layer.zero_grad(set_to_none=True)
-
+    x, upstream = layer_inputs(args.tokens, args.hidden, device)
+    step = layer_step(config, x, upstream, once=args.fp8)[1]
     for _ in range(3):
         step()
     activities = [ProfilerActivity.CPU]
