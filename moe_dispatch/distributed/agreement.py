@@ -1,7 +1,7 @@
 """Agreement across ranks, and errors that every rank raises together.
 
 A bad input or configuration on one rank must raise the same ValueError on every rank, never
-leave the others waiting in a collective. Three ways, each one fixed-size exchange or a part of one:
+leave the others waiting in a collective. Four ways, each one fixed-size exchange or a part of one:
 - ``agree_config`` / ``agree_settings``: before a dispatcher's (or the router's loss) first
   collective, every rank sends a fingerprint of its configuration; a mismatch names the field,
   its values and the ranks.
@@ -12,6 +12,8 @@ leave the others waiting in a collective. Three ways, each one fixed-size exchan
   ``latch_call_mismatch``) cannot raise at once without stranding the other ranks in the step's
   next collective. It is latched, and travels in the next size exchange on the same group, where
   every rank raises it; meanwhile the flagged step's results are NaN.
+- ``agree_problems``: refusals found locally (GradientTree's checks) go through one fixed-size
+  exchange, so that every rank raises the same ValueError naming the rank that found them.
 Ranks in different calls (layers called in another order: ``identity``) are named as such
 (``order_problem``), before any field that differs between the two layers.
 """
@@ -39,6 +41,7 @@ _DEVICE_CODES = {"cpu": 1, "cuda": 2}
 _DEVICE_NAMES = {v: k for k, v in _DEVICE_CODES.items()}
 _HANDSHAKE_TAG = 0x4D6F4548  # marks the dispatcher's configuration message
 _SETTINGS_TAG = 0x4D6F4552  # marks agree_settings' message
+_PROBLEMS_TAG = 0x4D6F4550  # marks agree_problems' message
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -269,6 +272,37 @@ def agree_settings(settings: Settings, group: ProcessGroup, device: torch.device
     if len({row[1] for row in rows}) > 1:
         raise ValueError(f"{what} configuration mismatch: " + "; ".join(_settings_problems(settings, group,
                                                                                          group_name)))
+
+
+def agree_problems(problems: Sequence[str], group: ProcessGroup, device: torch.device, what: str,
+                   group_name: str = "group", values: Sequence[int] = ()) -> list[list[int]]:
+    """Refusals each rank found locally, raised on every rank alike: one fixed-size all-gather of
+    (tag, number of ``problems``, *``values``) over ``group``, before any exchange whose size could
+    differ. If a rank found a problem, a second exchange gathers every rank's problems as text and
+    every rank raises the same ValueError: the problems themselves when every rank found the same,
+    else each one prefixed by the rank that found it ("<what> refused on <group_name> rank 1: ...").
+    Returns every rank's ``values`` (rank-major) for the caller to compare; every rank passes as
+    many. A single process raises its problems, if any, and returns [values]."""
+    P, _ = group_size_rank(group, group_name)
+    if P == 1:
+        if problems:
+            raise ValueError("; ".join(problems))
+        return [list(values)]
+    rows = read_host(all_gather_rows(to_device([_PROBLEMS_TAG, len(problems), *values], device)[None], group)
+                     .view(P, -1))
+    if any(row[0] != _PROBLEMS_TAG for row in rows):
+        raise ValueError(f"ranks {[r for r, row in enumerate(rows) if row[0] != _PROBLEMS_TAG]} of the {group_name} "
+                         f"are not in the {what}'s agreement (ranks calling different collectives?)")
+    if any(row[1] for row in rows):
+        gathered: list = [None] * P
+        dist.all_gather_object(gathered, list(problems), group=group)
+        if all(g == gathered[0] for g in gathered):
+            raise ValueError("; ".join(gathered[0]))
+        bad = [r for r, g in enumerate(gathered) if g]
+        ranks = f"rank {bad[0]}" if len(bad) == 1 else f"ranks {bad}"
+        raise ValueError(f"{what} refused on {group_name} {ranks} (of {P}; every rank raises this): "
+                         + "; ".join(f"{group_name} rank {r}: {p}" for r in bad for p in gathered[r]))
+    return [row[2:] for row in rows]
 
 
 def order_problem(layers: list[int], steps: Optional[list[int]] = None) -> Optional[str]:

@@ -22,6 +22,7 @@ has the promise and its limits).
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -33,6 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..experts import LocalExperts
 from ..numerics.fixed_order import tree_sum
 from ..router import TopKRouter
+from .agreement import agree_problems, differ
 from .comm import WeakGroup, all_gather_rows
 
 
@@ -47,17 +49,58 @@ def _pairwise(x: torch.Tensor) -> torch.Tensor:
     return x[0]
 
 
+def _first_differences(descriptions: List[List[str]]) -> str:
+    """Each rank's first trained parameter that differs from the most common list's (on a tie, the
+    lowest rank's), as text: descriptions[r] is group rank r's list."""
+    common = max(descriptions, key=lambda d: (descriptions.count(d), -descriptions.index(d)))
+    ref = descriptions.index(common)
+    out = []
+    for r, mine in enumerate(descriptions):
+        if mine == common:
+            continue
+        i = next((i for i, (a, b) in enumerate(zip(mine, common)) if a != b), min(len(mine), len(common)))
+        here = mine[i] if i < len(mine) else "(none)"
+        there = common[i] if i < len(common) else "(none)"
+        out.append(f"group rank {r}'s trained parameter #{i} is {here}, group rank {ref}'s is {there} "
+                   f"({len(mine)} and {len(common)} trained parameters)")
+    return ("the trained parameters (name, shape, dtype, in model order) differ: " + "; ".join(out))
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_REBUILD = ("which parameters train is fixed when the GradientTree is built: build a new GradientTree(model, ...) "
+            "after changing requires_grad, a dtype or a parameter (this step's gradients are dropped)")
+_ORDER = ("the order of a step: loss.backward() and add_micro_batch() for each micro-batch, reduce(), "
+          "clip_grad_norm_(), optimizer.step(), optimizer.zero_grad()")
+
+
 class _Entry:
     """One trained parameter: its partials (a stack of (level, tensor)) and where it joins the
-    cross-rank tree (``start``: the first doubling step; log2(P) for experts sharded over P ranks)."""
+    cross-rank tree (``start``: the first doubling step; log2(P) for experts sharded over P ranks).
+    ``name``: its name in its module (``source_grads``' key); ``qualname``: in the model."""
 
-    def __init__(self, param: nn.Parameter, experts: Optional[LocalExperts], name: str, start: int) -> None:
-        self.param, self.experts, self.name, self.start = param, experts, name, start
+    def __init__(self, param: nn.Parameter, experts: Optional[LocalExperts], name: str, qualname: str,
+                 start: int) -> None:
+        self.param, self.experts, self.name, self.qualname, self.start = param, experts, name, qualname, start
+        self.dtype, self.shape = param.dtype, param.shape  # as built: the agreed layout
         self.stack: List[Tuple[int, torch.Tensor]] = []
+
+    def describe(self) -> str:
+        """'moe.0.experts.weight1 [2, 16, 32] float32 (EP 2)': what the ranks agree on, as text."""
+        ep = f" (EP {1 << self.start})" if self.start else ""
+        return f"{self.qualname} {list(self.shape)} {str(self.dtype).replace('torch.', '')}{ep}"
+
+    def changed(self) -> Optional[str]:
+        """How the parameter differs from the one the tree was built with (None: it does not)."""
+        p = self.param
+        if not p.requires_grad:
+            return f"{self.qualname} was frozen (requires_grad=False) after the GradientTree was built"
+        if p.dtype != self.dtype or p.shape != self.shape:
+            return (f"{self.qualname} is {list(p.shape)} {str(p.dtype).replace('torch.', '')} now, "
+                    f"{list(self.shape)} {str(self.dtype).replace('torch.', '')} when the GradientTree was built")
+        return None
 
     def push(self, leaf: torch.Tensor, acc: torch.dtype) -> None:
         """Add a micro-batch's gradient (any float dtype; ours to keep or modify) to the stack. A
@@ -96,8 +139,6 @@ class GradientTree:
     """
 
     def __init__(self, model: nn.Module, micro_batches: int, group: Optional[dist.ProcessGroup] = None) -> None:
-        if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or not _power_of_two(micro_batches):
-            raise ValueError(f"micro_batches must be a power of two >= 1 (1, 2, 4, ...), got {micro_batches!r}")
         distributed = dist.is_available() and dist.is_initialized()
         if group is not None and not distributed:
             raise ValueError("group given, but torch.distributed is not initialised")
@@ -106,32 +147,38 @@ class GradientTree:
         self.rank = dist.get_rank(self.group) if distributed else 0
         if self.rank < 0:
             raise ValueError("group: this rank is not in it (every rank of group builds the GradientTree)")
-        if not _power_of_two(self.world):
+        if not _power_of_two(self.world):  # the same on every rank of group
             raise ValueError(f"group: its size must be a power of two (1, 2, 4, ...), got {self.world} ranks")
+        # Every refusal below is found locally and raised by _agree on every rank alike.
+        problems: List[str] = []
+        valid = isinstance(micro_batches, int) and not isinstance(micro_batches, bool) and _power_of_two(micro_batches)
+        if not valid:
+            problems.append(f"micro_batches must be a power of two >= 1 (1, 2, 4, ...), got {micro_batches!r}")
         self.micro_batches = micro_batches
         self.model = model
         # The checks look at the layers' parts (routers, experts): MoELayer imports this module.
         for name, module in model.named_modules():
             if isinstance(module, TopKRouter):
-                self._check_router(name, module)
+                problems += self._router_problems(name, module)
         self._entries: List[_Entry] = []
         seen: set = set()
         sharded_experts = []
         for name, module in model.named_modules():
             sharded = isinstance(module, LocalExperts) and module.ep_group is not None
             if sharded:
-                self._check_experts(name, module)
+                problems += self._experts_problems(name, module)
                 sharded_experts.append(module)
             for pname, p in module.named_parameters(recurse=False):
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     start = int(math.log2(dist.get_world_size(module.ep_group))) if sharded else 0
-                    self._entries.append(_Entry(p, module if sharded else None, pname, start))
+                    qualname = f"{name}.{pname}" if name else pname
+                    self._entries.append(_Entry(p, module if sharded else None, pname, qualname, start))
+        self._agree(problems[:1], micro_batches if valid else -1)  # the first: the others often repeat it per layer
+        self._trained = {id(e.param) for e in self._entries}
         # the cross-rank exchange packs prefixes: the entries that join at step k come first
         self._entries.sort(key=lambda e: e.start)
         self._pieces = self._norm_pieces(model)
-        if self.world > 1:
-            self._agree()
         for experts in sharded_experts:
             experts.source_grads = {}
         self._added = 0
@@ -143,31 +190,34 @@ class GradientTree:
         """The data-parallel group the tree reduces over (None: one process)."""
         return self._group()
 
-    # ---- checks (local, alike on every rank: before any collective) ----------------------------
+    # ---- checks (found locally, raised on every rank alike: before any other collective) --------
 
-    def _check_router(self, name: str, router: TopKRouter) -> None:
+    def _router_problems(self, name: str, router: TopKRouter) -> List[str]:
         cfg = router.config
+        problems = []
         if cfg.load_balancing_type == "global_aux_loss" and cfg.aux_loss_coeff > 0:
-            raise ValueError(
+            problems.append(
                 f"model.{name}: load_balancing_type='global_aux_loss' averages the token counts over every forward "
                 "a rank has run since its last reset (and over global_loss_group), so a micro-batch's loss depends "
                 "on which other micro-batches ran on that rank before it: no layout-invariant gradient exists. "
                 "Use 'aux_loss' or 'seq_aux_loss' (per micro-batch)"
             )
         if router.loss_group is not None or router.global_loss_group is not None:
-            raise ValueError(f"model.{name}: a router loss group sums token counts over other ranks' tokens; "
-                             "GradientTree needs each micro-batch's loss to be its own")
+            problems.append(f"model.{name}: a router loss group sums token counts over other ranks' tokens; "
+                            "GradientTree needs each micro-batch's loss to be its own")
         if router.ep_ranks and cfg.dispatch_config().sync_free:
-            raise ValueError(
+            problems.append(
                 f"model.{name}: the sync-free dispatch (ep_capacity_factor={cfg.ep_capacity_factor} at EP "
                 f"{len(router.ep_ranks)}) gives no per-source blocks (DispatchHandle.source_blocks is None), so the "
                 "experts' weight gradient cannot be split by micro-batch; use the dropless dispatch "
                 "(ep_capacity_factor=None)"
             )
+        return problems
 
-    def _check_experts(self, name: str, experts: LocalExperts) -> None:
+    def _experts_problems(self, name: str, experts: LocalExperts) -> List[str]:
+        problems = []
         if experts.fp8 is not None and experts.fp8_wgrad:
-            raise ValueError(
+            problems.append(
                 f"model.{name}: fp8={experts.fp8!r} with fp8_wgrad=True: FP8 wgrad's column scales span an expert's "
                 "rows from every source, so its weight gradient cannot be split by micro-batch; use "
                 "MoEConfig(fp8_wgrad=False) (the expert weight gradients in the tokens' dtype)"
@@ -178,24 +228,42 @@ class GradientTree:
         block = ranks[first:first + P]
         ep_ranks = dist.get_process_group_ranks(experts.ep_group)
         if self.world % P or ep_ranks != block:
-            raise ValueError(
+            problems.append(
                 f"model.{name}: its EP group (global ranks {ep_ranks}) must be the block of group ranks "
                 f"{first}..{first + P - 1} (global ranks {block}, in that order): GradientTree needs the EP groups "
                 "to be contiguous blocks of group"
             )
+        return problems
 
-    def _agree(self) -> None:
-        """ValueError on every rank unless every rank has the same micro_batches and parameter layout."""
-        digest = 0
-        for e in self._entries:
-            for v in (*e.param.shape, e.start, len(e.param.shape)):
-                digest = (digest * 1000003 + int(v)) % (2**61 - 1)
-        mine = torch.tensor([self.micro_batches, len(self._entries), digest], dtype=torch.int64,
-                            device=self._device())
-        rows = all_gather_rows(mine, self.group).view(self.world, 3).tolist()
-        if any(row != rows[0] for row in rows):
-            raise ValueError(f"GradientTree: the ranks of group differ in (micro_batches, trained parameters, "
-                             f"their layout digest): {rows}; every rank must build it alike")
+    def _agree(self, problems: List[str], micro_batches: int) -> None:
+        """ValueError on every rank alike if a rank found a problem, or unless every rank has the same
+        micro_batches and trained parameters (their names in the model, shapes, dtypes, EP sizes, in
+        model order): one fixed-size all-gather (``agree_problems``) before any other collective; a
+        second only when they differ, to name the first parameter that differs on each rank."""
+        description = [e.describe() for e in self._entries]
+        digest = int.from_bytes(hashlib.blake2b("\n".join(description).encode(), digest_size=8).digest(), "little",
+                                signed=True)
+        rows = agree_problems(problems, self.group, self._exchange_device(), "GradientTree",
+                              values=[micro_batches, len(description), digest])
+        mismatch = []
+        if len({row[0] for row in rows}) > 1:
+            mismatch.append(f"micro_batches differs across group: {differ([row[0] for row in rows])}")
+        if len({tuple(row[1:]) for row in rows}) > 1:
+            gathered: list = [None] * self.world
+            dist.all_gather_object(gathered, description, group=self.group)
+            mismatch.append(_first_differences(gathered))
+        if mismatch:
+            raise ValueError("GradientTree: the ranks of group must build it alike: " + "; ".join(mismatch))
+
+    def _exchange_device(self) -> torch.device:
+        """Where the agreements' small exchanges go: the host where group's backend takes CPU tensors
+        (gloo, "cpu:gloo,cuda:nccl"), so that reading them waits for no queued device work; else
+        the parameters' device (NCCL: one host synchronisation)."""
+        if self.world == 1 or "gloo" in str(dist.get_backend(self.group)):
+            return torch.device("cpu")
+        if self._entries:
+            return self._entries[0].param.device
+        return torch.device("cuda", torch.cuda.current_device())
 
     def _device(self) -> torch.device:
         return self._entries[0].param.device if self._entries else torch.device("cpu")
@@ -209,6 +277,9 @@ class GradientTree:
                              "step; call reduce()")
         for e in self._entries:
             p = e.param
+            if e.changed():  # reduce() refuses the step on every rank, naming it
+                p.grad = None
+                continue
             if p.grad is not None and p.grad in self._written:
                 raise ValueError("add_micro_batch: a .grad is still the one reduce() wrote: call optimizer.zero_grad() "
                                  "(set_to_none=True, the default) after each step")
@@ -242,12 +313,19 @@ class GradientTree:
 
     def reduce(self) -> None:
         """Sum the L leaves by the tree on every rank of ``group``, divide by L and set each ``.grad``
-        (a sharded expert weight's: its local shard). Collective over ``group``. A rank that added
-        other than micro_batches micro-batches raises here, before the exchange; its peers are not
-        told (that would cost a host sync per step), so the count must not differ across ranks."""
-        if self._added != self.micro_batches:
-            raise ValueError(f"reduce: {self._added} micro-batches were added this step, expected micro_batches="
-                             f"{self.micro_batches}")
+        (a sharded expert weight's: its local shard). Collective over ``group``. First one small
+        fixed-size all-gather: a rank that added other than micro_batches micro-batches, or whose
+        trained parameters changed since the tree was built (frozen, unfrozen, another dtype or
+        shape, replaced), makes every rank raise the same ValueError, naming it; the step's
+        gradients are then dropped."""
+        problems = self._step_problems()
+        try:
+            agree_problems(problems, self.group, self._exchange_device(), "GradientTree.reduce")
+        except ValueError:
+            for e in self._entries:
+                e.stack = []
+            self._added = 0
+            raise
         L = self.world * self.micro_batches
         by_dtype: Dict[torch.dtype, List[_Entry]] = {}
         for e in self._entries:  # in order: each dtype's entries keep the prefix order of their start
@@ -270,6 +348,22 @@ class GradientTree:
                 offset += n
         self._added = 0
         self._reduced = True
+
+    def _step_problems(self) -> List[str]:
+        """What is wrong with this rank's step, found locally: the micro-batch count, and each
+        parameter whose training changed since the tree was built."""
+        problems = []
+        if self._added != self.micro_batches:
+            problems.append(f"reduce: {self._added} micro-batches were added this step, expected micro_batches="
+                            f"{self.micro_batches}")
+        changed = [c for c in (e.changed() for e in self._entries) if c]
+        for name, p in self.model.named_parameters():
+            if p.requires_grad and id(p) not in self._trained:
+                changed.append(f"{name} is trained (requires_grad=True) but was not when the GradientTree was built "
+                               "(unfrozen or replaced since)")
+        if changed:
+            problems.append("reduce: " + "; ".join(changed) + f"; {_REBUILD}")
+        return problems
 
     def _doubling(self, flat: torch.Tensor, entries: Sequence[_Entry]) -> None:
         """Recursive doubling over ``group`` in place on ``flat`` (the entries' partials, in order):
@@ -314,6 +408,10 @@ class GradientTree:
             raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm!r}")
         if not self._reduced:
             raise ValueError("clip_grad_norm_: call reduce() first (after the step's last add_micro_batch)")
+        missing = [e.qualname for e in self._entries if e.param.grad is None]
+        if missing:  # found locally: a rank alone in this leaves the others in the norm's all-gather
+            raise ValueError(f"clip_grad_norm_: {missing[0]} has no .grad (optimizer.zero_grad() since reduce()?); "
+                             f"{_ORDER}")
         device = self._device()
         acc = torch.float64 if any(e.param.dtype == torch.float64 for e in self._entries) else torch.float32
         values, holders = [], []

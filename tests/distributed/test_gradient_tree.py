@@ -16,6 +16,7 @@ from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.parallel import GradientTree
 from tests.dispatcher.harness import run_ranks, value_error_of
 
+from .gradient_tree_refusal_workers import refusal_worker
 from .gradient_tree_workers import LAYOUTS, assemble, layouts_worker
 
 
@@ -63,7 +64,7 @@ def test_refusals_name_the_argument(cpu_results):
         assert "global_aux_loss" in errors["global_aux_loss"] and "aux_loss" in errors["global_aux_loss"], rank
         assert "sync-free" in errors["sync_free"] and "source_blocks" in errors["sync_free"], rank
         assert errors["micro_batches"].startswith("micro_batches must be a power of two"), rank
-        assert "differ in (micro_batches" in errors["micro_batches differ"], (rank, errors)
+        assert "micro_batches differs across group: [2, 1, 1, 1]" in errors["micro_batches differ"], (rank, errors)
         assert "fp8_wgrad=True" in errors["fp8_wgrad"] and "fp8_wgrad=False" in errors["fp8_wgrad"], (rank, errors)
         if rank < 3:
             assert errors["group of 3"].startswith("group: its size must be a power of two"), rank
@@ -117,3 +118,73 @@ def test_layouts_bitwise_on_one_gpu_fp8_without_fp8_wgrad():
         pytest.skip("needs CUDA")
     results = run_ranks(layouts_worker, 4, "cuda", torch.bfloat16, False, True, timeout=600)
     _check_bitwise(assemble(results, "tree"))
+
+
+# ---- misuse on 2 ranks: the same ValueError on every rank, never a silent wrong, a hang or an abort ----
+@pytest.fixture(scope="module")
+def refusals():
+    return run_ranks(refusal_worker, 2, timeout=120)
+
+
+def _alike(outcomes: list, *words: str) -> str:
+    """The ValueError both ranks raised (the same text), which names every one of ``words``."""
+    assert outcomes[0] == outcomes[1], outcomes
+    message = outcomes[0]
+    assert message is not None and message.startswith("ValueError: "), outcomes
+    assert all(w in message for w in words), (words, message)
+    return message
+
+
+def test_parameter_frozen_after_build_is_refused_then_stays_still(refusals):
+    """Issue 46, item 3: AdamW moved a parameter frozen after the tree was built (its .grad a zero)."""
+    both = [r["frozen"] for r in refusals]
+    _alike([b["refused"] for b in both], "head.bias", "requires_grad=False", "GradientTree(model")
+    for b in both:  # a tree built again: no .grad, not moved; the rest trained
+        assert b["rebuilt"] is None and b["still"] and b["grad"] is None and b["moved"], b
+    # frozen on rank 1 only: refused on both ranks too, naming the rank
+    _alike([r["frozen on one rank"]["refused"] for r in refusals], "group rank 1", "head.bias")
+
+
+def test_parameter_unfrozen_after_build_is_refused_then_reduced(refusals):
+    """Issue 46, item 4: a parameter unfrozen after the tree was built was never reduced."""
+    both = [r["unfrozen"] for r in refusals]
+    _alike([b["refused"] for b in both], "head.bias", "requires_grad=True", "GradientTree(model")
+    assert both[0]["rebuilt"] is None and both[1]["rebuilt"] is None, both
+    for name, value in both[0]["params"].items():  # the replicas stay bitwise equal
+        assert torch.equal(value, both[1]["params"][name]), name
+
+
+def test_parameter_order_must_agree(refusals):
+    """Issue 46, item 5: same-shaped layers registered in another order on one rank were summed
+    crosswise (rank 0's first with rank 1's second)."""
+    _alike([r["order"] for r in refusals], "group rank 1", "second.weight", "first.weight", "#0")
+
+
+@pytest.mark.parametrize("case", ["micro_batches", "fp8_wgrad", "global_aux_loss", "ep_capacity_factor"])
+def test_refusal_on_one_rank_raises_on_every_rank(refusals, case):
+    """Issue 46, item 8: a refusal true on rank 1 only raised there; rank 0 waited in the agreement."""
+    _alike([r[case] for r in refusals], "group rank 1", case)
+
+
+def test_float64_on_one_rank_refused_before_any_reduction(refusals):
+    """Issue 46, item 10: the head in float64 on rank 1 only aborted the process in gloo at reduce."""
+    _alike([r["float64"] for r in refusals], "group rank 1", "head.weight", "float64", "float32")
+
+
+def test_micro_batch_count_on_one_rank_raises_on_every_rank(refusals):
+    _alike([r["micro-batch count"] for r in refusals], "group rank 1", "1 micro-batches", "micro_batches=2")
+
+
+def test_clip_after_zero_grad_names_the_order():
+    """Issue 46, item 14: clip_grad_norm_ after optimizer.zero_grad() was an AttributeError."""
+    model = torch.nn.Linear(4, 2)
+    tree = GradientTree(model, micro_batches=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    tree.add_micro_batch()
+    tree.reduce()
+    opt.step()
+    opt.zero_grad()
+    message = value_error_of(lambda: tree.clip_grad_norm_(1.0))
+    assert message is not None and "weight" in message and "zero_grad" in message, message
+    assert "reduce(), clip_grad_norm_(), optimizer.step(), optimizer.zero_grad()" in message, message
