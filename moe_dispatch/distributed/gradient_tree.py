@@ -132,7 +132,11 @@ class GradientTree:
     torch.distributed). Each `MoELayer`'s EP group must be a contiguous block of ``group``
     (group ranks g*P .. g*P+P-1, in order); the ranks with the same EP rank hold the same experts.
     The size of ``group`` and ``micro_batches`` must be powers of two. Collective over ``group``:
-    every rank builds it at the same point (one small all-gather agrees on the layout). From then
+    every rank builds it at the same point; one small all-gather agrees on micro_batches and the
+    trained parameters (names in the model, shapes, dtypes, order) and carries any refusal, so
+    every rank raises the same ValueError. The parameters that train (``requires_grad``) are fixed
+    here: `reduce` refuses, on every rank, a step after one was frozen, unfrozen, replaced or cast;
+    build a new tree after changing them. From then
     on the sharded experts' weights get no ``.grad`` from backward: their per-source gradients
     wait in ``LocalExperts.source_grads`` for `add_micro_batch`. Do not wrap the model in
     DistributedDataParallel or FSDP: the tree does their reduction.
@@ -402,7 +406,9 @@ class GradientTree:
         """The 2-norm of all gradients, as a fixed pairwise sum over the pieces (layer, expert id,
         parameter) whatever rank holds them, the same on every rank; scales every ``.grad`` by
         min(1, max_norm / (norm + 1e-6)) in place; returns the norm (a 0-dim tensor). Collective
-        over ``group``; after `reduce`."""
+        over ``group``; after `reduce` and before ``optimizer.zero_grad()``: a trained parameter
+        without a ``.grad`` is a ValueError saying the order (found locally: a rank alone in that
+        mistake raises alone, and its peers wait in the norm's all-gather)."""
         if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm >= 0 or \
                 math.isinf(max_norm):
             raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm!r}")
