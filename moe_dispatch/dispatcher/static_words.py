@@ -164,7 +164,8 @@ def messages(words: list[int], sizes: StaticSizes, deferred: bool = True) -> lis
                    f"exchanges the others wait in)")
     if words[W_INPUT]:
         out.append(f"EP rank {words[W_INPUT] - 1} passed inputs whose dtypes, devices or shapes differ from the first "
-                   f"sync-free step's (planned for up to T = {T} tokens per rank), a wrong expert_output / "
+                   f"sync-free step's (planned for up to T = {T} tokens per rank), a Prepared record whose x or "
+                   f"probs were replaced with another shape, dtype or device before send, a wrong expert_output / "
                    f"routing_map to reuse, or fp8_weights the layer refused (stale, or another layer's)")
     if words[W_TOKENS] > T:
         out.append(f"an EP rank passed T = {words[W_TOKENS]} tokens, more than the T = {T} the sync-free exchange was "
