@@ -132,8 +132,8 @@ def _order_message(words: list[int]) -> str:
                 f"{layer_name(lo_layer)} with {layer_name(hi_layer)} (every rank must build its MoE layers on an EP "
                 f"group in the same order, which numbers them, and call them in the same order)")
     return (f"{layer_name(hi_layer)} is at different forwards across the EP group: a sync-free {what} paired its "
-            f"forwards {lo_step} and {hi_step} (a rank skipped or repeated a forward, or combined or backpropagated "
-            f"micro-batches in another order)")
+            f"forwards {lo_step} and {hi_step} (a rank skipped or repeated a forward, or sent, combined or "
+            f"backpropagated micro-batches in another order)")
 
 
 # ---- errors -----------------------------------------------------------------------------------

@@ -10,7 +10,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from moe_dispatch.dispatcher import combine, dispatch, finish, prepare, send
+from moe_dispatch.dispatcher import (
+    check_expert_output,
+    combine,
+    dispatch,
+    finish,
+    owner_sum,
+    prepare,
+    return_rows,
+    send,
+)
 
 from .helpers import batch, config
 
@@ -55,6 +64,50 @@ def _replaced_x(cfg, group, rank: int, replace) -> dict:
     return dict(first=sent, after=_outcome(lambda: _round_trip(cfg, group, rank)))
 
 
+def _sync_free(group, rank: int, fault: str) -> dict:
+    """The sync-free plan at EP 2 (fixed-size exchanges, no host read): rank 1 sends micro-batch B
+    first, or replaces x by fewer rows. The step runs on every rank with NaN outputs, and the next
+    dispatch raises on every rank (CPU: the words are read there)."""
+    cfg = config(sync_free=True, ep_capacity_factor=2.0)
+    _round_trip(cfg, group, rank)  # the first step: the plan's T agreed
+    records = []
+    for mb in range(2):
+        data = batch(torch.float32, seed=10 * mb + rank, n=T)
+        records.append(prepare(data["x"], data["rmap"], data["probs"], cfg, group))
+    first = records[1 if rank == 1 and fault == "swap" else 0]
+    if rank == 1 and fault == "fewer_rows":
+        first = dataclasses.replace(first, x=first.x[:-1])
+
+    def step():
+        rows, handle = finish(send(first))
+        return owner_sum(return_rows(check_expert_output(rows * 2, handle), handle), handle)
+    result = {}
+    try:
+        result["nan"] = bool(torch.isnan(step()).all())
+        result["step"] = ("ok", "")
+    except Exception as exc:
+        result["step"] = (type(exc).__name__, str(exc))
+    result["next"] = _outcome(lambda: _round_trip(cfg, group, rank))
+    result["after"] = _outcome(lambda: _round_trip(cfg, group, rank))
+    return result
+
+
+def _host_reads(group, rank: int) -> dict:
+    """Host reads of one dropless EP-2 step after the first: dispatch/combine, and the stages."""
+    from tests.cuda_host_waits import count_host_transfers
+
+    cfg = config()
+    data = batch(torch.float32, seed=rank, n=T)
+    _round_trip(cfg, group, rank)
+    out = {}
+    with count_host_transfers() as out["whole"]:
+        _round_trip(cfg, group, rank)
+    with count_host_transfers() as out["staged"]:
+        rows, handle = finish(send(prepare(data["x"], data["rmap"], data["probs"], cfg, group)))
+        owner_sum(return_rows(check_expert_output(rows * 2, handle), handle), handle)
+    return {k: dict(v) for k, v in out.items()}
+
+
 CASES = {
     # the same routing: before, a silently wrong result on both ranks
     "swap_capacity": lambda g, r: _swapped_sends(config(capacity_factor=4.0, pad_to_capacity=True), g, r, True),
@@ -67,6 +120,9 @@ CASES = {
     "bf16_copy": lambda g, r: _replaced_x(config(), g, r, lambda x: x.to(torch.bfloat16)),
     "fewer_rows_capacity": lambda g, r: _replaced_x(config(capacity_factor=4.0, pad_to_capacity=True), g, r,
                                                     lambda x: x[:-1]),
+    "sync_free_swap": lambda g, r: _sync_free(g, r, "swap"),
+    "sync_free_fewer_rows": lambda g, r: _sync_free(g, r, "fewer_rows"),
+    "host_reads": _host_reads,
 }
 
 

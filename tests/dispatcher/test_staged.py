@@ -63,6 +63,30 @@ def test_prepared_x_replaced_on_one_rank(ranks, case, words):
         assert rank[case]["after"][0] == "ok", rank[case]["after"]
 
 
+@pytest.mark.parametrize("case, words", [
+    ("sync_free_swap", ("a sync-free dispatch paired its forwards 1 and 2", "sent",)),
+    ("sync_free_fewer_rows", ("EP rank 1 passed inputs", "a Prepared record whose x or probs were replaced")),
+])
+def test_sync_free_record_faults_on_one_rank(ranks, case, words):
+    """The sync-free plan adds no host read for the record check: its exchange has fixed sizes
+    and carries each rank's call and a bad record's input word, so the step completes with NaN
+    outputs on every rank and the next dispatch raises the same ValueError on every rank (CPU)."""
+    for r, rank in enumerate(ranks):
+        assert rank[case]["step"][0] == "ok" and rank[case]["nan"], (r, rank[case])
+        assert rank[case]["after"][0] == "ok", (r, rank[case]["after"])
+    _same_error([rank[case]["next"] for rank in ranks], "invalid MoE dispatch input (sync-free)", *words)
+
+
+def test_staged_send_costs_one_host_read(ranks):
+    """The dropless plan's record agreement: one more host read and one small all-gather (its
+    message's upload) than dispatch/combine, whose record never leaves the call and needs none.
+    (The functional dispatch agrees its configuration each call: 2 reads; a layer's step, 1.)"""
+    for rank in ranks:
+        reads = rank["host_reads"]
+        assert reads["whole"] == {"read_host": 2, "to_device": 2}, reads
+        assert reads["staged"] == {"read_host": 3, "to_device": 3}, reads
+
+
 # ---- one process --------------------------------------------------------------------------------
 def _step(seed: int, cfg=None):
     data = batch(torch.float32, seed=seed, n=12)
