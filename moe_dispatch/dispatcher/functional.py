@@ -39,7 +39,7 @@ from ..distributed.agreement import ErrorLatch
 from ..distributed.comm import ProcessGroup
 from ..distributed.identity import StepCounter
 from .handle import DispatchHandle
-from .stages import check_expert_output, finish, owner_sum, prepare, return_rows
+from .stages import check_expert_output, finish, owner_sum, prepare, return_rows, send_just_prepared
 
 
 def with_host_counts(rows: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
@@ -102,9 +102,7 @@ def dispatch_rows(hidden: Any, routing_map: torch.Tensor, probs: torch.Tensor, c
         return handle.plan.reuse(handle, hidden, routing_map, probs)
     prepared = prepare(hidden, routing_map, probs, config, ep_group, kind, latch=latch, agreed=agreed,
                        steps=steps, experts_grad=experts_grad)
-    # The plan's own send, not the public stage's: this record never left this call, so every
-    # rank sends the record it just prepared, as prepared (no record agreement needed).
-    return finish(prepared.plan.send(prepared))
+    return finish(send_just_prepared(prepared))
 
 
 def combine(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -93,6 +93,13 @@ def send(prepared: Prepared) -> Sent:
     return plan.send(plan.check_record(prepared))
 
 
+def send_just_prepared(prepared: Prepared) -> Sent:
+    """``send`` of a record its caller has just made with ``prepare`` (``dispatch``): it never
+    left the call, so every rank sends the record it prepared, as prepared, and the record
+    agreement (the dropless plan's extra exchange and host read) is skipped."""
+    return prepared.plan.send(prepared)
+
+
 def finish(sent: Sent, expert_map: Optional[RowIdMap] = None) -> tuple[torch.Tensor, DispatchHandle]:
     """The received rows in the receiver layout: (expert_input [N, H], handle). expert_input is
     expert-major, within an expert by (source rank, token) ascending; padding rows are zero. Its
