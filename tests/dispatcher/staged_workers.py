@@ -25,6 +25,11 @@ from .helpers import batch, config
 
 CASE_TIMEOUT = timedelta(seconds=10)
 T = 8
+_DEVICE = {"device": torch.device("cpu")}  # this rank's (staged_worker sets it)
+
+
+def _batch(seed: int) -> dict:
+    return {k: v.to(_DEVICE["device"]) for k, v in batch(torch.float32, seed=seed, n=T).items()}
 
 
 def _outcome(fn) -> tuple:
@@ -36,7 +41,7 @@ def _outcome(fn) -> tuple:
 
 
 def _round_trip(cfg, group, rank: int) -> torch.Tensor:
-    data = batch(torch.float32, seed=rank, n=T)
+    data = _batch(rank)
     rows, _, handle = dispatch(data["x"], data["rmap"], data["probs"], cfg, group)
     return combine(rows * 2, handle).detach()
 
@@ -46,8 +51,8 @@ def _swapped_sends(cfg, group, rank: int, same_routing: bool = False) -> dict:
     ``same_routing`` A and B differ in their tokens only: every split size agrees (no abort)."""
     records = []
     for mb in range(2):
-        data = batch(torch.float32, seed=10 * mb + rank, n=T)
-        routed = batch(torch.float32, seed=rank, n=T) if same_routing else data
+        data = _batch(10 * mb + rank)
+        routed = _batch(rank) if same_routing else data
         records.append(prepare(data["x"], routed["rmap"], routed["probs"], cfg, group))
     order = (0, 1) if rank == 0 else (1, 0)
     first = _outcome(lambda: finish(send(records[order[0]])))
@@ -56,7 +61,7 @@ def _swapped_sends(cfg, group, rank: int, same_routing: bool = False) -> dict:
 
 def _replaced_x(cfg, group, rank: int, replace) -> dict:
     """A Prepared whose x rank 1 replaced (dataclasses.replace, the docs' route for a copy)."""
-    data = batch(torch.float32, seed=rank, n=T)
+    data = _batch(rank)
     prepared = prepare(data["x"], data["rmap"], data["probs"], cfg, group)
     if rank == 1:
         prepared = dataclasses.replace(prepared, x=replace(prepared.x))
@@ -72,7 +77,7 @@ def _sync_free(group, rank: int, fault: str) -> dict:
     _round_trip(cfg, group, rank)  # the first step: the plan's T agreed
     records = []
     for mb in range(2):
-        data = batch(torch.float32, seed=10 * mb + rank, n=T)
+        data = _batch(10 * mb + rank)
         records.append(prepare(data["x"], data["rmap"], data["probs"], cfg, group))
     first = records[1 if rank == 1 and fault == "swap" else 0]
     if rank == 1 and fault == "fewer_rows":
@@ -97,7 +102,7 @@ def _host_reads(group, rank: int) -> dict:
     from tests.cuda_host_waits import count_host_transfers
 
     cfg = config()
-    data = batch(torch.float32, seed=rank, n=T)
+    data = _batch(rank)
     _round_trip(cfg, group, rank)
     out = {}
     with count_host_transfers() as out["whole"]:
@@ -126,8 +131,9 @@ CASES = {
 }
 
 
-def staged_worker(rank: int, world_size: int, names: list) -> dict:
+def staged_worker(rank: int, world_size: int, names: list, device: str = "cpu") -> dict:
     assert world_size == 2
+    _DEVICE["device"] = torch.device(device, rank) if device == "cuda" else torch.device(device)
     out = {}
     for name in names:
         group = dist.new_group([0, 1], timeout=CASE_TIMEOUT)

@@ -87,6 +87,24 @@ def test_staged_send_costs_one_host_read(ranks):
         assert reads["staged"] == {"read_host": 3, "to_device": 3}, reads
 
 
+DROPLESS_CASES = ["swap_capacity", "swap_capacity_strict", "swap_dropless", "swap_dropless_strict", "swap_allgather",
+                  "fewer_rows", "fewer_rows_capacity", "bf16_copy", "host_reads"]
+
+
+@pytest.mark.gpu
+def test_record_agreement_over_nccl():
+    """The dropless record agreement on 2 GPUs over NCCL (its message on the device, one host
+    read): the same ValueErrors as on gloo, and the group works after each."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    gpu = run_ranks(staged_worker, 2, DROPLESS_CASES, "cuda", timeout=300, backend="nccl")
+    for case in DROPLESS_CASES[:5]:
+        test_prepared_records_sent_in_another_order(gpu, case)
+    test_prepared_x_replaced_on_one_rank(gpu, "fewer_rows", ("got [7, 64] float32 on cuda:1",))
+    test_prepared_x_replaced_on_one_rank(gpu, "bf16_copy", ("got [8, 64] bfloat16 on cuda:1",))
+    test_staged_send_costs_one_host_read(gpu)
+
+
 # ---- one process --------------------------------------------------------------------------------
 def _step(seed: int, cfg=None):
     data = batch(torch.float32, seed=seed, n=12)
