@@ -389,7 +389,7 @@ def profile_dispatch(args, world: int, rank: int) -> None:
     from moe_dispatch.ops import permutation, triton_kernels
 
     # functional.dispatch / combine call the stages by these names (dispatcher/stages.py)
-    for name in ["prepare", "send", "finish", "check_expert_output", "return_rows", "owner_sum"]:
+    for name in ["prepare", "send_just_prepared", "finish", "check_expert_output", "return_rows", "owner_sum"]:
         fn = getattr(functional, name)
 
         def wrapped(*a, _fn=fn, _name=name, **k):

@@ -14,7 +14,7 @@ import torch
 def count_host_transfers() -> Iterator[dict]:
     """Count, while the block runs, the dispatcher's host reads (``read_host``: each one host sync
     on CUDA) and host-to-device table copies (``to_device``); yields the live counts."""
-    from moe_dispatch.dispatcher import dropless, layout
+    from moe_dispatch.dispatcher import dropless, layout, records
     from moe_dispatch.distributed import agreement, comm
 
     counts = {"read_host": 0, "to_device": 0}
@@ -24,13 +24,15 @@ def count_host_transfers() -> Iterator[dict]:
             counts[name] += 1
             return real(*args, **kwargs)
         return wrapper
-    saved = layout.read_host, agreement.read_host, layout.to_device, dropless.to_device
-    layout.read_host = agreement.read_host = counted("read_host", comm.read_host)
-    layout.to_device = dropless.to_device = counted("to_device", comm.to_device)
+    saved = (layout.read_host, agreement.read_host, records.read_host, layout.to_device, dropless.to_device,
+             records.to_device)
+    layout.read_host = agreement.read_host = records.read_host = counted("read_host", comm.read_host)
+    layout.to_device = dropless.to_device = records.to_device = counted("to_device", comm.to_device)
     try:
         yield counts
     finally:
-        layout.read_host, agreement.read_host, layout.to_device, dropless.to_device = saved
+        (layout.read_host, agreement.read_host, records.read_host, layout.to_device, dropless.to_device,
+         records.to_device) = saved
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from ..distributed.agreement import (
     dtype_code,
 )
 from ..distributed.comm import ProcessGroup, to_device
-from ..distributed.identity import StepCounter
+from ..distributed.identity import CallId, StepCounter
 from ..ops import RowIdMap, unpermute
 from ..ops.permutation import make_slots, runs_index
 from .exchange import KINDS, TAG_BYTES, Received, ReturnRoute, return_rows, return_tables, send_back
@@ -28,6 +28,7 @@ from .fp8_wire import wire_rows
 from .handle import DispatchHandle, Prepared, Returned, Sent
 from .layout import Layout, exchange_sizes
 from .plan import Plan, SourceBlocks
+from .records import agree_send, check_record_here
 from .static_words import status_rows
 
 Runs = tuple[torch.Tensor, torch.Tensor, int]  # (shifts, lengths) on the device, total positions
@@ -65,6 +66,11 @@ class DroplessPlan(Plan):
     host_expert_rows: torch.Tensor
     replaced: bool = False
 
+    @property
+    def call(self) -> CallId:
+        """The step's call (layer, forward), agreed by its size exchange."""
+        return self.layout.call
+
     # ---- dispatch -------------------------------------------------------------------------------
     @classmethod
     def prepare(cls, hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup,
@@ -79,6 +85,15 @@ class DroplessPlan(Plan):
         plan = make_plan(cfg, group, latch, layout, routing_map, x.dtype, wire_probs.dtype)
         return Prepared(x, wire_probs, plan, hidden.shape, (hidden, routing_map, probs), experts_grad,
                         wire_rows(x, cfg))
+
+    def check_record(self, prepared: Prepared) -> Prepared:
+        """EP 1: the record's own check. EP > 1: the forward exchange's sizes differ by record, so
+        the ranks agree on the record first (one fixed-size all-gather and one host read)."""
+        if self.layout.ep_size == 1:
+            check_record_here(prepared)
+        else:
+            agree_send(prepared, self.call)
+        return prepared
 
     def send(self, prepared: Prepared, with_routing: bool = True) -> Sent:
         x, probs = prepared.rows, prepared.probs.detach()

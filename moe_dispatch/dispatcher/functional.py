@@ -39,7 +39,7 @@ from ..distributed.agreement import ErrorLatch
 from ..distributed.comm import ProcessGroup
 from ..distributed.identity import StepCounter
 from .handle import DispatchHandle
-from .stages import check_expert_output, finish, owner_sum, prepare, return_rows, send
+from .stages import check_expert_output, finish, owner_sum, prepare, return_rows, send_just_prepared
 
 
 def with_host_counts(rows: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
@@ -102,7 +102,7 @@ def dispatch_rows(hidden: Any, routing_map: torch.Tensor, probs: torch.Tensor, c
         return handle.plan.reuse(handle, hidden, routing_map, probs)
     prepared = prepare(hidden, routing_map, probs, config, ep_group, kind, latch=latch, agreed=agreed,
                        steps=steps, experts_grad=experts_grad)
-    return finish(send(prepared))
+    return finish(send_just_prepared(prepared))
 
 
 def combine(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

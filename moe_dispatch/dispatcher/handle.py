@@ -3,7 +3,8 @@ on the way to the experts, the frozen ``DispatchHandle`` that the combine (and a
 consumes, and ``Returned`` on the way back."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -13,6 +14,13 @@ from .exchange import Received
 
 if TYPE_CHECKING:
     from .plan import Plan, SourceBlocks
+
+
+_DISPATCH_IDS = itertools.count(1)  # this process's dispatches, numbered (compared only here)
+
+
+def new_dispatch_id() -> int:
+    return next(_DISPATCH_IDS)
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,8 @@ class DispatchHandle:
         row_grad_sink: with the FP8 wire (``config.fp8``), [N, H] zeros in the tokens' dtype whose
             gradient is the expert rows' gradient (the rows are quantised bytes and carry none):
             the experts' first GEMM takes it as its ``grad_sink``. None otherwise.
+        dispatch_id: this dispatch's number in this process (kept by ``dataclasses.replace``): the
+            ``Returned`` of ``return_rows`` carries it, and ``owner_sum`` refuses another's.
 
     ``copy.copy`` and ``copy.deepcopy`` return the handle itself: it is immutable, its group
     cannot be copied, and its probs carry the step's autograd graph, which a copy would cut.
@@ -85,6 +95,7 @@ class DispatchHandle:
     route: Any = None
     expert_rows: Optional[int] = None
     row_grad_sink: Optional[torch.Tensor] = None
+    dispatch_id: int = field(default_factory=new_dispatch_id)
 
     def __copy__(self) -> "DispatchHandle":
         return self
@@ -124,7 +135,9 @@ class DispatchHandle:
 @dataclass(frozen=True)
 class Returned:
     """After ``return_rows``: the owner buffer [M, H] (this rank's rows from every expert rank,
-    unreduced) and the exchange's check words (int32, the max over every rank's), or None."""
+    unreduced), the exchange's check words (int32, the max over every rank's) or None, and the
+    ``dispatch_id`` of the handle they were returned with (``owner_sum`` compares it)."""
 
     rows: torch.Tensor
     words: Optional[torch.Tensor] = None
+    dispatch_id: Optional[int] = None

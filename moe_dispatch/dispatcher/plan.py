@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..config import DispatchConfig
     from ..distributed.agreement import ErrorLatch
     from ..distributed.comm import ProcessGroup
-    from ..distributed.identity import StepCounter
+    from ..distributed.identity import CallId, StepCounter
     from ..ops import RowIdMap
     from .handle import DispatchHandle, Prepared, Returned, Sent
 
@@ -40,8 +40,10 @@ class Plan(ABC):
     step's sizes: at least ep_size and rank; layout.Layout or static.StaticSizes), routing_map
     ([T, E] bool, this rank's), hidden_dtype, probs_dtype (the wire dtype), owner_map (RowIdMap of
     this rank's (token, expert) pairs in the owner buffer; None at EP 1, where the expert map
-    serves), ep_size, rank, and ``replaced`` (this rank's bad input took part as zeros)."""
+    serves), call (the step's ``identity.CallId``: which record of which layer), ep_size, rank,
+    and ``replaced`` (this rank's bad input took part as zeros)."""
 
+    call: "CallId"
     config: "DispatchConfig"
     group: "ProcessGroup"
     latch: "ErrorLatch"
@@ -71,6 +73,13 @@ class Plan(ABC):
         """Check every rank's input (the same error on every rank) and plan the step. ``steps``: the
         caller's forward counter (``identity``), advanced once the step is planned; ``experts_grad``:
         whether the experts have trainable weights (None: assumed under grad mode)."""
+
+    @abstractmethod
+    def check_record(self, prepared: "Prepared") -> "Prepared":
+        """The public ``send``'s check of a record that left ``prepare`` (records.py): that every
+        rank sends the same call, with the x and probs prepare recorded. Returns the record to
+        send; raises the same ValueError on every rank, or (a fixed-size exchange) lets a bad
+        record take part as zeros and carry its error."""
 
     @abstractmethod
     def send(self, prepared: "Prepared", with_routing: bool = True) -> "Sent":

@@ -16,9 +16,15 @@ The plan is chosen once, in ``prepare`` (``plan_type``), and every later stage c
 Every stage at EP > 1 is collective: every rank of ``ep_group`` runs the same stages in the same
 order. An error in the inputs raises the same ValueError on every rank in ``prepare``; one found
 later (a wrong expert_output) gives NaN rows and raises on every rank at the next ``prepare``.
+``send`` checks that every rank sends the same prepared record (several may wait between prepare
+and send) with the x and probs prepare recorded (records.py): the dropless plan in one fixed-size
+exchange before its rows move, the sync-free plan in its exchange's check words. Each stage checks
+that it got the record of the stage before it (a ValueError naming both, on the rank that erred:
+a record of the wrong type names no group to tell).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -31,6 +37,7 @@ from ..ops import RowIdMap
 from .dropless import DroplessPlan
 from .handle import DispatchHandle, Prepared, Returned, Sent
 from .plan import Plan
+from .records import expect_record, expect_rows
 from .static import StaticPlan
 
 
@@ -74,7 +81,22 @@ def prepare(hidden: Any, routing_map: Any, probs: Any, config: MoEConfig | Dispa
 
 def send(prepared: Prepared) -> Sent:
     """The forward data exchange of prepared.x and prepared.probs. Returns a Sent whose ``recv``
-    holds what arrived: hidden [R, H], probs [R, El] and routing [R, El], by source rank."""
+    holds what arrived: hidden [R, H], probs [R, El] and routing [R, El], by source rank.
+
+    The record is checked first (``Plan.check_record``): every rank must send the same prepared
+    record (the same call) with x [T, H] and probs [T, E] of the shapes, dtypes and device prepare
+    recorded. The dropless plan at EP > 1 agrees on it in one fixed-size all-gather read on the
+    host (the same ValueError on every rank, before any row moves); the sync-free plan in its
+    exchange's words (NaN outputs, then the error on every rank)."""
+    expect_record(prepared, Prepared, "send")
+    plan = prepared.plan
+    return plan.send(plan.check_record(prepared))
+
+
+def send_just_prepared(prepared: Prepared) -> Sent:
+    """``send`` of a record its caller has just made with ``prepare`` (``dispatch``): it never
+    left the call, so every rank sends the record it prepared, as prepared, and the record
+    agreement (the dropless plan's extra exchange and host read) is skipped."""
     return prepared.plan.send(prepared)
 
 
@@ -83,6 +105,7 @@ def finish(sent: Sent, expert_map: Optional[RowIdMap] = None) -> tuple[torch.Ten
     expert-major, within an expert by (source rank, token) ascending; padding rows are zero. Its
     backward returns every row's gradient to its owner unreduced. ``expert_map``: a previous
     handle's (the same routing; normally None)."""
+    expect_record(sent, Sent, "finish")
     return sent.plan.finish(sent, expert_map)
 
 
@@ -97,7 +120,11 @@ def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Ten
     experts were given, ``handle.expert_rows`` when fewer). Otherwise: at EP 1 a ValueError; at
     EP > 1 the plan records the error (every rank raises it at the group's next exchange) and NaN
     rows of the right shape come back, so this step's collectives still match on every rank (no
-    hang) and its outputs are NaN on the owners of the rows (no silent result)."""
+    hang) and its outputs are NaN on the owners of the rows (no silent result).
+
+    Not checkable: which dispatch the rows came from (the experts make new tensors), so rows of
+    another dispatch with the same N, dtype and device pass (docs/dispatchers.md)."""
+    expect_record(handle, DispatchHandle, "check_expert_output")
     plan = handle.plan
     N, H = handle.expert_map.num_out_tokens, plan.config.hidden_size
     dtype, device = plan.hidden_dtype, plan.routing_map.device
@@ -123,12 +150,23 @@ def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Ten
 
 def return_rows(expert_output: torch.Tensor, handle: DispatchHandle) -> Returned:
     """Checked expert rows [N, H] -> Returned: the owner buffer [M, H] (this rank's rows from
-    every expert rank, unreduced; the rows themselves at EP 1)."""
-    return handle.plan.return_rows(expert_output, handle)
+    every expert rank, unreduced; the rows themselves at EP 1), marked with the handle's dispatch."""
+    expect_rows(expert_output, "return_rows")
+    expect_record(handle, DispatchHandle, "return_rows")
+    returned = handle.plan.return_rows(expert_output, handle)
+    return dataclasses.replace(returned, dispatch_id=handle.dispatch_id)
 
 
 def owner_sum(returned: Returned, handle: DispatchHandle) -> torch.Tensor:
     """The owner's weighted sum, hidden_states' shape: out[t] = sum over t's experts e, ascending,
     of probs[t, e] * y[t, e] (probs omitted when the experts applied them) in fp32 (fp64 for fp64
-    probs), rounded once to the rows' dtype."""
+    probs), rounded once to the rows' dtype.
+
+    ``returned`` must come from ``return_rows`` with this handle (a ValueError on this rank
+    otherwise: owner_sum runs no collective, so nothing waits on it in the forward)."""
+    expect_record(returned, Returned, "owner_sum")
+    expect_record(handle, DispatchHandle, "owner_sum")
+    if returned.dispatch_id is not None and returned.dispatch_id != handle.dispatch_id:
+        raise ValueError("owner_sum was given the Returned of another dispatch than its handle's (return_rows ran "
+                         "with another handle): pass the handle the rows were returned with")
     return handle.plan.owner_sum(returned, handle)

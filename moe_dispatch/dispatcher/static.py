@@ -37,6 +37,7 @@ from .expand import Expand, ReturnPath, grad_anchor
 from .fp8_wire import wire_rows
 from .handle import DispatchHandle, Prepared, Returned, Sent
 from .plan import Plan
+from .records import check_record_here, record_problem
 from .static_exchange import ReturnRows, expert_map_and_route, return_exchange, send_tokens
 from .static_words import (
     NUM_WORDS,
@@ -149,6 +150,24 @@ class StaticPlan(Plan):
         """Checks, then the step's plan; see ``_prepare``. ``call``: a reused handle's call."""
         return _prepare(hidden, routing_map, probs, cfg, group, latch, steps=steps, experts_grad=experts_grad,
                         call=call)
+
+    def check_record(self, prepared: Prepared) -> Prepared:
+        """EP 1: the record's own check. EP > 1, with no host read: the exchange has fixed sizes
+        and carries every rank's call in its words (another rank's record is a W_ORDER error), so
+        a record whose x or probs differ from what prepare recorded takes part as zeros of the
+        plan's shapes and sets the input word: that step's outputs are NaN, and every rank raises
+        at the next dispatch (CPU) or at ``check_device_errors()``."""
+        if self.layout.ep_size == 1:
+            check_record_here(prepared)
+            return prepared
+        if not record_problem(prepared)[0]:
+            return prepared
+        T, E = self.routing_map.shape
+        device = self.routing_map.device
+        x = torch.zeros((T, self.config.hidden_size), dtype=self.hidden_dtype, device=device)
+        probs = torch.zeros((T, E), dtype=self.probs_dtype, device=device)
+        self.words[W_INPUT].fill_(self.rank + 1)  # a scalar fill: no host-to-device copy
+        return dataclasses.replace(prepared, x=x, probs=probs, wire=wire_rows(x, self.config))
 
     def send(self, prepared: Prepared, with_routing: bool = True) -> Sent:
         """The forward exchange. On CPU the received words are read (no sync): every rank reads

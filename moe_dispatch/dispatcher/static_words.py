@@ -132,8 +132,8 @@ def _order_message(words: list[int]) -> str:
                 f"{layer_name(lo_layer)} with {layer_name(hi_layer)} (every rank must build its MoE layers on an EP "
                 f"group in the same order, which numbers them, and call them in the same order)")
     return (f"{layer_name(hi_layer)} is at different forwards across the EP group: a sync-free {what} paired its "
-            f"forwards {lo_step} and {hi_step} (a rank skipped or repeated a forward, or combined or backpropagated "
-            f"micro-batches in another order)")
+            f"forwards {lo_step} and {hi_step} (a rank skipped or repeated a forward, or sent, combined or "
+            f"backpropagated micro-batches in another order)")
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -164,7 +164,8 @@ def messages(words: list[int], sizes: StaticSizes, deferred: bool = True) -> lis
                    f"exchanges the others wait in)")
     if words[W_INPUT]:
         out.append(f"EP rank {words[W_INPUT] - 1} passed inputs whose dtypes, devices or shapes differ from the first "
-                   f"sync-free step's (planned for up to T = {T} tokens per rank), a wrong expert_output / "
+                   f"sync-free step's (planned for up to T = {T} tokens per rank), a Prepared record whose x or "
+                   f"probs were replaced with another shape, dtype or device before send, a wrong expert_output / "
                    f"routing_map to reuse, or fp8_weights the layer refused (stale, or another layer's)")
     if words[W_TOKENS] > T:
         out.append(f"an EP rank passed T = {words[W_TOKENS]} tokens, more than the T = {T} the sync-free exchange was "

@@ -1,0 +1,166 @@
+"""The staged dispatch (prepare, send, finish, return_rows, owner_sum) misused: records sent in
+another order or replaced on one rank (2 gloo ranks, one spawn under a timeout, each case on a
+group with a 10 s timeout: the same ValueError on both ranks, never a hang or a gloo abort), and
+stages given another stage's record or another dispatch's (one process)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moe_dispatch.dispatcher import (
+    check_expert_output,
+    combine,
+    dispatch,
+    finish,
+    owner_sum,
+    prepare,
+    return_rows,
+    send,
+)
+
+from .harness import run_ranks, value_error_of
+from .helpers import batch, config
+from .staged_workers import CASES, staged_worker
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(staged_worker, 2, list(CASES), timeout=240)
+
+
+def _same_error(outcomes: list, *words: str) -> str:
+    for r, (kind, message) in enumerate(outcomes):
+        assert kind == "ValueError", f"rank {r}: expected ValueError, got {kind}: {message}"
+        for word in words:
+            assert word in message, f"rank {r}: {word!r} not in {message!r}"
+    assert len({m for _, m in outcomes}) == 1, f"messages differ across ranks: {outcomes}"
+    return outcomes[0][1]
+
+
+@pytest.mark.parametrize("case", ["swap_capacity", "swap_capacity_strict", "swap_dropless", "swap_dropless_strict",
+                                  "swap_allgather"])
+def test_prepared_records_sent_in_another_order(ranks, case):
+    """Issue 46 items 6 (pad_to_capacity: a silently wrong result before, strict or not) and 11
+    (dropless: gloo aborted the process): the same ValueError on both ranks before any row moves,
+    naming each rank's record; the group works afterwards."""
+    _same_error([rank[case]["first"] for rank in ranks], "send on the EP group pairs different prepared records",
+                "forward 0", "forward 1", "ranks [1] differ", "no row was exchanged")
+    for rank in ranks:
+        assert rank[case]["after"][0] == "ok", rank[case]["after"]
+
+
+@pytest.mark.parametrize("case, words", [
+    ("fewer_rows", ("[8, 64]", "got [7, 64] float32")),  # item 9: rank 1 raised, rank 0 hung
+    ("fewer_rows_capacity", ("[8, 64]", "got [7, 64] float32")),
+    ("bf16_copy", ("float32", "got [8, 64] bfloat16")),  # item 12: gloo aborted the process
+])
+def test_prepared_x_replaced_on_one_rank(ranks, case, words):
+    _same_error([rank[case]["first"] for rank in ranks], "send: the Prepared record's x", "on EP rank 1",
+                "no row was exchanged", *words)
+    for rank in ranks:
+        assert rank[case]["after"][0] == "ok", rank[case]["after"]
+
+
+@pytest.mark.parametrize("case, words", [
+    ("sync_free_swap", ("a sync-free dispatch paired its forwards 1 and 2", "sent",)),
+    ("sync_free_fewer_rows", ("EP rank 1 passed inputs", "a Prepared record whose x or probs were replaced")),
+])
+def test_sync_free_record_faults_on_one_rank(ranks, case, words):
+    """The sync-free plan adds no host read for the record check: its exchange has fixed sizes
+    and carries each rank's call and a bad record's input word, so the step completes with NaN
+    outputs on every rank and the next dispatch raises the same ValueError on every rank (CPU)."""
+    for r, rank in enumerate(ranks):
+        assert rank[case]["step"][0] == "ok" and rank[case]["nan"], (r, rank[case])
+        assert rank[case]["after"][0] == "ok", (r, rank[case]["after"])
+    _same_error([rank[case]["next"] for rank in ranks], "invalid MoE dispatch input (sync-free)", *words)
+
+
+def test_staged_send_costs_one_host_read(ranks):
+    """The dropless plan's record agreement: one more host read and one small all-gather (its
+    message's upload) than dispatch/combine, whose record never leaves the call and needs none.
+    (The functional dispatch agrees its configuration each call: 2 reads; a layer's step, 1.)"""
+    for rank in ranks:
+        reads = rank["host_reads"]
+        assert reads["whole"] == {"read_host": 2, "to_device": 2}, reads
+        assert reads["staged"] == {"read_host": 3, "to_device": 3}, reads
+
+
+DROPLESS_CASES = ["swap_capacity", "swap_capacity_strict", "swap_dropless", "swap_dropless_strict", "swap_allgather",
+                  "fewer_rows", "fewer_rows_capacity", "bf16_copy", "host_reads"]
+
+
+@pytest.mark.gpu
+def test_record_agreement_over_nccl():
+    """The dropless record agreement on 2 GPUs over NCCL (its message on the device, one host
+    read): the same ValueErrors as on gloo, and the group works after each."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    gpu = run_ranks(staged_worker, 2, DROPLESS_CASES, "cuda", timeout=300, backend="nccl")
+    for case in DROPLESS_CASES[:5]:
+        test_prepared_records_sent_in_another_order(gpu, case)
+    test_prepared_x_replaced_on_one_rank(gpu, "fewer_rows", ("got [7, 64] float32 on cuda:1",))
+    test_prepared_x_replaced_on_one_rank(gpu, "bf16_copy", ("got [8, 64] bfloat16 on cuda:1",))
+    test_staged_send_costs_one_host_read(gpu)
+
+
+# ---- one process --------------------------------------------------------------------------------
+def _step(seed: int, cfg=None):
+    data = batch(torch.float32, seed=seed, n=12)
+    prepared = prepare(data["x"], data["rmap"], data["probs"], cfg or config())
+    sent = send(prepared)
+    rows, handle = finish(sent)
+    return prepared, sent, rows, handle
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_stages_given_another_stages_record(sync_free):
+    """Issue 46 item 15: each stage names the record it expects and the one it got (before: raw
+    AttributeErrors, and return_rows took a Returned at EP 1)."""
+    cfg = config(sync_free=sync_free) if sync_free else config()
+    prepared, sent, rows, handle = _step(0, cfg)
+    returned = return_rows(check_expert_output(rows, handle), handle)
+    cases = {
+        "send expects the Prepared from prepare(); got a Sent (from send())": lambda: send(sent),
+        "send expects the Prepared from prepare(); got a Tensor": lambda: send(rows),
+        "finish expects the Sent from send(); got a Prepared (from prepare())": lambda: finish(prepared),
+        "return_rows expects the expert rows (a tensor [N, H], from check_expert_output()); got a Returned "
+        "(from return_rows())": lambda: return_rows(returned, handle),
+        "return_rows expects the DispatchHandle from finish() or dispatch(); got a Sent (from send())":
+            lambda: return_rows(rows, sent),
+        "owner_sum expects the Returned from return_rows(); got a Tensor": lambda: owner_sum(rows, handle),
+        "owner_sum expects the DispatchHandle from finish() or dispatch(); got a Returned (from return_rows())":
+            lambda: owner_sum(returned, returned),
+        "check_expert_output expects the DispatchHandle from finish() or dispatch(); got a Prepared (from "
+        "prepare())": lambda: check_expert_output(rows, prepared),
+    }
+    for expected, call in cases.items():
+        assert value_error_of(call) == expected
+
+
+def test_owner_sum_with_another_dispatchs_handle():
+    """Issue 46 item 7: owner_sum(returned of B, handle of A) with the same row count was a
+    silently wrong sum; it is a ValueError. combine(rows of B, handle of A) cannot be told from a
+    right call (the experts make new tensors; docs/dispatchers.md says what is checked)."""
+    _, _, rows_a, handle_a = _step(0)
+    _, _, rows_b, handle_b = _step(1)
+    assert rows_a.shape == rows_b.shape
+    returned_b = return_rows(check_expert_output(rows_b * 2, handle_b), handle_b)
+    message = value_error_of(lambda: owner_sum(returned_b, handle_a))
+    assert message is not None and "owner_sum was given the Returned of another dispatch" in message, message
+    right = owner_sum(returned_b, handle_b)
+    # a framework's own copy of the rows, swapped in with dataclasses.replace, keeps the record's dispatch
+    copy = dataclasses.replace(returned_b, rows=returned_b.rows.clone())
+    assert torch.equal(owner_sum(copy, handle_b), right)
+    assert torch.equal(right, combine(rows_b * 2, handle_b))
+
+
+def test_staged_and_whole_dispatch_agree_at_ep1():
+    """The checks change no result: the staged stages are bitwise dispatch/combine."""
+    data = batch(torch.float32, seed=3, n=12)
+    prepared = prepare(data["x"], data["rmap"], data["probs"], config())
+    rows, handle = finish(send(prepared))
+    staged = owner_sum(return_rows(check_expert_output(rows * 2, handle), handle), handle)
+    rows2, _, handle2 = dispatch(data["x"], data["rmap"], data["probs"], config())
+    assert torch.equal(staged, combine(rows2 * 2, handle2))
