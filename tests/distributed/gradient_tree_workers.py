@@ -103,7 +103,7 @@ def train(config: MoEConfig, groups: Groups, rank: int, layout: Tuple[int, int, 
     for step in range(steps):
         mine = []
         for a in range(A):
-            x, y = micro_batch(step, r * A + a, config, device)
+            x, y = micro_batch(step, a * world + r, config, device)
             loss = F.cross_entropy(model(x).float(), y)
             loss.backward()
             tree.add_micro_batch()
@@ -126,7 +126,7 @@ def today(config: MoEConfig, groups: Groups, rank: int, layout: Tuple[int, int, 
     AuxLossScaler.set_loss_scale(1.0 / A)  # the router losses' gradients scaled like the main loss's
     try:
         for a in range(A):
-            x, y = micro_batch(0, r * A + a, config, device)
+            x, y = micro_batch(0, a * world + r, config, device)
             (F.cross_entropy(model(x).float(), y) / A).backward()
     finally:
         AuxLossScaler.set_loss_scale(1.0)

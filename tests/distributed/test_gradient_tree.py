@@ -82,6 +82,11 @@ def test_single_process_misuse():
         model(torch.randn(3, 4)).square().mean().backward()
         tree.add_micro_batch()
     assert "already 2 micro-batches" in value_error_of(tree.add_micro_batch)
+    # a refused add_micro_batch drops the step on every rank (another rank may be in another call)
+    assert value_error_of(tree.reduce).startswith("reduce: 0 micro-batches")
+    for _ in range(2):
+        model(torch.randn(3, 4)).square().mean().backward()
+        tree.add_micro_batch()
     tree.reduce()
     norm = tree.clip_grad_norm_(1e9)
     expected = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()
