@@ -196,3 +196,19 @@ def assemble(results: List[dict], mode: str) -> Dict[tuple, dict]:
                     assert torch.equal(mine[key], value), (mode, layout, rank, key)
                 mine[key] = value
     return merged
+
+
+def held_bytes_worker(rank: int, world_size: int) -> List[int]:
+    """The issue's model at (2, 2, 4): the bytes the tree holds after each of the 4 micro-batches,
+    in units of this rank's trained parameters in fp32 (its expert shard, the replicated rest)."""
+    model = Net(CONFIG, dist.group.WORLD, "cpu")
+    tree = GradientTree(model, micro_batches=4)
+    unit = sum(p.numel() * 4 for p in model.parameters())
+    held = []
+    for a in range(4):
+        x, y = micro_batch(0, tree.micro_batch_index(a), CONFIG, "cpu")
+        F.cross_entropy(model(x).float(), y).backward()
+        tree.add_micro_batch()
+        held.append(tree.held_bytes() / unit)
+    tree.reduce()
+    return held
