@@ -125,7 +125,7 @@ def run(method: str, ep: int, args, groups: Groups, device: torch.device) -> dic
             held = 0
             t0 = time.perf_counter()
             for a in range(A):
-                x, y = batch(step, rank * A + a, args, device)
+                x, y = batch(step, a * world + rank, args, device)  # GradientTree.micro_batch_index(a)
                 if tree is not None:
                     F.cross_entropy(forward(x).float(), y).backward()
                     tree.add_micro_batch()

@@ -98,7 +98,6 @@ def train(config: MoEConfig, groups: Groups, rank: int, layout: Tuple[int, int, 
     """The layout's run with a GradientTree: AdamW with weight decay, clipping at 1.0."""
     world, ep, A = layout
     data, ep_group, _ = groups.of(rank, world, ep)
-    r = dist.get_rank(data)
     model = Net(config, ep_group, device)
     initial = by_global_id(model)
     tree = GradientTree(model, micro_batches=A, group=data)
@@ -107,7 +106,7 @@ def train(config: MoEConfig, groups: Groups, rank: int, layout: Tuple[int, int, 
     for step in range(steps):
         mine = []
         for a in range(A):
-            x, y = micro_batch(step, r * A + a, config, device)
+            x, y = micro_batch(step, tree.micro_batch_index(a), config, device)
             loss = F.cross_entropy(model(x).float(), y)
             loss.backward()
             tree.add_micro_batch()

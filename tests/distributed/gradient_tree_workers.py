@@ -4,7 +4,7 @@ each layout's gradients with today's reducers, and GradientTree's refusals.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ def today(config: MoEConfig, groups: Groups, rank: int, layout: Tuple[int, int, 
     AuxLossScaler.set_loss_scale(1.0 / A)  # the router losses' gradients scaled like the main loss's
     try:
         for a in range(A):
-            x, y = micro_batch(0, r * A + a, config, device)
+            x, y = micro_batch(0, a * world + r, config, device)
             (F.cross_entropy(model(x).float(), y) / A).backward()
     finally:
         AuxLossScaler.set_loss_scale(1.0)
@@ -43,26 +43,6 @@ def today(config: MoEConfig, groups: Groups, rank: int, layout: Tuple[int, int, 
             dist.all_reduce(p.grad, group=data)
             p.grad.div_(world)
     return by_global_id(model, grads=True)
-
-
-def _refusals(rank: int, groups: Groups, device: str) -> Dict[str, Optional[str]]:
-    """ValueErrors that every rank of the group raises alike, before any collective."""
-    out: Dict[str, Optional[str]] = {}
-    out["strided EP groups"] = value_error_of(lambda: GradientTree(Net(CONFIG, groups.strided, device), 1,
-                                                                   groups.world))
-    out["global_aux_loss"] = value_error_of(lambda: GradientTree(
-        Net(CONFIG.replace(load_balancing_type="global_aux_loss"), groups.pair, device), 1, groups.world))
-    out["sync_free"] = value_error_of(lambda: GradientTree(
-        Net(CONFIG.replace(ep_capacity_factor=2.0), groups.pair, device), 1, groups.world))
-    out["micro_batches"] = value_error_of(lambda: GradientTree(Net(CONFIG, groups.pair, device), 3, groups.world))
-    out["micro_batches differ"] = value_error_of(lambda: GradientTree(Net(CONFIG, groups.pair, device),
-                                                                      2 if rank == 0 else 1, groups.world))
-    out["fp8_wgrad"] = value_error_of(lambda: GradientTree(Net(CONFIG.replace(fp8="e4m3"), groups.pair, device), 1,
-                                                           groups.world))
-    three = dist.new_group([0, 1, 2])
-    if rank < 3:
-        out["group of 3"] = value_error_of(lambda: GradientTree(Net(CONFIG, groups.single, device), 1, three))
-    return out
 
 
 def _refusals(rank: int, groups: Groups, device: str) -> Dict[str, Optional[str]]:
@@ -97,3 +77,19 @@ def layouts_worker(rank: int, world_size: int, device: str = "cpu", dtype: torch
                     for layout in rank_layouts(rank)} if with_today else {}
     out["refusals"] = _refusals(rank, groups, device) if device == "cpu" else {}
     return out
+
+
+def held_bytes_worker(rank: int, world_size: int) -> List[int]:
+    """The issue's model at (2, 2, 4): the bytes the tree holds after each of the 4 micro-batches,
+    in units of this rank's trained parameters in fp32 (its expert shard, the replicated rest)."""
+    model = Net(CONFIG, dist.group.WORLD, "cpu")
+    tree = GradientTree(model, micro_batches=4)
+    unit = sum(p.numel() * 4 for p in model.parameters())
+    held = []
+    for a in range(4):
+        x, y = micro_batch(0, tree.micro_batch_index(a), CONFIG, "cpu")
+        F.cross_entropy(model(x).float(), y).backward()
+        tree.add_micro_batch()
+        held.append(tree.held_bytes() / unit)
+    tree.reduce()
+    return held

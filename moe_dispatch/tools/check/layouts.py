@@ -92,15 +92,14 @@ def train(args: argparse.Namespace, device: torch.device, layout: Layout, data: 
     from ..gradient_tree_layouts import by_global_id
 
     _, _, A = layout
-    r = dist.get_rank(data)
     model = _Model(args, ep_group, device)
     tree = GradientTree(model, micro_batches=A, group=data)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     out: Dict[str, torch.Tensor] = {}
     for step in range(STEPS):
         losses = []
-        for a in range(A):  # group rank r runs global micro-batches r*A .. r*A + A-1
-            x, y = _micro_batch(args, step, r * A + a, device)
+        for a in range(A):  # group rank r runs global micro-batch a*W + r (GradientTree.micro_batch_index)
+            x, y = _micro_batch(args, step, tree.micro_batch_index(a), device)
             loss = F.cross_entropy(model(x).float(), y)
             loss.backward()
             tree.add_micro_batch()
