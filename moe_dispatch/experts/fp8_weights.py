@@ -32,17 +32,21 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..config import FP8_FORMATS
 from ..distributed.agreement import (
+    FP8_WEIGHTS_BITS_CHANGED,
     FP8_WEIGHTS_CHANGED,
     FP8_WEIGHTS_NOT_A_HANDLE,
     FP8_WEIGHTS_NOT_FP8,
     FP8_WEIGHTS_OTHER_EXPERTS,
     FP8_WEIGHTS_STEPPED,
+    DeviceProblem,
     InputProblem,
 )
+from ..ops.fingerprint import bits_fingerprint
 from .fp8 import quantize_weight
 
 _steps = 0  # optimizer steps begun in this process since the first handle was made
@@ -61,36 +65,87 @@ def _optimizer_steps() -> int:
     return _steps
 
 
+class _StorageRef:
+    """A weak reference to a tensor's storage (torch's StorageWeakRef): it keeps the storage's
+    control block, not its memory, so while it lives no other storage can take that identity, even
+    where the freed memory's address is reused (the CUDA caching allocator does so as a rule).
+    Shared, never duplicated, by copies: each reference is released exactly once."""
+
+    __slots__ = ("_ref", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._ref = StorageWeakRef(t.untyped_storage())
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether t's storage is the one referenced (alive, and the same)."""
+        return not self._ref.expired() and self._ref.cdata == t.untyped_storage()._cdata
+
+    def __copy__(self) -> "_StorageRef":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "_StorageRef":
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a WeightStamp refers to this process's storages: it cannot be pickled")
+
+
 @dataclass(frozen=True)
 class WeightStamp:
     """What a copy derived from some weights (their FP8 operands) is checked against: the weights
-    themselves (weak references), their autograd versions and data pointers (``p.data = t`` changes
-    no version), and the process's optimizer steps, all as they were when the copy was made."""
+    themselves (weak references), their autograd versions, storages (weak references: ``p.data =
+    t`` changes no version) and data pointers, the process's optimizer steps, and (``bits``) a
+    fingerprint of each weight's bits on its device, all as they were when the copy was made."""
 
     parameters: Tuple[weakref.ref, ...]
     versions: Tuple[int, ...]
-    storages: Tuple[int, ...]
+    storages: Tuple[_StorageRef, ...]
+    data_ptrs: Tuple[int, ...]
     optimizer_steps: int
+    bits: Optional[Tuple[torch.Tensor, ...]] = None  # int64 [2] each (ops.fingerprint)
 
 
-def stamp_weights(weights: Sequence[torch.Tensor]) -> WeightStamp:
-    """The stamp of ``weights`` now (read before deriving the copy from them)."""
+@torch.no_grad()
+def stamp_weights(weights: Sequence[torch.Tensor], bits: bool = False) -> WeightStamp:
+    """The stamp of ``weights`` now (read before deriving the copy from them). ``bits``: also
+    fingerprint their bits (``weights_bits_problem`` compares them; reads each weight once)."""
     return WeightStamp(tuple(weakref.ref(w) for w in weights), tuple(w._version for w in weights),
-                       tuple(w.data_ptr() for w in weights), _optimizer_steps())
+                       tuple(_StorageRef(w) for w in weights), tuple(w.data_ptr() for w in weights),
+                       _optimizer_steps(), tuple(bits_fingerprint(w) for w in weights) if bits else None)
 
 
 def weights_problem(stamp: WeightStamp, weights: Sequence[torch.Tensor]) -> Optional[InputProblem]:
-    """Why a copy made under ``stamp`` may no longer match ``weights`` (None: it matches): other
-    weights, an optimizer step since, or a weight changed (its 1-based position)."""
+    """Why a copy made under ``stamp`` may no longer match ``weights`` (None: it matches), from
+    host state alone: other weights, an optimizer step since, or a weight changed in place or
+    given other storage (its 1-based position). A write autograd does not count is not seen here:
+    ``weights_bits_problem``."""
     if len(stamp.parameters) != len(weights) or any(ref() is not w for ref, w in zip(stamp.parameters, weights)):
         return InputProblem(FP8_WEIGHTS_OTHER_EXPERTS)
     steps = _optimizer_steps()
     if steps != stamp.optimizer_steps:
         return InputProblem(FP8_WEIGHTS_STEPPED, stamp.optimizer_steps, steps)
-    for which, (version, storage, w) in enumerate(zip(stamp.versions, stamp.storages, weights), 1):
-        if w._version != version or w.data_ptr() != storage:
+    for which, (version, storage, ptr, w) in enumerate(zip(stamp.versions, stamp.storages, stamp.data_ptrs,
+                                                           weights), 1):
+        # the storage's identity first: a pointer alone can be a new storage at a freed address
+        if w._version != version or not storage.holds(w) or w.data_ptr() != ptr:
             return InputProblem(FP8_WEIGHTS_CHANGED, which)
     return None
+
+
+@torch.no_grad()
+def weights_bits_problem(stamp: WeightStamp, weights: Sequence[torch.Tensor]) -> DeviceProblem:
+    """Whether a weight's bits differ from the stamp's fingerprint (``stamp_weights(bits=True)``),
+    found on the device without a host read: code FP8_WEIGHTS_BITS_CHANGED (0: none), expected
+    the first such weight's 1-based position. Reads each weight once (ops.fingerprint)."""
+    if stamp.bits is None:
+        raise ValueError("weights_bits_problem: the stamp holds no fingerprint (stamp_weights(..., bits=True))")
+    which = None
+    for position in range(len(weights), 0, -1):  # the first differing weight wins: taken last
+        differs = (bits_fingerprint(weights[position - 1]) != stamp.bits[position - 1]).any().to(torch.int64)
+        which = differs * position if which is None else torch.where(differs.bool(), differs * position, which)
+    if which is None:
+        raise ValueError("weights_bits_problem: no weights")
+    return DeviceProblem((which > 0).to(torch.int64) * FP8_WEIGHTS_BITS_CHANGED, which, torch.zeros_like(which))
 
 
 @dataclass(frozen=True)
@@ -113,7 +168,7 @@ def quantize_fp8_weights(experts: torch.nn.Module) -> Fp8ExpertWeights:
         raise ValueError("quantize_fp8_weights: these experts are not FP8 (their config's fp8 is None)")
     fp8_dtype = FP8_FORMATS[experts.fp8]
     w1, w2 = experts.weight1, experts.weight2
-    stamp = stamp_weights((w1, w2))
+    stamp = stamp_weights((w1, w2), bits=True)
     return Fp8ExpertWeights(quantize_weight(w1, fp8_dtype), quantize_weight(w2, fp8_dtype), weakref.ref(experts),
                             stamp)
 
@@ -129,3 +184,10 @@ def fp8_weights_problem(fp8_weights: Any, experts: torch.nn.Module) -> Optional[
     if fp8_weights.experts() is not experts:
         return InputProblem(FP8_WEIGHTS_OTHER_EXPERTS)
     return weights_problem(fp8_weights.stamp, (experts.weight1, experts.weight2))
+
+
+@torch.compiler.disable  # eager under torch.compile, as fp8_weights_problem
+def fp8_weights_bits_problem(fp8_weights: Fp8ExpertWeights, experts: torch.nn.Module) -> DeviceProblem:
+    """After ``fp8_weights_problem`` found nothing: whether ``experts``' weights' bits differ from
+    those the handle was quantised from (a write autograd does not count), on the device."""
+    return weights_bits_problem(fp8_weights.stamp, (experts.weight1, experts.weight2))
