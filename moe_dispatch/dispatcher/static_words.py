@@ -25,7 +25,9 @@ stay apart afterwards: rebuild the layers. Under CUDA-graph replay the calls are
 capture (no Python runs): only the captured order is checked.
 Inputs whose dtypes or devices differ from the first step's (EP > 1: the first step runs the
 dropless size exchange once, which validates every rank and fixes the plan's T) take part with
-zeros and set ``W_INPUT``, so no rank waits alone. A rank with more tokens than the plan's T sets
+zeros and set ``W_INPUT`` and their own rank's word (``W_INPUT_RANKS``: the message names every
+rank at fault), so no rank waits alone; so does a problem the caller found on the device
+(``plan.flag_input``: a stale FP8 weights handle). A rank with more tokens than the plan's T sets
 ``W_TOKENS`` (static.dispatch re-plans on CPU); one whose grad mode differs from another's sets
 ``W_GRAD_ON`` / ``W_GRAD_OFF`` (on CPU every rank raises at once, before a backward could wait).
 """

@@ -7,6 +7,8 @@ leave the others waiting in a collective. Three ways, each one fixed-size exchan
   its values and the ranks.
 - ``InputProblem`` (e.g. from ``hidden_states_problem``): a problem one rank finds in its input
   travels in the dispatcher's size exchange instead of the data (``_Dispatcher.raise_together``).
+  A ``DeviceProblem`` is one found on the device (a stale FP8 weights handle's bits): it travels
+  in the step's own exchanges, read with them (``_Dispatcher.dispatch_rows(device_problem=...)``).
 - ``ErrorLatch``: an error found after the size exchange (``combine`` given the wrong rows, a
   reused handle whose routing differs, another call's rows in a return exchange:
   ``latch_call_mismatch``) cannot raise at once without stranding the other ranks in the step's

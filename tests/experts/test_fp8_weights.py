@@ -353,3 +353,43 @@ def test_gpu_once_is_bitwise_per_call_eager_and_captured():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, per_call[1]) and torch.equal(xs.grad, per_call[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bits_check_eager_and_in_a_replay():
+    """On CUDA (EP 1, sync-free): a write autograd does not count makes the eager step's output NaN
+    and check_device_errors() raise (no host read in the step); a captured step replayed after
+    such a write does the same (the bits comparison is captured with the step)."""
+    from moe_dispatch.ops import check_device_errors
+    from moe_dispatch.tools.capture import capture_step
+
+    dev = torch.device("cuda")
+    kw = dict(hidden_size=256, num_experts=16, topk=4, ffn_hidden_size=128, params_dtype=torch.bfloat16)
+    layer = MoELayer(MoEConfig(fp8="e4m3", **kw), layer_index=0).to(dev)
+    gen = torch.Generator(device=dev).manual_seed(7)
+    x = torch.randn(300, 256, device=dev, generator=gen).to(torch.bfloat16)
+    weights = layer.quantize_fp8_weights()
+    good = layer(x, fp8_weights=weights)
+    check_device_errors()
+    assert not good.isnan().any()
+    with torch.no_grad():
+        layer.experts.weight2.data.mul_(2)
+    bad = layer(x, fp8_weights=weights)
+    assert bad.isnan().all()
+    message = value_error_of(check_device_errors)
+    assert message is not None and "EP rank 0 passed inputs" in message, message
+    weights = layer.quantize_fp8_weights()
+
+    def step() -> torch.Tensor:
+        return layer(x, fp8_weights=weights)
+    graph, out = capture_step(layer, x, step)
+    graph.replay()
+    check_device_errors()
+    assert not out.isnan().any()
+    with torch.no_grad():
+        layer.experts.weight1.data.mul_(2)
+    graph.replay()
+    assert out.isnan().all()
+    message = value_error_of(check_device_errors)
+    assert message is not None and "EP rank 0 passed inputs" in message, message
