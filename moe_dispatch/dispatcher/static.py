@@ -167,7 +167,8 @@ class StaticPlan(Plan):
         device = self.routing_map.device
         x = torch.zeros((T, self.config.hidden_size), dtype=self.hidden_dtype, device=device)
         probs = torch.zeros((T, E), dtype=self.probs_dtype, device=device)
-        self.words[W_INPUT].fill_(self.rank + 1)  # a scalar fill: no host-to-device copy
+        self.words[W_INPUT].fill_(self.rank + 1)  # scalar fills: no host-to-device copy
+        self.words[W_INPUT_RANKS + self.rank].fill_(1)
         return dataclasses.replace(prepared, x=x, probs=probs, wire=wire_rows(x, self.config))
 
     def send(self, prepared: Prepared, with_routing: bool = True) -> Sent:
