@@ -8,15 +8,16 @@ size (dropless mode; capacity dropping depends on the batch by definition).
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .config import MoEConfig
-from .dispatcher import DispatchHandle, build_dispatcher, host_tokens_per_expert, unpack_rows
-from .distributed.agreement import hidden_states_problem
+from .dispatcher import build_dispatcher, to_expert_rows
+from .distributed.agreement import DeviceProblem, hidden_states_problem
 from .distributed.comm import group_key, group_size_rank
 from .experts import GroupedMLP, SequentialMLP, layer_seed
 from .experts.fp8_weights import Fp8ExpertWeights, fp8_weights_bits_problem, fp8_weights_problem
@@ -76,21 +77,6 @@ class MoELayer(nn.Module):
                                            init_seed=seeded.init_seed + _SHARED_EXPERT_SEED_OFFSET)
             self.shared_expert = experts_cls(shared_config, 1, 0)
 
-    def _fp8_experts(self, expert_input: torch.Tensor, handle: DispatchHandle,
-                     fp8_weights: Optional[Fp8ExpertWeights]) -> tuple[torch.Tensor, DispatchHandle]:
-        """The experts on the FP8 wire rows [N, W]: (expert_output [N, H], the handle for the combine).
-        A sync-free plan's device counts and whole buffer (its trailing rows belong to no expert:
-        the FP8 GEMMs lay out the weight gradient's padding on the device), else the host counts."""
-        trailing = handle.trailing_rows
-        counts = handle.device_expert_rows if trailing else host_tokens_per_expert(handle)
-        q, scales = unpack_rows(expert_input, self.config.hidden_size, self.config.fp8)
-        # per-source weight gradients while a GradientTree asks for them (fp8_wgrad=False only)
-        blocks = handle.source_blocks if self.experts.source_grads is not None and not trailing else None
-        out = self.experts(q, counts, handle.permuted_probs, offsets=handle.expert_offsets, row_scales=scales,
-                           row_grad_sink=handle.row_grad_sink, trailing_rows=trailing, fp8_weights=fp8_weights,
-                           fp8_weights_checked=True, source_blocks=blocks)
-        return out, handle
-
     @property
     def aux_losses(self) -> dict[str, torch.Tensor]:
         """Detached values of the losses the router attached in the last forward (for logging)."""
@@ -119,6 +105,35 @@ class MoELayer(nn.Module):
         exchanges the others wait in. Inside a DistributedDataParallel that owns the routed experts
         across ranks holding different experts, or with the routed experts sharded by FSDP2: a ValueError
         (`moe_dispatch.parallel.check_ddp`, `check_fsdp`)."""
+        guarded = self._guard(hidden_states, fp8_weights)  # may raise on every rank, or replace a bad input
+        hidden_states = guarded.hidden_states
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
+        probs, routing_map = self.router(hidden_states)
+        expert_input, handle = self.dispatcher.dispatch_rows(None if guarded.replaced else tokens, routing_map, probs,
+                                                             experts_need_grad=self._experts_need_grad(),
+                                                             device_problem=guarded.bits_problem)
+        # per-source weight gradients only while a GradientTree asked for them (experts.source_grads)
+        rows = to_expert_rows(expert_input, handle, source_blocks=self.experts.source_grads is not None)
+        expert_output = self.experts(rows, fp8_weights=guarded.fp8_weights, fp8_weights_checked=True)
+        output = self.dispatcher.combine(expert_output, handle)
+        if guarded.replaced or handle.input_replaced:
+            # NaN in the shape taken part with; the graph stays, so the backward's collectives still run.
+            nan = torch.full(hidden_states.shape, float("nan"), dtype=output.dtype, device=output.device)
+            return nan + output.sum() * 0
+        if self.shared_expert is not None:
+            output = output + self._shared_expert_output(tokens).reshape(output.shape)
+        return output.reshape(hidden_states.shape)
+
+    def _guard(self, hidden_states: Any, fp8_weights: Optional[Fp8ExpertWeights]) -> _Guarded:
+        """Every check before the step, in one place: data parallelism over the routed experts, the
+        configuration agreed across the EP group (once), the input and the FP8 weights handle.
+
+        A problem found here raises the same ValueError on every EP rank: this rank takes part in
+        the step's size exchange with it (``raise_together``). Sync-free at EP > 1 after its first
+        step there is no size exchange: this rank then takes part with zeros of the agreed shape
+        (``replaced``), every rank's outputs are NaN and every rank raises at the next poll
+        (dispatcher/static.py). The FP8 weights' bits are compared on the device (``bits_problem``),
+        carried by the dispatch."""
         device = self.experts.weight1.device
         check_ddp(self.experts)
         check_fsdp(self.experts)
@@ -128,51 +143,44 @@ class MoELayer(nn.Module):
         if not self.dispatcher.agreed:
             self.dispatcher.agree(device, [*self.config.field_values(), ("layer_index", self.layer_index)])
         problem = hidden_states_problem(hidden_states, self.config.hidden_size, device)
-        bits_problem = None  # the handle's weights' bits compared on the device: carried by the dispatch
+        bits_problem = None
         if problem is None and fp8_weights is not None:
             problem = fp8_weights_problem(fp8_weights, self.experts)
             if problem is None:
                 bits_problem = fp8_weights_bits_problem(fp8_weights, self.experts)
-        agreed = self.dispatcher.static_agreed_input() if problem is not None else None
+        if problem is None:
+            return _Guarded(hidden_states, fp8_weights, bits_problem)
+        agreed = self.dispatcher.static_agreed_input()
         if agreed is not None:
-            # Sync-free at EP > 1 after its first step: the peers are in no size exchange, so this rank
-            # takes part with zeros of the agreed shape and a bad input; every rank's outputs are NaN
-            # and every rank raises at the next poll (dispatcher/static.py).
-            hidden_states = torch.zeros(agreed[0], dtype=agreed[1], device=device)
-            fp8_weights = None  # the problem may be this handle: the step runs on without it
-        elif problem is not None:
-            three_d = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3
-            batch = tuple(hidden_states.shape[1:2]) if three_d else ()  # [S, B, H]: the same B
-            self.router(torch.zeros((0, *batch, self.config.hidden_size), dtype=self.router.weight.dtype,
-                                    device=device))
-            self.dispatcher.raise_together(problem, device)
-        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        probs, routing_map = self.router(hidden_states)
-        # Whether this rank's experts train: agreed with the group in the size exchange, so that a
-        # rank whose inputs and experts need no gradient still runs the backward's exchanges.
-        experts_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.experts.parameters())
-        expert_input, handle = self.dispatcher.dispatch_rows(None if agreed else tokens, routing_map, probs,
-                                                             experts_need_grad=experts_grad,
-                                                             device_problem=bits_problem)
-        if self.config.fp8 is not None:
-            expert_output, handle = self._fp8_experts(expert_input, handle, fp8_weights)
-        elif handle.trailing_rows:  # sync-free: device counts, read only by a GEMM path that needs them
-            expert_output = self.experts(expert_input, handle.device_expert_rows, handle.permuted_probs,
-                                         offsets=handle.expert_offsets, trailing_rows=True)
-        else:
-            # per-source weight gradients only while a GradientTree asked for them (experts.source_grads)
-            blocks = handle.source_blocks if self.experts.source_grads is not None else None
-            expert_output = self.experts(expert_input, host_tokens_per_expert(handle), handle.permuted_probs,
-                                         offsets=handle.expert_offsets, source_blocks=blocks)
-        output = self.dispatcher.combine(expert_output, handle)
-        if agreed is not None or handle.input_replaced:
-            # NaN in this rank's own shape; the graph stays, so the backward's collectives still run.
-            nan = torch.full(hidden_states.shape, float("nan"), dtype=output.dtype, device=output.device)
-            return nan + output.sum() * 0
-        if self.shared_expert is not None:
-            T = tokens.shape[0]
-            # host counts for the loop GEMMs; device offsets (a fill, no copy) for grouped_mm
-            counts = torch.tensor([T], dtype=torch.int64)
-            offsets = torch.full((1,), T, dtype=torch.int32, device=tokens.device)
-            output = output + self.shared_expert(tokens, counts, offsets=offsets).reshape(output.shape)
-        return output.reshape(hidden_states.shape)
+            # the problem may be the FP8 weights handle: the step runs on without it
+            return _Guarded(torch.zeros(agreed[0], dtype=agreed[1], device=device), None, None, replaced=True)
+        three_d = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3
+        batch = tuple(hidden_states.shape[1:2]) if three_d else ()  # [S, B, H]: the same B
+        self.router(torch.zeros((0, *batch, self.config.hidden_size), dtype=self.router.weight.dtype, device=device))
+        self.dispatcher.raise_together(problem, device)  # always raises
+        raise AssertionError("raise_together returned")  # unreachable
+
+    def _experts_need_grad(self) -> bool:
+        """Whether this rank's experts train: agreed with the group in the size exchange, so that a
+        rank whose inputs and experts need no gradient still runs the backward's exchanges."""
+        return torch.is_grad_enabled() and any(p.requires_grad for p in self.experts.parameters())
+
+    def _shared_expert_output(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The shared expert on every token: tokens [T, H] -> [T, H]."""
+        T = tokens.shape[0]
+        # host counts for the loop GEMMs; device offsets (a fill, no copy) for grouped_mm
+        counts = torch.tensor([T], dtype=torch.int64)
+        offsets = torch.full((1,), T, dtype=torch.int32, device=tokens.device)
+        return self.shared_expert(tokens, counts, offsets=offsets)
+
+
+@dataclass(frozen=True)
+class _Guarded:
+    """The forward's input after ``MoELayer._guard``: the hidden states to route (the caller's, or
+    zeros of the agreed shape when ``replaced``: this rank's input was bad and its outputs are NaN),
+    the FP8 weights handle to use (None: quantise per call), and the device comparison of its bits."""
+
+    hidden_states: torch.Tensor
+    fp8_weights: Optional[Fp8ExpertWeights]
+    bits_problem: Optional[DeviceProblem]
+    replaced: bool = False

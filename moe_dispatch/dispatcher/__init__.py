@@ -6,7 +6,7 @@ Three faces, one path:
 - ``dispatch`` / ``combine`` (functional.py): the frozen ``DispatchHandle`` from one to the other;
 - the dispatcher objects (dispatchers.py): the same, with the configuration agreed once;
 - the stages (stages.py), for frameworks that call them one by one (Megatron's six methods):
-  ``prepare`` -> ``send`` -> ``finish`` -> the experts -> ``check_expert_output`` ->
+  ``prepare`` -> ``send`` -> ``finish`` -> the experts (``to_expert_rows``) -> ``check_expert_output`` ->
   ``return_rows`` -> ``owner_sum``, each returning a frozen record (``Prepared``, ``Sent``,
   ``DispatchHandle``, ``Returned``).
 
@@ -28,14 +28,15 @@ from .stages import (
            check_expert_output,
            device_of,
            finish,
-           host_tokens_per_expert,
            owner_sum,
            prepare,
            return_rows,
            send,
+           to_expert_rows,
 )
 
 __all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "DispatchConfig", "DispatchHandle", "InputProblem", "KINDS",
            "Plan", "Prepared", "Returned", "Sent", "build_dispatcher", "check_expert_output", "combine", "device_of",
-           "dispatch", "dispatch_rows", "finish", "hidden_states_problem", "host_tokens_per_expert", "owner_sum",
-           "pack_rows", "prepare", "return_rows", "send", "unpack_rows", "wire_width", "with_host_counts"]
+           "dispatch", "dispatch_rows", "finish", "hidden_states_problem", "owner_sum",
+           "pack_rows", "prepare", "return_rows", "send", "to_expert_rows", "unpack_rows", "wire_width",
+           "with_host_counts"]

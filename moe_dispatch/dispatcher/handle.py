@@ -73,8 +73,9 @@ class DispatchHandle:
         expert_offsets: int32 [El] on the device, cumulative rows per local expert (the offsets
             torch._grouped_mm takes: no host-to-device copy of the counts).
         route: the plan's return route (None at EP 1: nothing moves).
-        expert_rows: the rows the experts were given, when fewer than N (a sync-free plan's rows
-            after the experts' blocks belong to no expert); the combine takes those. None: all N.
+        given_rows: how many rows the experts were given, when fewer than N (``dispatch`` cuts a
+            sync-free plan's rows after the experts' blocks, which belong to no expert); the combine
+            takes those. None: all N.
         row_grad_sink: with the FP8 wire (``config.fp8``), [N, H] zeros in the tokens' dtype whose
             gradient is the expert rows' gradient (the rows are quantised bytes and carry none):
             the experts' first GEMM takes it as its ``grad_sink``. None otherwise.
@@ -93,7 +94,7 @@ class DispatchHandle:
     hidden_shape: torch.Size
     expert_offsets: torch.Tensor
     route: Any = None
-    expert_rows: Optional[int] = None
+    given_rows: Optional[int] = None
     row_grad_sink: Optional[torch.Tensor] = None
     dispatch_id: int = field(default_factory=new_dispatch_id)
 
@@ -104,12 +105,12 @@ class DispatchHandle:
         return self
 
     @property
-    def device_expert_rows(self) -> torch.Tensor:
+    def rows_per_expert(self) -> torch.Tensor:
         """int64 [El] on the device, rows per local expert block (padding included): no host read."""
         return self.expert_map.padded_expert_rows
 
     @property
-    def host_expert_rows(self) -> torch.Tensor:
+    def host_rows_per_expert(self) -> torch.Tensor:
         """CPU int64 [El], rows per local expert block (padding included): the dropless plan's, or
         for a sync-free plan read from the device now (a host sync on CUDA: only whoever asks pays)."""
         return self.plan.host_counts(self)

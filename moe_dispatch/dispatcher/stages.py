@@ -3,7 +3,7 @@
     prepared = prepare(hidden, routing_map, probs, config, ep_group)  # validate, plan the step
     sent = send(prepared)                                             # the forward data exchange
     expert_input, handle = finish(sent)                               # the experts' layout, frozen handle
-    ... the experts: expert_output [N, H] from expert_input [N, H] ...
+    expert_output = experts(to_expert_rows(expert_input, handle))     # [N, H]: the rows and their split
     returned = return_rows(check_expert_output(expert_output, handle), handle)  # back to the owners
     output = owner_sum(returned, handle)                              # fixed-order fp32 sum, [T, H]
 
@@ -33,8 +33,10 @@ from ..config import DispatchConfig, MoEConfig, as_dispatch_config
 from ..distributed.agreement import GROUP_LATCHES, ErrorLatch, agree_config
 from ..distributed.comm import ProcessGroup
 from ..distributed.identity import StepCounter, functional_counter
+from ..experts.rows import ExpertRows
 from ..ops import RowIdMap
 from .dropless import DroplessPlan
+from .fp8_wire import unpack_rows
 from .handle import DispatchHandle, Prepared, Returned, Sent
 from .plan import Plan
 from .records import expect_record, expect_rows
@@ -109,15 +111,28 @@ def finish(sent: Sent, expert_map: Optional[RowIdMap] = None) -> tuple[torch.Ten
     return sent.plan.finish(sent, expert_map)
 
 
-def host_tokens_per_expert(handle: DispatchHandle) -> torch.Tensor:
-    """CPU int64 [El], rows per local expert block (padding included). The dropless plan has them;
-    the sync-free plan reads them from the device now (a host sync on CUDA: only whoever asks pays)."""
-    return handle.host_expert_rows
+def to_expert_rows(expert_input: torch.Tensor, handle: DispatchHandle, *, source_blocks: bool = False) -> ExpertRows:
+    """``finish``'s expert_input [N, H] (the FP8 wire rows [N, W] with ``config.fp8``) as the experts
+    take it: one ``ExpertRows`` with the handle's rows per expert (on the device; on the host too
+    where the plan has them, never read here), offsets, probs, trailing rows, and, FP8, the rows
+    unpacked to fp8 values and scales with their gradient sink. ``source_blocks``: also the (local
+    expert, source rank) blocks, for per-source weight gradients (a dropless plan's; None otherwise)."""
+    expect_record(handle, DispatchHandle, "to_expert_rows")
+    expect_rows(expert_input, "to_expert_rows")
+    config, trailing = handle.plan.config, handle.trailing_rows
+    rows, row_scales = expert_input, None
+    if config.fp8 is not None:
+        rows, row_scales = unpack_rows(expert_input, config.hidden_size, config.fp8)
+    # a sync-free plan's host counts would cost a host read: the experts take the device ones
+    host_rows_per_expert = None if trailing else handle.host_rows_per_expert
+    blocks = handle.source_blocks if source_blocks and not trailing else None
+    return ExpertRows(rows, handle.rows_per_expert, host_rows_per_expert, handle.expert_offsets, handle.permuted_probs,
+                      trailing, blocks, row_scales, handle.row_grad_sink)
 
 
 def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Tensor:
     """expert_output if it is [N, H] in the dispatch's dtype and on its device (N: the rows the
-    experts were given, ``handle.expert_rows`` when fewer). Otherwise: at EP 1 a ValueError; at
+    experts were given, ``handle.given_rows`` when fewer). Otherwise: at EP 1 a ValueError; at
     EP > 1 the plan records the error (every rank raises it at the group's next exchange) and NaN
     rows of the right shape come back, so this step's collectives still match on every rank (no
     hang) and its outputs are NaN on the owners of the rows (no silent result).
@@ -128,7 +143,7 @@ def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Ten
     plan = handle.plan
     N, H = handle.expert_map.num_out_tokens, plan.config.hidden_size
     dtype, device = plan.hidden_dtype, plan.routing_map.device
-    given = N if handle.expert_rows is None else handle.expert_rows
+    given = N if handle.given_rows is None else handle.given_rows
     ok = (isinstance(expert_output, torch.Tensor) and expert_output.shape == (given, H)
           and expert_output.dtype == dtype and expert_output.device == device)
     if ok and given < N:  # the rows after the experts' blocks belong to no expert: never read
@@ -139,7 +154,7 @@ def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Ten
     if plan.ep_size == 1:
         got = f"{list(expert_output.shape)} {expert_output.dtype}" if is_tensor else type(expert_output).__name__
         raise ValueError(f"expert_output must be [N, H] = [{given}, {H}] {dtype} on {device} "
-                         f"(N = sum(tokens_per_expert)), got {got}")
+                         f"(N = sum(rows_per_expert)), got {got}")
     plan.flag_expert_output(handle, expert_output)
     nan = torch.full((N, H), float("nan"), dtype=dtype, device=device)
     if is_tensor and expert_output.requires_grad and expert_output.is_floating_point():

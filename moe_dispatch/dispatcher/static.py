@@ -254,7 +254,7 @@ class StaticPlan(Plan):
             latch_words(self.group, words, self.layout)
 
     def host_counts(self, handle: DispatchHandle) -> torch.Tensor:
-        return handle.device_expert_rows.cpu()  # a host read: only whoever asks pays it
+        return handle.rows_per_expert.cpu()  # a host read: only whoever asks pays it
 
     def flag_expert_output(self, handle: DispatchHandle, expert_output: Any) -> None:
         route = handle.route  # the input word travels in the return exchange's status rows

@@ -2,7 +2,8 @@
 
 See `moe_dispatch.experts.mlp` for the guarantees, `gemm` for the GEMM strategies and their
 row-stability status, `activations` for why the CPU activations are hand-built, `fp8` for the
-FP8 expert GEMMs (row-wise scales), `fp8_weights` for their weights quantised once per optimizer step.
+FP8 expert GEMMs (row-wise scales), `fp8_weights` for their weights quantised once per optimizer step,
+`rows` for the record of the rows the experts take (``ExpertRows``).
 """
 
 from .activations import activate, scale_rows
@@ -11,10 +12,12 @@ from .fp8_weights import Fp8ExpertWeights, WeightStamp, quantize_fp8_weights, st
 from .gemm import expert_gemm, grouped_mm_row_stable, grouped_mm_supported, select_gemm
 from .init import WEIGHT1, WEIGHT2, expert_seed, init_expert_weights, layer_seed
 from .mlp import GroupedMLP, LocalExperts, SequentialMLP
+from .rows import ExpertRows
 
 __all__ = [
     "WEIGHT1",
     "WEIGHT2",
+    "ExpertRows",
     "GroupedMLP",
     "LocalExperts",
     "SequentialMLP",

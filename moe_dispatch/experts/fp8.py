@@ -78,6 +78,7 @@ from ..ops.quantize import dequantize_rows, quantize_group_columns, quantize_row
 from .activations import activate, scale_rows
 from .gemm import SourceBlocks, _check_blocks, source_weight_grads
 from .gemm import _counts as host_counts
+from .rows import ExpertRows
 
 # wgrad's group row counts are padded to this for the CUDA kernel (rows multiple of 16).
 WGRAD_ROW_MULTIPLE = 16
@@ -377,28 +378,40 @@ def fp8_expert_gemm(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.
                                 trailing_rows, fp8_wgrad, per_source, *(weight_operands or (None,) * 4))
 
 
-def fp8_mlp(rows: torch.Tensor, row_scales: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-            tokens_per_expert: torch.Tensor, offsets: Optional[torch.Tensor], fp8_dtype: torch.dtype,
-            activation: str, probs: Optional[torch.Tensor], row_grad_sink: torch.Tensor,
-            trailing_rows: bool = False, weight_operands: Optional[Tuple[Tuple[torch.Tensor, ...], ...]] = None,
-            fp8_wgrad: bool = True, source_blocks: Optional[SourceBlocks] = None,
+def fp8_rows_problem(rows: ExpertRows) -> Optional[str]:
+    """Why ``rows`` cannot be FP8 experts' input (None: they can): their scales or sink missing."""
+    if rows.row_scales is None or rows.row_grad_sink is None:
+        return ("fp8 experts need row_scales [N] and row_grad_sink [N, H] (the dispatcher's FP8 rows, "
+                "to_expert_rows(expert_input, handle))")
+    return None
+
+
+def fp8_mlp(rows: ExpertRows, w1: torch.Tensor, w2: torch.Tensor, activation: str, *, apply_probs: bool,
+            fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+            weight_operands: Optional[Tuple[Tuple[torch.Tensor, ...], ...]] = None, fp8_wgrad: bool = True,
             sinks: Tuple[Optional[Callable[[torch.Tensor], None]], ...] = (None, None)) -> torch.Tensor:
-    """The experts' MLP on the dispatch's FP8 rows: rows [N, H] fp8 with row_scales [N] fp32 ->
-    [N, H] in row_grad_sink's dtype. fc1 (w1 [E, H, F]) on the rows as they are (their gradient to
-    ``row_grad_sink`` [N, H]), the activation in that dtype, times ``probs`` [N] when given, then
-    fc2 (w2 [E, F, H]) quantising its input per row. ``trailing_rows``: as `fp8_expert_gemm`'s (a
-    sync-free dispatch's device counts and buffer). ``weight_operands``: (``quantize_weight(w1)``,
-    ``quantize_weight(w2)``), or None to quantise them per call. ``fp8_wgrad``: both GEMMs' weight
-    gradients in FP8 (True) or in the rows' dtype (False; `fp8_expert_gemm`). ``source_blocks`` with
-    ``sinks`` (one a weight; ``fp8_wgrad=False``): the weight gradients per (expert, source) block."""
-    out_dtype = row_grad_sink.dtype
+    """The experts' MLP on the dispatch's FP8 rows: ``rows`` (an ``ExpertRows``: fp8 values [N, H]
+    with ``row_scales`` [N] fp32 and ``row_grad_sink`` [N, H]) -> [N, H] in row_grad_sink's dtype.
+    fc1 (w1 [E, H, F]) on the rows as they are (their gradient to ``row_grad_sink``), the activation
+    in that dtype, times ``rows.probs`` [N] with ``apply_probs`` (when given), then fc2 (w2 [E, F, H])
+    quantising its input per row. The rows' counts, offsets and trailing rows (a sync-free dispatch's
+    device counts and buffer) as `fp8_expert_gemm` takes them. ``weight_operands``:
+    (``quantize_weight(w1)``, ``quantize_weight(w2)``), or None to quantise them per call.
+    ``fp8_wgrad``: both GEMMs' weight gradients in FP8 (True) or in the rows' dtype (False;
+    `fp8_expert_gemm`). ``rows.source_blocks`` with ``sinks`` (one a weight; ``fp8_wgrad=False``):
+    the weight gradients per (expert, source) block."""
+    problem = fp8_rows_problem(rows)
+    if problem is not None:
+        raise ValueError(problem)
+    out_dtype = rows.row_grad_sink.dtype
     ops1, ops2 = weight_operands or (None, None)
-    h = fp8_expert_gemm(rows, row_scales, w1, tokens_per_expert, offsets, fp8_dtype, out_dtype,
-                        grad_sink=row_grad_sink, trailing_rows=trailing_rows, weight_operands=ops1,
-                        fp8_wgrad=fp8_wgrad, source_blocks=source_blocks, sink=sinks[0])
+    counts, offsets, trailing, blocks = rows.gemm_counts, rows.offsets, rows.trailing_rows, rows.source_blocks
+    h = fp8_expert_gemm(rows.rows, rows.row_scales, w1, counts, offsets, fp8_dtype, out_dtype,
+                        grad_sink=rows.row_grad_sink, trailing_rows=trailing, weight_operands=ops1,
+                        fp8_wgrad=fp8_wgrad, source_blocks=blocks, sink=sinks[0])
     act = activate(h, activation)
-    if probs is not None:
-        act = scale_rows(act, probs)
-    return fp8_expert_gemm(act, None, w2, tokens_per_expert, offsets, fp8_dtype, out_dtype,
-                           trailing_rows=trailing_rows, weight_operands=ops2, fp8_wgrad=fp8_wgrad,
-                           source_blocks=source_blocks, sink=sinks[1])
+    if apply_probs and rows.probs is not None:
+        act = scale_rows(act, rows.probs)
+    return fp8_expert_gemm(act, None, w2, counts, offsets, fp8_dtype, out_dtype,
+                           trailing_rows=trailing, weight_operands=ops2, fp8_wgrad=fp8_wgrad,
+                           source_blocks=blocks, sink=sinks[1])

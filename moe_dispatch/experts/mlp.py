@@ -49,10 +49,11 @@ from ..config import FP8_FORMATS
 from ..distributed.agreement import FP8_WEIGHTS_NOT_FP8, InputProblem, problem_message
 from ..distributed.comm import WeakGroup
 from .activations import activate, scale_rows
-from .fp8 import fp8_mlp
+from .fp8 import fp8_mlp, fp8_rows_problem
 from .fp8_weights import Fp8ExpertWeights, fp8_weights_bits_problem, fp8_weights_problem, quantize_fp8_weights
-from .gemm import GemmStrategy, SourceBlocks, expert_gemm, select_gemm
+from .gemm import GemmStrategy, expert_gemm, select_gemm
 from .init import WEIGHT1, WEIGHT2, init_expert_weights
+from .rows import ExpertRows
 
 
 class LocalExperts(nn.Module):
@@ -187,38 +188,36 @@ class LocalExperts(nn.Module):
 
     def forward(
         self,
-        permuted_tokens: torch.Tensor,
-        tokens_per_expert: torch.Tensor,
-        permuted_probs: Optional[torch.Tensor] = None,
+        rows: ExpertRows | torch.Tensor,
+        rows_per_expert: Optional[torch.Tensor] = None,
+        probs: Optional[torch.Tensor] = None,
         *,
         offsets: Optional[torch.Tensor] = None,
-        trailing_rows: bool = False,
-        source_blocks: Optional[SourceBlocks] = None,
-        row_scales: Optional[torch.Tensor] = None,
-        row_grad_sink: Optional[torch.Tensor] = None,
         fp8_weights: Optional[Fp8ExpertWeights] = None,
         fp8_weights_checked: bool = False,
     ) -> torch.Tensor:
-        """permuted_tokens [N, H] (expert-major rows), tokens_per_expert [E_local] (int, summing
-        to N), permuted_probs [N] or None -> [N, H] in permuted_tokens' dtype. ``offsets``:
-        optional int32 [E_local] on the tokens' device, cumsum(tokens_per_expert) (e.g. the
-        dispatcher's ``handle.expert_offsets``), so that grouped GEMMs copy nothing to the device.
-        ``trailing_rows`` (a sync-free dispatch, ``handle.trailing_rows``): tokens_per_expert may
-        sum to less than N and be a device tensor (``handle.device_expert_rows``); see ``expert_gemm``.
+        """rows (an ``ExpertRows``: the rows [N, H], expert-major, and how they split by expert) ->
+        [N, H] in the rows' dtype (FP8: in ``row_grad_sink``'s). A plain call may pass the rows
+        [N, H], ``rows_per_expert`` int [E_local] (CPU or device, summing to N) and ``probs`` [N] or
+        None, with ``offsets`` (int32 [E_local] on the rows' device, cumsum(rows_per_expert), e.g. the
+        dispatcher's ``handle.expert_offsets``, so that grouped GEMMs copy nothing to the device):
+        ``ExpertRows.of`` builds the record. The dispatcher's rows: ``to_expert_rows(expert_input,
+        handle)`` (``moe_dispatch.dispatcher``), whose trailing rows (sync-free) and per-source blocks
+        travel in the record (see ``ExpertRows``).
 
         With ``config.probs_in_experts`` and probs given, the activation is multiplied by each
         row's prob before fc2 (in float32 at least, rounded once), as Megatron's experts do;
         otherwise probs are ignored (the combine applies them).
 
-        ``source_blocks`` ([E_local][P] (first row, rows) of each (local expert, source) block, the
-        dispatcher's ``handle.source_blocks``), only while ``source_grads`` is set: each weight's
-        gradient is computed per block and appended to ``source_grads[name]`` as [E_local, P, ...]
-        in the weight's dtype; ``.grad`` is left alone. Output and input gradient are unchanged.
-        With FP8 only at ``config.fp8_wgrad=False`` (weight gradients in the output dtype).
+        ``rows.source_blocks`` ([E_local][P] (first row, rows) of each (local expert, source) block),
+        only while ``source_grads`` is set: each weight's gradient is computed per block and appended
+        to ``source_grads[name]`` as [E_local, P, ...] in the weight's dtype; ``.grad`` is left alone.
+        Output and input gradient are unchanged. With FP8 only at ``config.fp8_wgrad=False`` (weight
+        gradients in the output dtype).
 
-        FP8 (``config.fp8``): permuted_tokens are fp8 rows [N, H] with ``row_scales`` [N] fp32 (the
-        dispatcher's wire rows, unpacked), ``row_grad_sink`` [N, H] the tensor their gradient goes
-        to (``handle.row_grad_sink``; its dtype is the output's). Both GEMMs run in FP8
+        FP8 (``config.fp8``): ``rows.rows`` are fp8 values [N, H] with ``rows.row_scales`` [N] fp32
+        (the dispatcher's wire rows, unpacked), ``rows.row_grad_sink`` [N, H] the tensor their
+        gradient goes to (its dtype is the output's). Both GEMMs run in FP8
         (`moe_dispatch.experts.fp8.fp8_expert_gemm`); the activation in the output dtype.
         ``fp8_weights``: the weights quantised once (``quantize_fp8_weights()``), for the forwards
         until the next optimizer step; a stale one raises a ValueError (`moe_dispatch.experts.fp8_weights`).
@@ -226,50 +225,48 @@ class LocalExperts(nn.Module):
         ``fp8_weights_checked=True``: the caller has checked the handle, bits included (MoELayer does,
         carrying the result in its dispatcher's exchanges), and the experts do not check it again.
         """
+        if not isinstance(rows, ExpertRows):
+            rows = ExpertRows.of(rows, rows_per_expert, probs, offsets)
+        elif rows_per_expert is not None or probs is not None or offsets is not None:
+            raise ValueError("LocalExperts.forward: given an ExpertRows, pass rows_per_expert, probs and offsets "
+                             "inside it (dataclasses.replace), not beside it")
         if self.fp8 is not None:  # source_blocks with FP8 wgrad: fp8_expert_gemm's ValueError
-            return self._forward_fp8(permuted_tokens, tokens_per_expert, permuted_probs, offsets, row_scales,
-                                     row_grad_sink, trailing_rows, fp8_weights, source_blocks, fp8_weights_checked)
+            return self._forward_fp8(rows, fp8_weights, fp8_weights_checked)
         if fp8_weights is not None:
             raise ValueError(problem_message(FP8_WEIGHTS_NOT_FP8, 0, 0))
-        x = permuted_tokens
+        x, counts = rows.rows, rows.gemm_counts
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
-            raise ValueError(f"permuted_tokens must be [N, {self.hidden_size}], got {tuple(x.shape)}")
-        if tokens_per_expert.shape != (self.num_local_experts,):
-            raise ValueError(
-                f"tokens_per_expert must be [{self.num_local_experts}], got {tuple(tokens_per_expert.shape)}"
-            )
+            raise ValueError(f"rows must be [N, {self.hidden_size}], got {tuple(x.shape)}")
+        if counts.shape != (self.num_local_experts,):
+            raise ValueError(f"rows_per_expert must be [{self.num_local_experts}], got {tuple(counts.shape)}")
         # Weights follow the activations' dtype (e.g. float32 master weights, bf16 compute).
         w1, w2 = self.weight1.to(x.dtype), self.weight2.to(x.dtype)
-        sinks = (None, None) if source_blocks is None else (self._sink("weight1"), self._sink("weight2"))
+        blocks, trailing = rows.source_blocks, rows.trailing_rows
+        sinks = (None, None) if blocks is None else (self._sink("weight1"), self._sink("weight2"))
         s1 = select_gemm(x, w1, self.prefer_grouped, self.row_stable)
-        h = expert_gemm(x, w1, tokens_per_expert, s1, self.row_tile, offsets, trailing_rows, source_blocks, sinks[0])
+        h = expert_gemm(x, w1, counts, s1, self.row_tile, rows.offsets, trailing, blocks, sinks[0])
         act = activate(h, self.activation)
-        if self.probs_in_experts and permuted_probs is not None:
-            if permuted_probs.shape != (x.shape[0],):
-                raise ValueError(f"permuted_probs must be [{x.shape[0]}], got {tuple(permuted_probs.shape)}")
-            act = scale_rows(act, permuted_probs)
+        if self.probs_in_experts and rows.probs is not None:
+            if rows.probs.shape != (x.shape[0],):
+                raise ValueError(f"probs must be [{x.shape[0]}], got {tuple(rows.probs.shape)}")
+            act = scale_rows(act, rows.probs)
         s2 = select_gemm(act, w2, self.prefer_grouped, self.row_stable)
-        return expert_gemm(act, w2, tokens_per_expert, s2, self.row_tile, offsets, trailing_rows, source_blocks,
-                           sinks[1])
+        return expert_gemm(act, w2, counts, s2, self.row_tile, rows.offsets, trailing, blocks, sinks[1])
 
-    def _forward_fp8(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: Optional[torch.Tensor],
-                     offsets: Optional[torch.Tensor], row_scales: Optional[torch.Tensor],
-                     row_grad_sink: Optional[torch.Tensor], trailing_rows: bool,
-                     fp8_weights: Optional[Fp8ExpertWeights], source_blocks: Optional[SourceBlocks] = None,
-                     fp8_weights_checked: bool = False) -> torch.Tensor:
-        if row_scales is None or row_grad_sink is None:
-            raise ValueError("fp8 experts need row_scales [N] and row_grad_sink [N, H] (the dispatcher's FP8 rows, "
-                             "handle.row_grad_sink)")
+    def _forward_fp8(self, rows: ExpertRows, fp8_weights: Optional[Fp8ExpertWeights],
+                     fp8_weights_checked: bool) -> torch.Tensor:
+        problem = fp8_rows_problem(rows)  # before the handle's checks, which may read the device
+        if problem is not None:
+            raise ValueError(problem)
         operands = None
         if fp8_weights is not None:
             if not fp8_weights_checked:
                 _check_fp8_weights(fp8_weights, self)
             operands = (fp8_weights.weight1, fp8_weights.weight2)
-        probs = permuted_probs if self.probs_in_experts else None
-        sinks = (None, None) if source_blocks is None else (self._sink("weight1"), self._sink("weight2"))
-        return fp8_mlp(x, row_scales, self.weight1, self.weight2, tokens_per_expert, offsets, FP8_FORMATS[self.fp8],
-                       self.activation, probs, row_grad_sink, trailing_rows, operands, fp8_wgrad=self.fp8_wgrad,
-                       source_blocks=source_blocks, sinks=sinks)
+        sinks = (None, None) if rows.source_blocks is None else (self._sink("weight1"), self._sink("weight2"))
+        return fp8_mlp(rows, self.weight1, self.weight2, self.activation, apply_probs=self.probs_in_experts,
+                       fp8_dtype=FP8_FORMATS[self.fp8], weight_operands=operands, fp8_wgrad=self.fp8_wgrad,
+                       sinks=sinks)
 
     def quantize_fp8_weights(self) -> Fp8ExpertWeights:
         """weight1 and weight2 quantised for the FP8 GEMMs, once: pass the result to the forwards of

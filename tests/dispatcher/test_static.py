@@ -52,7 +52,7 @@ def test_ep1_fewer_than_k_experts_leaves_trailing_rows():
     assert torch.equal(a(x), b(x))
     probs, routing_map = a.router(x)
     rows, handle = a.dispatcher.dispatch_rows(x, routing_map, probs)
-    assert rows.shape[0] == 12 * 2 and int(handle.device_expert_rows.sum()) < 12 * 2 and handle.trailing_rows
+    assert rows.shape[0] == 12 * 2 and int(handle.rows_per_expert.sum()) < 12 * 2 and handle.trailing_rows
 
 
 def test_ep1_bad_probs_raise_at_once_on_cpu():

@@ -77,9 +77,9 @@ def test_bad_inputs():
     x, tpe, _ = routed_batch([1, 2, 3, 4], 64, torch.float32)
     with pytest.raises(ValueError, match="sum to"):
         experts(x, torch.tensor([1, 2, 3, 3]))
-    with pytest.raises(ValueError, match="tokens_per_expert"):
+    with pytest.raises(ValueError, match="rows_per_expert must be"):
         experts(x, torch.tensor([10]))
-    with pytest.raises(ValueError, match="permuted_tokens"):
+    with pytest.raises(ValueError, match="rows must be"):
         experts(x[:, :32], tpe)
     with pytest.raises(ValueError, match="exceed num_experts"):
         GroupedMLP(make_config("gelu"), 2, local_expert_offset=3)

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from moe_dispatch.experts import GroupedMLP, expert_gemm
+from moe_dispatch.experts import ExpertRows, GroupedMLP, expert_gemm
 from moe_dispatch.experts.gemm import grouped_mm_supported
 from tests.dispatcher.harness import value_error_of
 from tests.experts.reference import make_config
@@ -82,10 +82,10 @@ def test_local_experts_collect_per_source_grads():
     experts = GroupedMLP(make_config(hidden=K, ffn=M, num_experts=3), 3, 0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(sum(COUNTS), K, generator=g)
-    counts = torch.tensor(COUNTS)
-    assert "source_grads is None" in value_error_of(lambda: experts(x, counts, None, source_blocks=BLOCKS))
+    rows = ExpertRows(x, host_rows_per_expert=torch.tensor(COUNTS), source_blocks=BLOCKS)
+    assert "source_grads is None" in value_error_of(lambda: experts(rows))
     experts.source_grads = {}
-    experts(x, counts, None, source_blocks=BLOCKS).square().sum().backward()
+    experts(rows).square().sum().backward()
     assert experts.weight1.grad is None and experts.weight2.grad is None
     assert [t.shape for t in experts.source_grads["weight1"]] == [(3, 3, *experts.weight1.shape[1:])]
     assert [t.shape for t in experts.source_grads["weight2"]] == [(3, 3, *experts.weight2.shape[1:])]

@@ -32,7 +32,6 @@ from ...dispatcher import (
     check_expert_output,
     device_of,
     finish,
-    host_tokens_per_expert,
     owner_sum,
     prepare,
     return_rows,
@@ -125,8 +124,8 @@ class MegatronTokenDispatcher:
         recv = dataclasses.replace(sent.recv, hidden=hidden_states, probs=probs)
         rows, handle = finish(dataclasses.replace(sent, recv=recv))
         self._step = _Dispatched(handle)
-        counts = handle.device_expert_rows if handle.trailing_rows else host_tokens_per_expert(handle)
-        return rows, counts, handle.permuted_probs
+        rows_per_expert = handle.rows_per_expert if handle.trailing_rows else handle.host_rows_per_expert
+        return rows, rows_per_expert, handle.permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Expert output [N, H] -> the same rows, checked (see ``check_expert_output``)."""

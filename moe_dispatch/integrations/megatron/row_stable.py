@@ -63,7 +63,7 @@ def make_row_stable(moe_layer: Any, quantize_weights_once: bool = False) -> Any:
             tokens_per_expert = torch.as_tensor(tokens_per_expert)
         offsets, trailing = _expert_offsets(self, tokens_per_expert)
         if _fp8_dispatcher(self) is not None:
-            return _fp8_experts(self, x, tokens_per_expert, offsets, trailing, permuted_probs, activation), None
+            return _fp8_experts(self, x, offsets is not None, permuted_probs, activation), None
         h = expert_linear(x, expert_weights(self, "linear_fc1"), tokens_per_expert, offsets, self, trailing)
         act = activate(h, activation)
         if _experts_apply_probs(self):
@@ -93,37 +93,39 @@ def _fp8_dispatcher(experts: Any) -> Any:
     return None
 
 
-def _fp8_experts(experts: Any, rows: "torch.Tensor", tokens_per_expert: "torch.Tensor",
-                 offsets: Optional["torch.Tensor"], trailing: bool, permuted_probs: "torch.Tensor",
+def _fp8_experts(experts: Any, rows: "torch.Tensor", plan_counts: bool, permuted_probs: "torch.Tensor",
                  activation: str) -> "torch.Tensor":
     """The SequentialMLP experts on the dispatch's FP8 wire rows [N, W] -> [N, H] in the tokens'
     dtype, as our LocalExperts in FP8: fc1 on the rows' fp8 values and per-row scales (their
     gradient to the handle's ``row_grad_sink``), the activation in the tokens' dtype, fc2
     quantising it per row (``fp8_expert_gemm``), the weights read from their stacked storage. A
-    sync-free plan's device counts and trailing rows as they come (nothing read on the host)."""
+    sync-free plan's device counts and trailing rows as they come (nothing read on the host).
+    ``plan_counts``: Megatron passed the plan's own counts (``_expert_offsets``), which the rows
+    then split by (``to_expert_rows``)."""
+    import dataclasses
+
     from ...config import FP8_FORMATS
-    from ...dispatcher import unpack_rows
+    from ...dispatcher import to_expert_rows
     from ...experts import fp8_mlp
     from .experts import expert_weights, stacked_weights
 
     dispatcher = _fp8_dispatcher(experts)
     handle, config = dispatcher.handle, dispatcher.config
-    if handle is None or handle.row_grad_sink is None or offsets is None:
+    if handle is None or handle.row_grad_sink is None or not plan_counts:
         raise ValueError("install(fp8=...): the experts take this step's FP8 rows with the plan's counts "
                          "(dispatch_postprocess's tokens_per_expert), from the layer's dispatcher")
-    q, scales = unpack_rows(rows, config.hidden_size, config.fp8)
+    # Megatron's own rows and probs, split by the plan's counts
+    expert_rows = dataclasses.replace(to_expert_rows(rows, handle), probs=permuted_probs)
     # [El, out, in] stacks, transposed to fp8_expert_gemm's [E, K, M] (no copy)
     fc1, fc2 = expert_weights(experts, "linear_fc1"), expert_weights(experts, "linear_fc2")
     w1 = stacked_weights(fc1, experts).transpose(1, 2)
     w2 = stacked_weights(fc2, experts).transpose(1, 2)
-    probs = permuted_probs if _experts_apply_probs(experts) else None
     fp8_dtype = FP8_FORMATS[config.fp8]
     operands = None
     if experts._moe_dispatch_quantize_weights_once:
         operands = _weights_quantised_once(experts, [*fc1, *fc2], w1, w2, fp8_dtype)
-    return fp8_mlp(q, scales, w1, w2, tokens_per_expert, offsets, fp8_dtype, activation, probs,
-                   handle.row_grad_sink, trailing, weight_operands=operands,
-                   fp8_wgrad=megatron_fp8_wgrad(experts.config))
+    return fp8_mlp(expert_rows, w1, w2, activation, apply_probs=_experts_apply_probs(experts), fp8_dtype=fp8_dtype,
+                   weight_operands=operands, fp8_wgrad=megatron_fp8_wgrad(experts.config))
 
 
 def _weights_quantised_once(experts: Any, weights: list, w1: "torch.Tensor", w2: "torch.Tensor",
@@ -160,12 +162,11 @@ def _expert_offsets(experts: Any, tokens_per_expert: "torch.Tensor") -> tuple[Op
     ``trailing_rows``) when tokens_per_expert is this step's own (the plan's CPU counts, or a
     sync-free step's device counts), so grouped_mm copies and reads nothing on the host; else
     (None, False)."""
-    from ...dispatcher import host_tokens_per_expert
     from .dispatcher import MegatronTokenDispatcher
 
     dispatcher = getattr(experts, "_moe_dispatch_dispatcher", None)
     handle = dispatcher.handle if isinstance(dispatcher, MegatronTokenDispatcher) else None
-    if handle is not None and (handle.device_expert_rows is tokens_per_expert
-                               or (not handle.trailing_rows and host_tokens_per_expert(handle) is tokens_per_expert)):
+    if handle is not None and (handle.rows_per_expert is tokens_per_expert
+                               or (not handle.trailing_rows and handle.host_rows_per_expert is tokens_per_expert)):
         return handle.expert_offsets, handle.trailing_rows
     return None, False

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ...dispatcher import pack_rows, unpack_rows
+from ...experts import ExpertRows
 from .args import DTYPES
 from .contract import Result, bitwise, check_tokens, gather_results, largest_diff, progress
 
@@ -57,7 +58,7 @@ def expert_outputs(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tenso
     else:  # the rows as the dispatch delivers them: quantised per token, with their scales
         q, scales = unpack_rows(pack_rows(routed, config.fp8), config.hidden_size, config.fp8)
         sink = torch.zeros((), dtype=x.dtype, device=x.device).expand(routed.shape)
-        out = experts(q, counts, row_scales=scales, row_grad_sink=sink)
+        out = experts(ExpertRows(q, host_rows_per_expert=counts, row_scales=scales, row_grad_sink=sink))
     y = torch.zeros((x.shape[0], config.num_experts, x.shape[1]), dtype=out.dtype, device=x.device)
     for e, (r, block) in enumerate(zip(rows, out.split(counts.tolist()))):
         y[r, e] = block
