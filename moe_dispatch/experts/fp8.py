@@ -2,7 +2,7 @@
 
 Interface (the one public function)::
 
-    fp8_expert_gemm(x, x_scales, w, tokens_per_expert, offsets=None,
+    fp8_expert_gemm(x, x_scales, w, rows_per_expert, offsets=None,
                     fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, *, grad_sink=None,
                     trailing_rows=False, weight_operands=None, fp8_wgrad=True, source_blocks=None,
                     sink=None) -> out [N, M]
@@ -15,9 +15,9 @@ Interface (the one public function)::
     it receives the gradient in its own dtype. Without it only ``w`` gets a gradient.
   * or unquantised bf16/fp16/fp32 with ``x_scales=None`` (fc2, whose input is the activation):
     quantised here per row; its gradient is in x's dtype.
-- ``w`` [E, K, M] bf16/fp16/fp32 master weights, the gradient in w's dtype. ``tokens_per_expert`` [E]
+- ``w`` [E, K, M] bf16/fp16/fp32 master weights, the gradient in w's dtype. ``rows_per_expert`` [E]
   int (CPU or device), summing to N. ``offsets``: optional int32 [E] cumulative row ends on x's device
-  (as for `expert_gemm`), saving a host-to-device copy when ``tokens_per_expert`` is on the CPU.
+  (as for `expert_gemm`), saving a host-to-device copy when ``rows_per_expert`` is on the CPU.
   ``trailing_rows`` (a sync-free dispatch's buffer): the counts may sum to n <= N; rows [n, N) belong
   to no expert, their outputs and gradients are unspecified on CUDA (zeros on the CPU) and they add
   nothing to w's gradient.
@@ -76,8 +76,7 @@ from ..numerics.fixed_order import ordered_mm
 from ..numerics.rounding import round_up
 from ..ops.quantize import dequantize_rows, quantize_group_columns, quantize_rows
 from .activations import activate, scale_rows
-from .gemm import SourceBlocks, _check_blocks, source_weight_grads
-from .gemm import _counts as host_counts
+from .gemm import SourceBlocks, _check_blocks, _host_rows, source_weight_grads
 from .rows import ExpertRows
 
 # wgrad's group row counts are padded to this for the CUDA kernel (rows multiple of 16).
@@ -237,10 +236,10 @@ def _wide_wgrad(x: torch.Tensor, x_scales: torch.Tensor, grad: torch.Tensor, w_s
 
 class _Fp8ExpertGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, x_scales, w, grad_sink, tokens_per_expert, offsets, fp8_dtype, out_dtype,  # type: ignore[override]
+    def forward(ctx, x, x_scales, w, grad_sink, rows_per_expert, offsets, fp8_dtype, out_dtype,  # type: ignore[override]
                 trailing_rows, fp8_wgrad, per_source, wq_forward, sw_forward, wq_dgrad, sw_dgrad):
         cuda = x.device.type == "cuda"
-        counts = None if cuda else host_counts(tokens_per_expert, x.shape[0], trailing_rows)  # a CPU tensor
+        counts = None if cuda else _host_rows(rows_per_expert, x.shape[0], trailing_rows)  # a CPU tensor
         # Where the rows' gradient goes: x itself (quantised here), or the sink of pre-quantised rows.
         sink_dtype = None if grad_sink is None else grad_sink.dtype
         ctx.rows_index, ctx.rows_grad_dtype = (0, x.dtype) if x_scales is None else (3, sink_dtype)
@@ -252,7 +251,7 @@ class _Fp8ExpertGemm(torch.autograd.Function):
         else:
             wq, sw = wq_forward, sw_forward
         out = _rows_mm(x, x_scales, wq, sw, offsets, counts, out_dtype)
-        ctx.save_for_backward(x, x_scales, w, tokens_per_expert, offsets, wq_dgrad, sw_dgrad)
+        ctx.save_for_backward(x, x_scales, w, rows_per_expert, offsets, wq_dgrad, sw_dgrad)
         ctx.args = (counts, fp8_dtype, out_dtype, fp8_wgrad)
         ctx.per_source = per_source  # (blocks, sink) or None
         return out
@@ -260,7 +259,7 @@ class _Fp8ExpertGemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         refuse_double_backward("fp8_expert_gemm")
-        x, x_scales, w, tokens_per_expert, offsets, wq_dgrad, sw_dgrad = ctx.saved_tensors
+        x, x_scales, w, rows_per_expert, offsets, wq_dgrad, sw_dgrad = ctx.saved_tensors
         counts, fp8_dtype, out_dtype, fp8_wgrad = ctx.args
         cuda = x.device.type == "cuda"
         grad = _dense(grad)
@@ -307,7 +306,7 @@ def _check_weight_operands(operands: Optional[Tuple[torch.Tensor, ...]], w: torc
                          f"{[(list(shape), dtype) for shape, dtype in expected]}, got {got or type(operands).__name__}")
 
 
-def _check(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.Tensor, tokens_per_expert: torch.Tensor,
+def _check(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.Tensor, rows_per_expert: torch.Tensor,
            offsets: Optional[torch.Tensor], fp8_dtype: torch.dtype, out_dtype: torch.dtype,
            grad_sink: Optional[torch.Tensor]) -> None:
     if fp8_dtype != torch.float8_e4m3fn:
@@ -333,9 +332,9 @@ def _check(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.Tensor, t
                                       or grad_sink.device != x.device):
             raise ValueError(f"grad_sink must be a bf16/fp16/fp32 tensor {list(x.shape)} on {x.device}, got "
                              f"{grad_sink.dtype} {list(grad_sink.shape)} on {grad_sink.device}")
-    if tokens_per_expert.shape != (e,) or tokens_per_expert.is_floating_point():
-        raise ValueError(f"tokens_per_expert must be an integer tensor [{e}], got {tokens_per_expert.dtype} "
-                         f"{list(tokens_per_expert.shape)}")
+    if rows_per_expert.shape != (e,) or rows_per_expert.is_floating_point():
+        raise ValueError(f"rows_per_expert must be an integer tensor [{e}], got {rows_per_expert.dtype} "
+                         f"{list(rows_per_expert.shape)}")
     kind = x.device.type
     if kind not in _OUT_DTYPES or out_dtype not in _OUT_DTYPES[kind]:
         raise ValueError(f"out_dtype on {kind} must be one of {_OUT_DTYPES.get(kind, ())}, got {out_dtype}")
@@ -349,7 +348,7 @@ def _check(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.Tensor, t
 
 
 def fp8_expert_gemm(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.Tensor,
-                    tokens_per_expert: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                    rows_per_expert: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                     fp8_dtype: torch.dtype = torch.float8_e4m3fn, out_dtype: torch.dtype = torch.bfloat16, *,
                     grad_sink: Optional[torch.Tensor] = None, trailing_rows: bool = False,
                     weight_operands: Optional[Tuple[torch.Tensor, ...]] = None, fp8_wgrad: bool = True,
@@ -366,15 +365,15 @@ def fp8_expert_gemm(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.
         if fp8_wgrad or sink is None or trailing_rows:
             raise ValueError("source_blocks (per-source weight gradients) need fp8_wgrad=False (FP8 wgrad's column "
                              "scales span every source's rows), a sink and a dropless dispatch (trailing_rows=False)")
-        per_source = (_check_blocks(source_blocks, tokens_per_expert, w.shape[0]), sink)
-    _check(x, x_scales, w, tokens_per_expert, offsets, fp8_dtype, out_dtype, grad_sink)
+        per_source = (_check_blocks(source_blocks, rows_per_expert, w.shape[0]), sink)
+    _check(x, x_scales, w, rows_per_expert, offsets, fp8_dtype, out_dtype, grad_sink)
     _check_weight_operands(weight_operands, w, fp8_dtype)
     if x.device.type == "cuda" and offsets is None:
         # A CPU tensor here is a pageable host-to-device copy per call: pass offsets to avoid it.
-        offsets = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
+        offsets = torch.cumsum(rows_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
     if x.device.type == "cpu":
         offsets = None  # the twin reads the host counts
-    return _Fp8ExpertGemm.apply(x, x_scales, w, grad_sink, tokens_per_expert, offsets, fp8_dtype, out_dtype,
+    return _Fp8ExpertGemm.apply(x, x_scales, w, grad_sink, rows_per_expert, offsets, fp8_dtype, out_dtype,
                                 trailing_rows, fp8_wgrad, per_source, *(weight_operands or (None,) * 4))
 
 

@@ -1,7 +1,7 @@
 """Expert GEMMs: ``out[rows of e] = x[rows of e] @ w[e]`` for every local expert e.
 
 ``x`` is [N, K] with rows expert-major (expert 0's rows, then expert 1's, ...), ``w`` is
-[E, K, M] and ``tokens_per_expert`` is [E] (int, CPU or device; it must sum to N). Result [N, M].
+[E, K, M] and ``rows_per_expert`` is [E] (int, CPU or device; it must sum to N). Result [N, M].
 
 Strategies, picked by `select_gemm`:
 
@@ -90,12 +90,12 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def _counts(tokens_per_expert: torch.Tensor, n_rows: int, trailing_rows: bool = False) -> List[int]:
+def _host_rows(rows_per_expert: torch.Tensor, n_rows: int, trailing_rows: bool = False) -> List[int]:
     """Host counts (a device tensor is read here: a host sync on CUDA, only on these paths)."""
-    counts = [int(c) for c in tokens_per_expert.tolist()]
+    counts = [int(c) for c in rows_per_expert.tolist()]
     total = sum(counts)
     if (total > n_rows if trailing_rows else total != n_rows) or min(counts, default=0) < 0:
-        raise ValueError(f"tokens_per_expert {counts} must be >= 0 and sum to "
+        raise ValueError(f"rows_per_expert {counts} must be >= 0 and sum to "
                          f"{'at most ' if trailing_rows else ''}the {n_rows} input rows")
     return counts
 
@@ -127,14 +127,14 @@ class _GroupedMM(torch.autograd.Function):
         return gx, gw, None
 
 
-def _grouped(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor,
+def _grouped(x: torch.Tensor, w: torch.Tensor, rows_per_expert: torch.Tensor,
              offsets: Optional[torch.Tensor], trailing_rows: bool = False,
              per_source: Optional[tuple] = None) -> torch.Tensor:
-    if tokens_per_expert.device.type == "cpu":
-        _counts(tokens_per_expert, x.shape[0], trailing_rows)  # cheap check; a device tensor would need a sync
+    if rows_per_expert.device.type == "cpu":
+        _host_rows(rows_per_expert, x.shape[0], trailing_rows)  # cheap check; a device tensor would need a sync
     if offsets is None:
         # A CPU tensor here is a pageable host-to-device copy per call: pass offsets to avoid it.
-        offsets = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
+        offsets = torch.cumsum(rows_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
     elif offsets.shape != (w.shape[0],) or offsets.dtype != torch.int32 or offsets.device != x.device:
         raise ValueError(f"offsets must be int32 [{w.shape[0]}] on {x.device}, got {offsets.dtype} "
                          f"{list(offsets.shape)} on {offsets.device}")
@@ -273,14 +273,14 @@ def source_weight_grads(x: torch.Tensor, grad: torch.Tensor, blocks: SourceBlock
     return groups.index_select(0, index).view(E, P, K, M)
 
 
-def _check_blocks(blocks: SourceBlocks, tokens_per_expert: torch.Tensor, num_experts: int) -> SourceBlocks:
+def _check_blocks(blocks: SourceBlocks, rows_per_expert: torch.Tensor, num_experts: int) -> SourceBlocks:
     """ValueError unless ``blocks`` is [E][P] of (first row, rows) tiling each expert's rows from its
     first row on, in order (host counts only; device counts are not read)."""
     widths = {len(row) for row in blocks}
     if len(blocks) != num_experts or len(widths) != 1 or 0 in widths:
         raise ValueError(f"source_blocks must be [{num_experts}][P] (first row, rows) pairs, got "
                          f"{[len(row) for row in blocks]} per expert")
-    counts = tokens_per_expert.tolist() if tokens_per_expert.device.type == "cpu" else None
+    counts = rows_per_expert.tolist() if rows_per_expert.device.type == "cpu" else None
     start = 0
     for e, row in enumerate(blocks):
         cursor = row[0][0]
@@ -301,7 +301,7 @@ def _check_blocks(blocks: SourceBlocks, tokens_per_expert: torch.Tensor, num_exp
 def expert_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
-    tokens_per_expert: torch.Tensor,
+    rows_per_expert: torch.Tensor,
     strategy: GemmStrategy,
     row_tile: int = 0,
     offsets: Optional[torch.Tensor] = None,
@@ -309,15 +309,15 @@ def expert_gemm(
     source_blocks: Optional[SourceBlocks] = None,
     sink: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> torch.Tensor:
-    """``x`` [N, K] expert-major, ``w`` [E, K, M], ``tokens_per_expert`` [E] -> [N, M].
+    """``x`` [N, K] expert-major, ``w`` [E, K, M], ``rows_per_expert`` [E] -> [N, M].
 
-    ``trailing_rows``: tokens_per_expert may sum to less than N (a sync-free dispatch's buffer);
+    ``trailing_rows``: rows_per_expert may sum to less than N (a sync-free dispatch's buffer);
     the rows after the last expert's block belong to no expert: zeros on the loop paths,
-    unspecified on "grouped" (nothing of ours reads them). tokens_per_expert may then be a device
+    unspecified on "grouped" (nothing of ours reads them). rows_per_expert may then be a device
     tensor: "grouped" never reads it; the loop paths read it (a host sync on CUDA).
 
     ``row_tile`` (``"tiled"`` only): rows per GEMM call, 0 means ``DEFAULT_ROW_TILE``.
-    ``offsets``: optional int32 [E] on x's device, the cumulative sum of tokens_per_expert (what
+    ``offsets``: optional int32 [E] on x's device, the cumulative sum of rows_per_expert (what
     ``"grouped"`` needs; the dispatcher's ``handle.expert_offsets``): saves a host-to-device copy.
     ``source_blocks`` ([E][P] (first row, rows), see `source_weight_grads`) with ``sink``: the weight
     gradient is computed per (expert, source) block and passed to ``sink`` as [E, P, K, M] (w itself
@@ -328,13 +328,13 @@ def expert_gemm(
     if source_blocks is not None:
         if sink is None or trailing_rows:
             raise ValueError("source_blocks needs a sink and a dropless dispatch (trailing_rows=False)")
-        per_source = (_check_blocks(source_blocks, tokens_per_expert, w.shape[0]), sink)
+        per_source = (_check_blocks(source_blocks, rows_per_expert, w.shape[0]), sink)
     if strategy == "grouped":
-        return _grouped(x, w, tokens_per_expert, offsets, trailing_rows, per_source)
+        return _grouped(x, w, rows_per_expert, offsets, trailing_rows, per_source)
     tiles = {"ordered": None, "loop": 0, "tiled": row_tile or DEFAULT_ROW_TILE}
     if strategy not in tiles:
         raise ValueError(f"unknown GEMM strategy {strategy!r}, expected one of grouped, {', '.join(tiles)}")
-    counts = _counts(tokens_per_expert, x.shape[0], trailing_rows)
+    counts = _host_rows(rows_per_expert, x.shape[0], trailing_rows)
     if per_source is not None:
         return _PerSourceMM.apply(x, w, None, counts, tiles[strategy], *per_source)
     return _LoopMM.apply(x, w, counts, tiles[strategy])

@@ -1,7 +1,8 @@
 """The staged dispatch (prepare, send, finish, return_rows, owner_sum) misused: records sent in
 another order or replaced on one rank (2 gloo ranks, one spawn under a timeout, each case on a
 group with a 10 s timeout: the same ValueError on both ranks, never a hang or a gloo abort), and
-stages given another stage's record or another dispatch's (one process)."""
+stages given another stage's record or another dispatch's (one process); ``to_expert_rows``, the
+experts' input record built from the handle."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from moe_dispatch import GroupedMLP, MoEConfig
 from moe_dispatch.dispatcher import (
     check_expert_output,
     combine,
@@ -18,10 +20,12 @@ from moe_dispatch.dispatcher import (
     prepare,
     return_rows,
     send,
+    to_expert_rows,
+    unpack_rows,
 )
 
 from .harness import run_ranks, value_error_of
-from .helpers import batch, config
+from .helpers import E, H, K, batch, config
 from .staged_workers import CASES, staged_worker
 
 
@@ -164,3 +168,60 @@ def test_staged_and_whole_dispatch_agree_at_ep1():
     staged = owner_sum(return_rows(check_expert_output(rows * 2, handle), handle), handle)
     rows2, _, handle2 = dispatch(data["x"], data["rmap"], data["probs"], config())
     assert torch.equal(staged, combine(rows2 * 2, handle2))
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_to_expert_rows_carries_the_handles_split(sync_free):
+    """Issue 49 item 4: the experts' input is one record built from the handle. Dropless: the
+    plan's host counts and, on request, its per-source blocks; sync-free: the device counts only
+    (host ones would cost a host read) and the trailing rows, never blocks."""
+    cfg = config(sync_free=sync_free) if sync_free else config()
+    _, _, rows, handle = _step(0, cfg)
+    record = to_expert_rows(rows, handle)
+    assert record.rows is rows and record.row_scales is None and record.row_grad_sink is None
+    assert record.rows_per_expert is handle.rows_per_expert and record.offsets is handle.expert_offsets
+    assert record.probs is handle.permuted_probs and record.trailing_rows == sync_free
+    assert record.source_blocks is None
+    with_blocks = to_expert_rows(rows, handle, source_blocks=True)
+    if sync_free:
+        assert record.host_rows_per_expert is None and with_blocks.source_blocks is None
+        assert record.gemm_counts is handle.rows_per_expert
+    else:
+        assert torch.equal(record.host_rows_per_expert, handle.rows_per_expert)
+        assert record.gemm_counts is record.host_rows_per_expert
+        assert with_blocks.source_blocks == handle.source_blocks
+    assert value_error_of(lambda: to_expert_rows(rows, rows)) == (
+        "to_expert_rows expects the DispatchHandle from finish() or dispatch(); got a Tensor")
+
+
+def test_to_expert_rows_unpacks_the_fp8_wire():
+    data = batch(torch.bfloat16, seed=2, n=12)
+    prepared = prepare(data["x"], data["rmap"], data["probs"], config(fp8="e4m3"))
+    wire, handle = finish(send(prepared))
+    record = to_expert_rows(wire, handle)
+    q, scales = unpack_rows(wire, H, "e4m3")
+    assert record.rows.dtype == torch.float8_e4m3fn and torch.equal(record.rows.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(record.row_scales, scales) and record.row_grad_sink is handle.row_grad_sink
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_experts_on_the_record_are_bitwise_the_plain_call(sync_free):
+    """The record changes no result: experts(to_expert_rows(rows, handle)) (a sync-free plan's whole
+    buffer, trailing rows included) is bitwise ``dispatch()``'s rows and host counts given loose."""
+    moe = MoEConfig(hidden_size=H, num_experts=E, topk=K, ffn_hidden_size=32, probs_in_experts=True)
+    cfg = moe.dispatch_config().replace(sync_free=sync_free)
+    experts = GroupedMLP(moe, E)
+    data = batch(torch.float32, seed=4, n=12)
+    x = data["x"].requires_grad_()
+    rows, handle = finish(send(prepare(x, data["rmap"], data["probs"], cfg)))
+    out = combine(experts(to_expert_rows(rows, handle)), handle)
+    out.backward(data["r"])
+    grads = [x.grad] + [p.grad for p in experts.parameters()]
+    x.grad = None
+    experts.zero_grad(set_to_none=True)
+    rows2, counts, handle2 = dispatch(x, data["rmap"], data["probs"], cfg)
+    out2 = combine(experts(rows2, counts, handle2.permuted_probs, offsets=handle2.expert_offsets), handle2)
+    out2.backward(data["r"])
+    assert torch.equal(out, out2)
+    for a, b in zip(grads, [x.grad] + [p.grad for p in experts.parameters()]):
+        assert torch.equal(a, b)

@@ -253,7 +253,7 @@ def test_trailing_rows_change_nothing(prequant, fp8_wgrad):
         gx = xr.grad
     assert torch.equal(out[:30], ref[0]) and torch.equal(gx[:30], ref[1]) and torch.equal(wb.grad, ref[2])
     assert not out[30:].any()
-    with pytest.raises(ValueError, match="tokens_per_expert"):
+    with pytest.raises(ValueError, match="rows_per_expert"):
         fp8_expert_gemm(xb, None, w, tokens)
 
 
@@ -270,7 +270,7 @@ def test_bad_arguments_name_them():
     q, s = quantize_rows(x, E4M3)
     with pytest.raises(ValueError, match="x_scales"):
         fp8_expert_gemm(q, s[:3], w, torch.tensor([1, 3]))
-    with pytest.raises(ValueError, match="tokens_per_expert"):
+    with pytest.raises(ValueError, match="rows_per_expert"):
         fp8_expert_gemm(x, None, w, torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="out_dtype"):
         fp8_expert_gemm(x, None, w, torch.tensor([1, 3]), out_dtype=torch.float64)
