@@ -69,7 +69,7 @@ from ..distributed.agreement import (
     DeviceProblem,
     InputProblem,
 )
-from ..ops.fingerprint import bits_fingerprint
+from ..ops import bits_fingerprint
 from .fp8 import quantize_weight
 
 _steps = 0  # optimizer steps begun in this process since the first handle was made
