@@ -2,9 +2,9 @@
 Megatron-LM's ``pretrain_gpt.py --spec`` calls it (core_v0.19.0 and HEAD), and a GPTModel built
 from it on one CPU gloo rank.
 
-Megatron-LM's ``megatron.training`` is not part of the megatron-core wheel, and HEAD's
-``megatron/training/models/gpt.py`` needs Python 3.12 (``typing.override``). Where it does not
-import, ``install_default_layer_spec_stand_in`` puts a STAND-IN module under its name whose
+Megatron-LM's ``megatron.training`` is not part of the megatron-core wheel; from a Megatron-LM source
+tree on PYTHONPATH it imports (Python 3.11 needs ``tests.megatron_cpu.apply_typing_override``). Where
+it does not import, ``install_default_layer_spec_stand_in`` puts a STAND-IN module under its name whose
 ``default_layer_spec(config, vp_stage)`` is HEAD's MoE branch: ``get_gpt_decoder_block_spec(
 config.transformer, use_transformer_engine=..., normalization=..., qk_l2_norm=..., vp_stage=...)``
 with ``config`` a GPTModelConfig (here: an object with ``.transformer``).
@@ -23,7 +23,12 @@ H, VOCAB, SEQ, BATCH = 64, 64, 16, 2
 
 
 def real_default_layer_spec_imports() -> bool:
-    """Whether Megatron-LM's own megatron.training.models.gpt imports here (not the stand-in)."""
+    """Whether Megatron-LM's own megatron.training.models.gpt imports here (not the stand-in); a
+    Megatron-LM source tree first on PYTHONPATH (MEGATRON_SOURCE of scripts/test_megatron_versions.sh)
+    provides it, on Python 3.11 through ``apply_typing_override``."""
+    from tests.megatron_cpu import apply_typing_override
+
+    apply_typing_override()
     try:
         from megatron.training.models import gpt
     except (ImportError, SyntaxError):
@@ -71,14 +76,17 @@ def gpt_model_config(**extra):
     return SimpleNamespace(transformer=transformer_config(**extra))
 
 
-def mlp_modules(spec) -> list:
-    """The MLP module (class) of each layer spec of a block spec."""
+def mlp_kinds(spec) -> list:
+    """Per layer spec of a block spec: the MoE layer class's name, or 'dense' (Megatron's MLP, a
+    ModuleSpec or, from 0.19, a partial of its builder)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     out = []
     for layer in spec.layer_specs:
         mlp = layer.submodules.mlp
-        out.append(mlp.module if isinstance(mlp, ModuleSpec) else getattr(mlp, "func", mlp))
+        module = mlp.module if isinstance(mlp, ModuleSpec) else getattr(mlp, "func", mlp)
+        name = getattr(module, "__name__", str(module))
+        out.append(name if name in ("MoELayer", "DeterministicMoELayer") else "dense")
     return out
 
 
@@ -115,7 +123,7 @@ def build_worker(rank: int, world_size: int) -> dict:
     config = gpt_model_config()
     spec = layer_spec(config, vp_stage=None)
     specs = {"ours": spec, "ours_fp8": fp8_layer_spec(config, vp_stage=None), "stock": default_layer_spec(config, None)}
-    spec_mlps = {name: [m.__name__ for m in mlp_modules(s)] for name, s in specs.items()}
+    spec_mlps = {name: mlp_kinds(s) for name, s in specs.items()}
     spec_options = {name: [_options(layer.submodules.mlp) for layer, f in zip(s.layer_specs, LAYER_FREQ) if f]
                     for name, s in specs.items() if name != "stock"}
     model = GPTModel(config=config.transformer, transformer_layer_spec=spec, vocab_size=VOCAB,
@@ -128,7 +136,7 @@ def build_worker(rank: int, world_size: int) -> dict:
     loss.backward()
     grads = [p.grad is not None for layer in mlps for p in layer.parameters()]
     out = dict(mlps=[type(m).__name__ for m in mlps], installed=[is_installed(m) for m in mlps],
-               loss=float(loss), all_grads=all(grads), spec_mlps=spec_mlps, spec_options=spec_options)
+               loss=float(loss.detach()), all_grads=all(grads), spec_mlps=spec_mlps, spec_options=spec_options)
     parallel_state.destroy_model_parallel()
     dist.barrier()
     return out

@@ -58,9 +58,9 @@ def test_mixed_dense_and_moe_layers(built):
     """--moe-layer-freq [0, 1, 0, 1]: in the spec, the MoE layers' MLPs become DeterministicMoELayer
     (with our FP8 for deterministic_layer_spec_fp8), the dense layers keep Megatron's MLP; Megatron's
     own default_layer_spec, called after ours, is untouched (ours changes a copy)."""
-    moe = ["MLP" if f == 0 else "DeterministicMoELayer" for f in LAYER_FREQ]
+    moe = ["dense" if f == 0 else "DeterministicMoELayer" for f in LAYER_FREQ]
     assert built["spec_mlps"] == {"ours": moe, "ours_fp8": moe,
-                                  "stock": ["MLP" if f == 0 else "MoELayer" for f in LAYER_FREQ]}, built
+                                  "stock": ["dense" if f == 0 else "MoELayer" for f in LAYER_FREQ]}, built
     assert built["spec_options"] == {"ours": [(None, True)] * 2, "ours_fp8": [("e4m3", True)] * 2}, built
 
 
