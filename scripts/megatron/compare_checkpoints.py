@@ -78,13 +78,34 @@ def compare(reference: dict, other: dict) -> dict:
     return result
 
 
+def same_files(a_dir: str, b_dir: str) -> tuple[int, list]:
+    """(files compared, names that differ) of the tensor files (*.distcp) of two checkpoints' latest
+    iterations, byte for byte: the fallback when torch cannot read the checkpoint as a state dict."""
+    a, b = _iteration_dir(a_dir), _iteration_dir(b_dir)
+    names = sorted(n for n in os.listdir(a) if n.endswith(".distcp"))
+    differ = [n for n in names if not os.path.exists(os.path.join(b, n))
+              or open(os.path.join(a, n), "rb").read() != open(os.path.join(b, n), "rb").read()]
+    return len(names), differ
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("save_dirs", nargs="+", help="the first is the reference")
     args = parser.parse_args(argv)
     if len(args.save_dirs) < 2:
         parser.error("give at least two checkpoints")
-    reference = load_flat(args.save_dirs[0])
+    try:
+        reference = load_flat(args.save_dirs[0])
+    except Exception as exc:  # noqa: BLE001  (any reader failure: fall back to the files' bytes)
+        print(f"cannot read {args.save_dirs[0]} as a state dict ({type(exc).__name__}: {exc}); comparing the "
+              "*.distcp files byte for byte instead (equal files: equal tensors; unequal: inconclusive)")
+        ok = True
+        for save_dir in args.save_dirs[1:]:
+            count, differ = same_files(args.save_dirs[0], save_dir)
+            print(f"checkpoint {save_dir} vs {args.save_dirs[0]}: {count} tensor files, {len(differ)} differ {differ}")
+            ok = ok and count > 0 and not differ
+        print("checkpoints: " + ("FILES BYTE-EQUAL" if ok else "FILES DIFFER (inconclusive)"))
+        return 0 if ok else 1
     ok = True
     for save_dir in args.save_dirs[1:]:
         r = compare(reference, load_flat(save_dir))

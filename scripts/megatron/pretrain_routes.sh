@@ -133,8 +133,8 @@ for route in $ROUTES; do
     esac
 done
 
-for f in "$WORK"/logs/*.log; do
-    echo "===== $(basename "$f" .log)"; grep -v -E "^\s*$" "$f"
+for f in "$WORK"/logs/*.log; do  # without Megatron's dump of its arguments ("  name ...... value")
+    echo "===== $(basename "$f" .log)"; grep -v -E "^\s*$|\.{6,}" "$f"
 done > "$OUT/routes_logs.txt"
 echo
 $PY scripts/megatron/routes_report.py "$WORK/logs" --warmup 5 | tee "$OUT/routes_report.txt"
