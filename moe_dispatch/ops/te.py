@@ -283,7 +283,7 @@ def moe_unpermute(
             T, X = merging_probs.shape
         else:
             T, X = row_id_map.shape[0], 1
-        slots = te_maps.index_map_slots(row_id_map, T)
+        slots = te_maps.index_map_slots(row_id_map, T, X)
         probs_shape = [T, X]
     else:
         raise ValueError(f"map_type must be 'mask' or 'index', got {map_type!r}")

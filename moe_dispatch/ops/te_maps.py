@@ -135,10 +135,9 @@ def index_slots(indices: torch.Tensor, num_out_tokens: int) -> tuple[torch.Tenso
     return _te_index_slots_op(indices, num_out_tokens)
 
 
-def index_map_slots(row_id_map: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def index_map_slots(row_id_map: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:
     """TE's index row_id_map int [T * K] (entry k * T + t) -> slots int32 [T, 2K + 1]. Values are
     not checked: the kernels skip rows outside [0, N)."""
-    topk = row_id_map.shape[0] // num_tokens if num_tokens else 0
     return slots_from_rows(row_id_map.view(topk, num_tokens).t())
 
 
