@@ -2,7 +2,7 @@
 
 Each op takes tensors and ints only and has a fake implementation for torch.compile; the ones with
 a backward register it here. ``_impl`` picks the backend per call: the Triton kernels
-(triton_kernels.py) for CUDA tensors, the pure-torch twin (torch_twin.py) for CPU tensors, or one
+(kernels/) for CUDA tensors, the pure-torch twin (torch_twin.py) for CPU tensors, or one
 forced by ``set_backend``. Arguments added after an op's first release come last, with defaults,
 so calls written against the older schema keep working.
 """
@@ -38,8 +38,8 @@ def _impl(x: torch.Tensor):
     use_triton = _backend == "triton" or (_backend == "auto" and x.is_cuda)
     if not use_triton:
         return torch_twin
-    from . import triton_kernels  # imported lazily: CPU-only users need no Triton
-    return triton_kernels
+    from . import kernels  # imported lazily: CPU-only users need no Triton
+    return kernels
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_dispatch.ops import triton_kernels as KT
+from moe_dispatch.ops import kernels as KT
 from moe_dispatch.tools.profiling import graph_median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for bench_ops

@@ -27,7 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moe_dispatch.ops import triton_kernels as K  # noqa: E402
+from moe_dispatch.ops.kernels import quantize as K  # noqa: E402
 
 E4M3 = 448.0
 REGISTERS_PER_SM, THREADS_PER_SM, PROGRAMS_PER_SM = 65536, 2048, 32
