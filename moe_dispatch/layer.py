@@ -19,7 +19,7 @@ from .dispatcher import DispatchHandle, build_dispatcher, host_tokens_per_expert
 from .distributed.agreement import hidden_states_problem
 from .distributed.comm import group_key, group_size_rank
 from .experts import GroupedMLP, SequentialMLP, layer_seed
-from .experts.fp8_weights import Fp8ExpertWeights, fp8_weights_problem
+from .experts.fp8_weights import Fp8ExpertWeights, fp8_weights_bits_problem, fp8_weights_problem
 from .parallel import check_ddp, check_fsdp
 from .router import TopKRouter
 
@@ -88,7 +88,7 @@ class MoELayer(nn.Module):
         blocks = handle.source_blocks if self.experts.source_grads is not None and not trailing else None
         out = self.experts(q, counts, handle.permuted_probs, offsets=handle.expert_offsets, row_scales=scales,
                            row_grad_sink=handle.row_grad_sink, trailing_rows=trailing, fp8_weights=fp8_weights,
-                           source_blocks=blocks)
+                           fp8_weights_checked=True, source_blocks=blocks)
         return out, handle
 
     @property
@@ -128,8 +128,11 @@ class MoELayer(nn.Module):
         if not self.dispatcher.agreed:
             self.dispatcher.agree(device, [*self.config.field_values(), ("layer_index", self.layer_index)])
         problem = hidden_states_problem(hidden_states, self.config.hidden_size, device)
+        bits_problem = None  # the handle's weights' bits compared on the device: carried by the dispatch
         if problem is None and fp8_weights is not None:
             problem = fp8_weights_problem(fp8_weights, self.experts)
+            if problem is None:
+                bits_problem = fp8_weights_bits_problem(fp8_weights, self.experts)
         agreed = self.dispatcher.static_agreed_input() if problem is not None else None
         if agreed is not None:
             # Sync-free at EP > 1 after its first step: the peers are in no size exchange, so this rank
@@ -149,7 +152,8 @@ class MoELayer(nn.Module):
         # rank whose inputs and experts need no gradient still runs the backward's exchanges.
         experts_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.experts.parameters())
         expert_input, handle = self.dispatcher.dispatch_rows(None if agreed else tokens, routing_map, probs,
-                                                             experts_need_grad=experts_grad)
+                                                             experts_need_grad=experts_grad,
+                                                             device_problem=bits_problem)
         if self.config.fp8 is not None:
             expert_output, handle = self._fp8_experts(expert_input, handle, fp8_weights)
         elif handle.trailing_rows:  # sync-free: device counts, read only by a GEMM path that needs them

@@ -30,12 +30,13 @@ import traceback
 import torch
 import torch.distributed as dist
 import triton
-from bench_ops import routing, time_host_calls  # python puts this script's folder first on its path
+from bench_ops import time_host_calls  # python puts this script's folder first on its path
 
 from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.config import DISPATCHER_KINDS
 from moe_dispatch.dispatcher import build_dispatcher
 from moe_dispatch.tools import profiling
+from moe_dispatch.tools.benchmarks import routing
 from moe_dispatch.tools.capture import capture_step
 
 DEVICE = torch.device("cuda")

@@ -47,6 +47,7 @@ from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.numerics.rounding import round_up
 from moe_dispatch.ops import dequantize_rows, quantize_group_columns, quantize_rows
 from moe_dispatch.ops import kernels as KT
+from moe_dispatch.tools.benchmarks import add_shape_args, layer_inputs, layer_step
 from moe_dispatch.tools.capture import capture_step
 from moe_dispatch.tools.profiling import graph_median_ms, median_ms
 
@@ -73,38 +74,6 @@ def captured(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, eager: 
     torch.cuda.synchronize()
     same = torch.equal(out, eager[0]) and torch.equal(xs.grad, eager[1])
     return median_ms(graph.replay), same
-
-
-def add_shape_args(parser: argparse.ArgumentParser) -> None:
-    """The layer's shape flags; the defaults are the standard EP-1 shape."""
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--topk", type=int, default=6)
-
-
-def layer_inputs(tokens: int, hidden: int, device: torch.device = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, upstream), each [tokens, hidden] bf16 on ``device``, from seed 0: the same on every device."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
-    upstream = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
-    return x, upstream
-
-
-def layer_step(config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, once: bool = False):
-    """(the layer, its forward + backward) on x's device; ``once``: with the FP8 weights quantised
-    once, here."""
-    layer = MoELayer(config, layer_index=0).to(x.device)
-    weights = layer.quantize_fp8_weights() if once else None
-
-    def step() -> tuple[torch.Tensor, torch.Tensor]:
-        xi = x.detach().requires_grad_()
-        out = layer(xi, fp8_weights=weights)
-        out.backward(upstream)
-        layer.zero_grad(set_to_none=True)
-        return out.detach(), xi.grad
-    return layer, step
 
 
 def layer_row(label: str, config: MoEConfig, x: torch.Tensor, upstream: torch.Tensor, ref: torch.Tensor | None,

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 scripts/bench_gradient_tree.py          # CUDA: check + table
     torchrun --nproc-per-node 4 scripts/bench_gradient_tree.py --cpu    # CPU (gloo), small sizes
 
-(a) The promise on this device: the issue's model (tests/distributed/gradient_tree_workers.py) for
+(a) The promise on this device: the issue's model (moe_dispatch/tools/gradient_tree_layouts.py) for
 3 steps on the six L = 4 layouts (world, EP, A), bf16 on CUDA (fp32 on CPU); every parameter by
 global expert id, each step's loss and norm must be bitwise equal (needs 4 ranks).
 (b) Step time and memory, GradientTree against today's reducers at the same layout (world, EP, A)
@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
-import sys
 import time
 from typing import Dict, List, Tuple
 
@@ -36,12 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repo's tests package
-
-from moe_dispatch import MoEConfig, MoELayer  # noqa: E402
-from moe_dispatch.parallel import GradientTree, allreduce_expert_grads, ignore_experts_in_ddp  # noqa: E402
-from moe_dispatch.router import AuxLossScaler  # noqa: E402
-from tests.distributed.gradient_tree_workers import LAYOUTS, assemble, by_global_id, layouts_worker  # noqa: E402
+from moe_dispatch import MoEConfig, MoELayer
+from moe_dispatch.parallel import GradientTree, allreduce_expert_grads, ignore_experts_in_ddp
+from moe_dispatch.router import AuxLossScaler
+from moe_dispatch.tools.gradient_tree_layouts import LAYOUTS, assemble, by_global_id, layouts_worker
 
 GOAL_TIME, GOAL_MEMORY = 1.10, 1.5
 
@@ -129,7 +125,7 @@ def run(method: str, ep: int, args, groups: Groups, device: torch.device) -> dic
             held = 0
             t0 = time.perf_counter()
             for a in range(A):
-                x, y = batch(step, rank * A + a, args, device)
+                x, y = batch(step, a * world + rank, args, device)  # GradientTree.micro_batch_index(a)
                 if tree is not None:
                     F.cross_entropy(forward(x).float(), y).backward()
                     tree.add_micro_batch()
@@ -184,7 +180,7 @@ def gather_params(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 
 def check_layouts(device: torch.device, dtype: torch.dtype) -> None:
     """(a): the six layouts of the test, bitwise (4 ranks)."""
-    out = layouts_worker(dist.get_rank(), dist.get_world_size(), device.type, dtype, False)
+    out = layouts_worker(dist.get_rank(), dist.get_world_size(), device.type, dtype)
     every: List[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(every, out)
     if dist.get_rank() != 0:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from moe_dispatch.ops import permute, unpermute
+from moe_dispatch.tools.benchmarks import copy_bandwidth, routing
 from moe_dispatch.tools.profiling import graph_median_ms
 
 OPS = torch.ops.moe_dispatch  # the registered custom ops (importing moe_dispatch.ops registers them)
@@ -41,25 +42,6 @@ def bench_graph(fn) -> float:
         return graph_median_ms(fn, rep=200)
     except Exception:
         return float("nan")
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a large device-to-device copy, counting read plus write."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() / (ms * 1e-3)
-
-
-def routing(T: int, E: int, K: int, seed: int | None = None, device="cuda"):
-    """(routing_map [T, E] bool, probs [T, E] fp32): each token's top-K of random scores, the
-    softmax over all E masked to them. seed None: the global generator."""
-    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    scores = torch.rand((T, E), device=device, generator=gen)
-    idx = scores.topk(K, dim=1).indices
-    routing_map = torch.zeros((T, E), dtype=torch.bool, device=device).scatter_(1, idx, True)
-    probs = torch.softmax(scores, dim=1) * routing_map
-    return routing_map, probs
 
 
 def time_host_calls(calls: dict, warmup: int = 20, iters: int = 200) -> list[tuple[str, float]]:

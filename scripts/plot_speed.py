@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import svg_plot  # noqa: E402
+import svg_plot  # scripts/svg_plot.py: python puts this script's folder first on its path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "scripts" / "speed_figures.json"

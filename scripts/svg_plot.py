@@ -85,10 +85,11 @@ def read_metadata(path: str | Path) -> dict:
 
 
 def replot(path: str | Path) -> None:
-    """Draw ``path`` again, in place, from the data embedded in it, with the writer's current code."""
+    """Draw ``path`` again, in place, from the data embedded in it, with the writer's current code.
+    The writer's module is a script beside this one: importable wherever this module was imported
+    as ``svg_plot`` (its folder on the path: ``python scripts/svg_plot.py``, or the tests)."""
     meta = read_metadata(path)
     module, _, function = meta["writer"].partition(":")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     getattr(importlib.import_module(module), function)(str(path), **meta["kwargs"])
 
 

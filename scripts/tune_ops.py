@@ -21,10 +21,10 @@ import sys
 
 import torch
 import triton
-from bench_ops import copy_bandwidth, routing  # python puts this script's folder first on its path
 
 from moe_dispatch.ops import kernels as KT
 from moe_dispatch.ops import permute
+from moe_dispatch.tools.benchmarks import copy_bandwidth, routing
 from moe_dispatch.tools.profiling import graph_median_ms
 
 SHAPES = [(4096, 256, 7168, 8), (16384, 128, 4096, 6), (32768, 64, 4096, 8)]

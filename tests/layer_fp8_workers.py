@@ -66,10 +66,16 @@ def ep_worker(rank: int, world: int) -> dict:
     return results
 
 
-def fp8_wgrad_differs_worker(rank: int, world: int) -> str | None:
-    """EP 2 with fp8_wgrad=False on rank 1 only: the first forward's error (None if it ran)."""
+def settings_differ_worker(rank: int, world: int) -> dict:
+    """EP 2 with one setting differing on rank 1 (fp8_wgrad=False; fp8=None; probs_in_experts=True
+    with fp8=None): each first forward's error (None if it ran)."""
     from tests.dispatcher.harness import value_error_of
 
-    layer = MoELayer(fp8_config("alltoall", fp8_wgrad=rank == 0), dist.group.WORLD, layer_index=0)
     x, _ = global_data()
-    return value_error_of(lambda: layer(x[rank * 4:(rank + 1) * 4]))
+    errors = {}
+    for name, override in (("fp8_wgrad", dict(fp8_wgrad=rank == 0)),
+                           ("fp8", dict(fp8="e4m3" if rank == 0 else None)),
+                           ("probs_in_experts", dict(fp8=None, probs_in_experts=rank == 1))):
+        layer = MoELayer(fp8_config("alltoall", **override), dist.group.WORLD, layer_index=0)
+        errors[name] = value_error_of(lambda: layer(x[rank * 4:(rank + 1) * 4]))
+    return errors

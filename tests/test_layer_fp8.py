@@ -13,9 +13,9 @@ from tests.layer_fp8_workers import (
     T_GLOBAL,
     ep_worker,
     fp8_config,
-    fp8_wgrad_differs_worker,
     global_data,
     run_layer,
+    settings_differ_worker,
     splits,
 )
 
@@ -150,11 +150,16 @@ def test_ep2_and_ep4_bitwise_to_ep1():
                 assert torch.equal(g1, ref["experts"][e][0]) and torch.equal(g2, ref["experts"][e][1])
 
 
-def test_fp8_wgrad_on_one_rank_only_is_refused_on_both():
-    """fp8_wgrad differing across the EP group: the same ValueError naming it on both ranks, at the
-    first forward, before rows move."""
-    errors = run_ranks(fp8_wgrad_differs_worker, 2, timeout=120)
-    assert errors[0] == errors[1] and errors[0] is not None and "fp8_wgrad" in errors[0], errors
+def test_a_setting_on_one_rank_only_is_refused_on_both_showing_the_values():
+    """fp8_wgrad, fp8 or probs_in_experts differing across the EP group: the same ValueError naming
+    it on both ranks, at the first forward, before rows move; the values as written (#46 item 13:
+    fp8 once showed as [1633542557, None], the crc32 its fingerprint holds)."""
+    ranks = run_ranks(settings_differ_worker, 2, timeout=120)
+    shown = {"fp8_wgrad": "fp8_wgrad", "fp8": "fp8 differs across the EP group: ['e4m3', None] by rank",
+             "probs_in_experts": "probs_in_experts differs across the EP group: [False, True] by rank"}
+    for name, text in shown.items():
+        errors = [r[name] for r in ranks]
+        assert errors[0] == errors[1] and errors[0] is not None and text in errors[0], (name, errors)
 
 
 @pytest.mark.gpu

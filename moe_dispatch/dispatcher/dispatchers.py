@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..config import DispatchConfig, MoEConfig, as_dispatch_config
-from ..distributed.agreement import GROUP_LATCHES, InputProblem, agree_config
+from ..distributed.agreement import GROUP_LATCHES, DeviceProblem, InputProblem, agree_config
 from ..distributed.comm import ProcessGroup, WeakGroup, group_size_rank
 from ..distributed.identity import StepCounter, new_layer_id
 from . import functional, static
@@ -86,17 +86,31 @@ class _Dispatcher:
 
     def dispatch_rows(self, hidden_states: Any, routing_map: torch.Tensor, probs: torch.Tensor,
                       handle: Optional[DispatchHandle] = None, experts_need_grad: Optional[bool] = None,
-                      ) -> tuple[torch.Tensor, DispatchHandle]:
+                      *, device_problem: Optional[DeviceProblem] = None) -> tuple[torch.Tensor, DispatchHandle]:
         """dispatch without tokens_per_expert: (expert_input [N, H], handle); no host read in the
         sync-free mode. hidden_states None: this rank's input was bad (sync-free at EP > 1, see
-        MoELayer.forward): it takes part with zeros and the step's outputs are NaN everywhere."""
+        MoELayer.forward): it takes part with zeros and the step's outputs are NaN everywhere.
+
+        ``device_problem``: a problem with this rank's input found on the device (code 0: none),
+        raised on every rank without a host read of its own. Where this step runs a size exchange
+        (dropless; a sync-free plan's first step at EP > 1) it travels in it: every rank raises before
+        any row moves. Sync-free otherwise it sets the step's input word (static_words.py): the
+        step's outputs are NaN on every rank, and every rank raises at the next poll (at EP 1 on
+        CPU: here, at once)."""
         if hidden_states is None:
             hidden_states = static.BAD_INPUT
         if handle is None:
             self.agree(device_of(hidden_states) if isinstance(hidden_states, torch.Tensor) else probs.device)
-        return functional.dispatch_rows(hidden_states, routing_map, probs, self.config, self.ep_group,
-                                        handle=handle, latch=self.latch, agreed=True, steps=self.steps,
-                                        experts_grad=experts_need_grad)
+        in_exchange = device_problem is not None and handle is None and (
+            not self.sync_free or (self.ep_size > 1 and self.static_agreed_input() is None))
+        if in_exchange:
+            self.latch.set(device_problem.code, device_problem.expected, device_problem.got)
+        rows, new = functional.dispatch_rows(hidden_states, routing_map, probs, self.config, self.ep_group,
+                                             handle=handle, latch=self.latch, agreed=True, steps=self.steps,
+                                             experts_grad=experts_need_grad)
+        if device_problem is not None and not in_exchange:
+            new.plan.flag_input(new, device_problem)
+        return rows, new
 
     @property
     def sync_free(self) -> bool:

@@ -207,6 +207,16 @@ def own_input_problems(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchC
     return _input_problems({"err_code": 0, **dict(zip(_DESCRIBED_FIELDS, described))}, cfg)
 
 
+def _on_ranks(found: list[tuple[str, int]]) -> list[str]:
+    """(problem, rank) pairs -> "problem on EP rank r" / "on EP ranks r, s" (one line per text,
+    naming every rank that has it), in order of first appearance."""
+    ranks: dict[str, list[int]] = {}
+    for text, r in found:
+        ranks.setdefault(text, []).append(r)
+    return [f"{text} on EP rank {rs[0]}" if len(rs) == 1 else f"{text} on EP ranks {', '.join(map(str, rs))}"
+            for text, rs in ranks.items()]
+
+
 def _problems(rows: list[list[int]], cfg: DispatchConfig, fp_hash: int) -> list[str]:
     """Human-readable problems with the gathered vectors (the same list on every rank)."""
     fs = [dict(zip(_FIELDS, row)) for row in rows]
@@ -214,10 +224,8 @@ def _problems(rows: list[list[int]], cfg: DispatchConfig, fp_hash: int) -> list[
     if alien:
         return [f"EP ranks {alien} sent a size exchange of another dispatcher configuration (ranks calling "
                 f"different dispatchers or collectives in this slot?)"]
-    out = []
-    for r, f in enumerate(fs):
-        if f["late_code"]:
-            out.append(f"{problem_message(f['late_code'], f['late_expected'], f['late_got'])} on EP rank {r}")
+    out = _on_ranks([(problem_message(f["late_code"], f["late_expected"], f["late_got"]), r)
+                     for r, f in enumerate(fs) if f["late_code"]])
     order = order_problem([f["layer_id"] for f in fs], [f["step"] for f in fs])
     if order:  # the ranks are in different calls: their inputs are not comparable
         return [order] + out
@@ -226,11 +234,13 @@ def _problems(rows: list[list[int]], cfg: DispatchConfig, fp_hash: int) -> list[
         out.append(f"torch.is_grad_enabled() differs across the EP group: {differ([bool(m) for m in modes])} (every "
                    f"rank must run the layer in the same grad mode: a rank under no_grad would skip the backward "
                    f"exchanges the others wait in)")
+    found = []
     for r, f in enumerate(fs):
         mine = _input_problems(f, cfg)
         if not mine and f["probs_nonfinite"]:
             mine = ["probs contain NaN or inf (are the router's logits finite?)"]
-        out += [f"{p} on EP rank {r}" for p in mine]
+        found += [(p, r) for p in mine]
+    out += _on_ranks(found)
     if not out:
         for name, what in (("hidden_dtype", "hidden_states dtype"), ("probs_dtype", "probs dtype")):
             values = [f[name] for f in fs]

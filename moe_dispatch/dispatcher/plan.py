@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import DispatchConfig
-from ..distributed.agreement import ErrorLatch
+from ..distributed.agreement import DeviceProblem, ErrorLatch
 from ..distributed.comm import ProcessGroup
 from ..distributed.identity import CallId, StepCounter
 from ..ops import RowIdMap
@@ -107,6 +107,11 @@ class Plan(ABC):
     @abstractmethod
     def flag_expert_output(self, handle: "DispatchHandle", expert_output: Any) -> None:
         """EP > 1: record a wrong expert_output, so that every rank raises it later (no hang)."""
+
+    def flag_input(self, handle: "DispatchHandle", problem: "DeviceProblem") -> None:
+        """After the dispatch: a problem with this rank's input found on the device (code 0: none),
+        for a plan whose step runs no size exchange to carry it (``_Dispatcher.dispatch_rows``)."""
+        raise NotImplementedError(f"{type(self).__name__} carries input problems in its size exchange")
 
     @abstractmethod
     def return_rows(self, expert_output: torch.Tensor, handle: "DispatchHandle") -> "Returned":

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..config import DispatchConfig
-from ..distributed.agreement import ErrorLatch, fingerprint_hash
+from ..distributed.agreement import DeviceProblem, ErrorLatch, fingerprint_hash, problem_message
 from ..distributed.comm import ProcessGroup, group_size_rank
 from ..distributed.identity import CallId, StepCounter
 from ..distributed.registry import STATIC_PLANS
@@ -40,21 +40,22 @@ from .records import check_record_here, record_problem
 from .static_exchange import ReturnRows, expert_map_and_route, return_exchange, send_tokens
 from .static_sizes import StaticSizes
 from .static_words import (
-    NUM_WORDS,
     W_GRAD_OFF,
     W_GRAD_ON,
     W_INPUT,
+    W_INPUT_RANKS,
     W_MAX_K,
     W_NONFINITE,
     W_SEND,
     W_TOKENS,
     grad_modes_differ,
     latch_words,
+    num_words,
     poison,
     raise_latched,
     raise_words,
     set_call_words,
-    status_rows,
+    words_rows,
 )
 
 
@@ -67,7 +68,7 @@ class StaticPlan(Plan):
         layout: the step's StaticSizes.
         owner_map: RowIdMap of this rank's (token, expert) pairs in the owner buffer (None at EP 1).
         slots, counts: make_slots of routing_map (the EP-1 expert map; counts [E] on the device).
-        words: int32 [NUM_WORDS], this rank's own check words (with its call at EP > 1).
+        words: int32 [num_words(P)], this rank's own check words (with its call at EP > 1).
         latch, call: the group's ErrorLatch and this step's call (``identity``), for
             ``strict_call_order``'s host-side check.
         replaced: this rank's inputs were bad: it took part with zeros (see ``prepare``).
@@ -113,7 +114,8 @@ class StaticPlan(Plan):
         device = self.routing_map.device
         x = torch.zeros((T, self.config.hidden_size), dtype=self.hidden_dtype, device=device)
         probs = torch.zeros((T, E), dtype=self.probs_dtype, device=device)
-        self.words[W_INPUT].fill_(self.rank + 1)  # a scalar fill: no host-to-device copy
+        self.words[W_INPUT].fill_(self.rank + 1)  # scalar fills: no host-to-device copy
+        self.words[W_INPUT_RANKS + self.rank].fill_(1)
         return dataclasses.replace(prepared, x=x, probs=probs, wire=wire_rows(x, self.config))
 
     def send(self, prepared: Prepared, with_routing: bool = True) -> Sent:
@@ -172,9 +174,31 @@ class StaticPlan(Plan):
         new = sent.plan
         old_map, new_map = self.routing_map[:self.num_real], new.routing_map[:new.num_real]  # without the padding
         differs = (new_map != old_map).any() if new_map.shape == old_map.shape else torch.ones((), dtype=torch.bool)
-        new.words[W_INPUT] = torch.maximum(new.words[W_INPUT],
-                                           differs.to(new.words.device, torch.int32) * (new.rank + 1))
+        new.flag_words(new.words, differs)
         return new.finish(sent)
+
+    def flag_words(self, words: torch.Tensor, bad: torch.Tensor) -> None:
+        """Record in ``words`` (in place, no host read) that this rank's input was bad where the
+        device bool ``bad`` is set: W_INPUT (the largest such rank + 1) and this rank's own word."""
+        bad = bad.to(words.device, torch.int32)
+        words[W_INPUT] = torch.maximum(words[W_INPUT], bad * (self.rank + 1))
+        words[W_INPUT_RANKS + self.rank] = torch.maximum(words[W_INPUT_RANKS + self.rank], bad)
+
+    def flag_input(self, handle: DispatchHandle, problem: DeviceProblem) -> None:
+        """At EP > 1 the input words travel in the combine's return exchange (NaN outputs on every
+        rank, then the error); at EP 1 on CPU the problem raises at once (reading costs no sync),
+        on CUDA the words are latched (NaN outputs, the error at check_device_errors)."""
+        bad = problem.code != 0
+        if self.layout.ep_size > 1:
+            self.flag_words(handle.route.words, bad)
+        elif self.words.device.type == "cpu":
+            if bool(bad):
+                raise ValueError("invalid MoE dispatch input: " + problem_message(
+                    int(problem.code), int(problem.expected), int(problem.got)))
+        else:
+            words = self.words.clone()
+            self.flag_words(words, bad)
+            latch_words(self.group, words, self.layout)
 
     def host_counts(self, handle: DispatchHandle) -> torch.Tensor:
         return handle.device_expert_rows.cpu()  # a host read: only whoever asks pays it
@@ -182,6 +206,7 @@ class StaticPlan(Plan):
     def flag_expert_output(self, handle: DispatchHandle, expert_output: Any) -> None:
         route = handle.route  # the input word travels in the return exchange's status rows
         route.words[W_INPUT] = torch.clamp(route.words[W_INPUT], min=self.rank + 1)
+        route.words[W_INPUT_RANKS + self.rank].fill_(1)
 
     def return_rows(self, expert_output: torch.Tensor, handle: DispatchHandle) -> Returned:
         """The owner buffer and the step's words from every rank (None at EP 1); the words are latched."""
@@ -287,10 +312,11 @@ def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, call:
     device = routing_map.device
     slots, stats = make_slots(routing_map.contiguous(), 1)
     counts = stats[:E]
-    words = torch.zeros(NUM_WORDS, dtype=torch.int32, device=device)
+    words = torch.zeros(num_words(P), dtype=torch.int32, device=device)
     words[W_NONFINITE] = (~torch.isfinite(wire)).any().to(torch.int32)
     words[W_MAX_K] = stats[E].to(torch.int32)
     words[W_INPUT].fill_(input_code)  # a scalar fill, not ``words[i] = v`` (see set_call_words)
+    words[W_INPUT_RANKS + rank].fill_(int(input_code > 0))
     owner_map = None
     if P > 1:
         set_call_words(words, call)
@@ -299,7 +325,7 @@ def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, call:
         El = sizes.num_local_experts
         if cfg.kind == "alltoall":
             words[W_SEND] = routing_map.reshape(T, P, El).any(-1).sum(0).max().to(torch.int32)
-        rows_per_chunk = sizes.return_capacity + status_rows(x.shape[1] * x.element_size())
+        rows_per_chunk = sizes.return_capacity + words_rows(x.shape[1] * x.element_size(), P)
         owner_rank = torch.arange(E, device=device) // El
         before = torch.cumsum(counts, 0) - counts
         shift = owner_rank * rows_per_chunk - before[owner_rank * El]

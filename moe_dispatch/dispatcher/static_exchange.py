@@ -26,9 +26,10 @@ from .static_words import (
     W_RETURN,
     fold_call,
     latch_words,
+    num_words,
     poison,
     read_status,
-    status_rows,
+    words_rows,
     write_status,
 )
 
@@ -57,7 +58,7 @@ class StaticRoute:
         gather: index clamped into [0, N) (padding positions copy some row; never read).
         chunk, valid: rows of each chunk, and of them the rows before the status rows.
         num_rows: N.
-        words: int32 [NUM_WORDS], this rank's words with everything it received (sent back), and
+        words: int32 [num_words(P)], this rank's words with everything it received (sent back), and
             the handle's call in the W_CALL slots (every return exchange compares it).
         call, strict: for ``strict_call_order``'s host-side ``agreement.check_call``.
     """
@@ -93,7 +94,7 @@ def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: SyncFreeStep) -> Rec
     if plan.config.kind == "allgather":
         fmt = RowFormat(H, x.dtype, E, probs.dtype, True)
         width = fmt.empty(0, x.device).shape[1]
-        valid, chunk = T, T + status_rows(width)
+        valid, chunk = T, T + words_rows(width, P)
         buf = fmt.empty(chunk, x.device)
         buf[T:].zero_()
         fmt.pack(buf[:T], x, probs, plan.routing_map)
@@ -105,7 +106,7 @@ def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: SyncFreeStep) -> Rec
     else:
         fmt = RowFormat(H, x.dtype, El, probs.dtype, True)
         width = fmt.empty(0, x.device).shape[1]
-        valid, chunk = sizes.send_capacity, sizes.send_capacity + status_rows(width)
+        valid, chunk = sizes.send_capacity, sizes.send_capacity + words_rows(width, P)
         local = plan.routing_map.reshape(T, P, El)
         rank_map = local.any(-1)  # [T, P]
         pos = torch.cumsum(rank_map, 0) - 1  # the token's row in its chunk to each rank
@@ -127,7 +128,7 @@ def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: SyncFreeStep) -> Rec
         recv = all_to_all_rows(send, [chunk] * P, [chunk] * P, plan.group)
         hidden, rprobs, routing = fmt.views(recv)
         routing = routing.contiguous()
-    words = fold_call(read_status(recv, P, chunk, valid), DISPATCH_CODE)
+    words = fold_call(read_status(recv, P, chunk, valid, num_words(P)), DISPATCH_CODE)
     routing.view(P, chunk, El)[:, valid:] = False  # the status rows route nowhere
     return Received(hidden, rprobs, routing, tuple(range(P)), words)
 
@@ -157,7 +158,7 @@ def expert_map_and_route(plan: SyncFreeStep, recv: Received, hidden_size: int,
     flat = cnt.t().flatten()  # expert-major, source-minor: the receiver layout's blocks
     block_start = (torch.cumsum(flat, 0) - flat).view(El, P)
     ret_start = torch.cumsum(cnt, 1) - cnt  # [P, El]: expert e's first row in the chunk back to s
-    chunk = sizes.return_capacity + status_rows(hidden_size * hidden_itemsize)
+    chunk = sizes.return_capacity + words_rows(hidden_size * hidden_itemsize, P)
     valid = sizes.return_capacity
     rows, experts = slots[:, 1:1 + El].long(), slots[:, 1 + El:].long().clamp(min=0)
     source = (torch.arange(R, device=routing.device) // per_source)[:, None]
@@ -191,7 +192,7 @@ def send_back(rows: torch.Tensor, row_probs: Optional[torch.Tensor], route: Stat
     write_status(send, P, route.chunk, route.valid, route.words)
     out = all_to_all_rows(send, [route.chunk] * P, [route.chunk] * P, route.group)
     hidden, probs, _ = fmt.views(out)
-    words = fold_call(read_status(out, P, route.chunk, route.valid), ORDER_CODE[code])
+    words = fold_call(read_status(out, P, route.chunk, route.valid, num_words(P)), ORDER_CODE[code])
     return hidden, (probs[:, 0] if probs is not None else None), words
 
 
@@ -204,7 +205,8 @@ def send_forth(grad: torch.Tensor, route: StaticRoute, sizes: StaticSizes) -> to
     send = grad.clone(memory_format=torch.contiguous_format)
     write_status(send, P, route.chunk, route.valid, route.words)
     recv = all_to_all_rows(send, [route.chunk] * P, [route.chunk] * P, route.group)
-    words = fold_call(read_status(recv, P, route.chunk, route.valid), ORDER_CODE[COMBINE_BACKWARD_CALL])
+    words = fold_call(read_status(recv, P, route.chunk, route.valid, num_words(P)),
+                      ORDER_CODE[COMBINE_BACKWARD_CALL])
     latch_words(route.group, words, sizes)
     out = grad.new_zeros((route.num_rows + 1, grad.shape[1]))  # row N: the padding and status rows' dummy
     out.index_copy_(0, route.index, recv)

@@ -25,7 +25,9 @@ stay apart afterwards: rebuild the layers. Under CUDA-graph replay the calls are
 capture (no Python runs): only the captured order is checked.
 Inputs whose dtypes or devices differ from the first step's (EP > 1: the first step runs the
 dropless size exchange once, which validates every rank and fixes the plan's T) take part with
-zeros and set ``W_INPUT``, so no rank waits alone. A rank with more tokens than the plan's T sets
+zeros and set ``W_INPUT`` and their own rank's word (``W_INPUT_RANKS``: the message names every
+rank at fault), so no rank waits alone; so does a problem the caller found on the device
+(``plan.flag_input``: a stale FP8 weights handle). A rank with more tokens than the plan's T sets
 ``W_TOKENS`` (static.dispatch re-plans on CPU); one whose grad mode differs from another's sets
 ``W_GRAD_ON`` / ``W_GRAD_OFF`` (on CPU every rank raises at once, before a backward could wait).
 """
@@ -49,18 +51,31 @@ from .static_sizes import StaticSizes
 W_NONFINITE, W_MAX_K, W_SEND, W_RECV, W_RETURN, W_INPUT, W_CALL, W_ORDER = 0, 1, 2, 3, 4, 5, 6, 10
 W_TOKENS, W_GRAD_ON, W_GRAD_OFF = 15, 16, 17
 NUM_WORDS = 18
+# Then one word per EP rank (W_INPUT_RANKS + r: 1 when rank r's input was bad), so that a message
+# names every rank at fault: a max over ranks keeps each rank's own word (W_INPUT keeps only the
+# largest rank + 1).
+W_INPUT_RANKS = NUM_WORDS
 _CALL_RANGE = 1 << 30  # call words: v (max over ranks: the largest) and _CALL_RANGE - v (the smallest)
 # W_ORDER codes, larger for earlier exchanges of a step: the max names the first that found it.
 DISPATCH_CODE = 4
 _ORDER_WHAT = {DISPATCH_CODE: "dispatch", 3: RETURN_CHECKS[COMBINE_CALL], 2: RETURN_CHECKS[COMBINE_BACKWARD_CALL],
                1: RETURN_CHECKS[DISPATCH_BACKWARD_CALL]}
 ORDER_CODE = {COMBINE_CALL: 3, COMBINE_BACKWARD_CALL: 2, DISPATCH_BACKWARD_CALL: 1}
-_STATUS_BYTES = NUM_WORDS * 4
 
 
-def status_rows(row_bytes: int, status_bytes: int = _STATUS_BYTES) -> int:
-    """Rows that hold ``status_bytes`` (default: the check words') in a buffer of ``row_bytes``-byte rows."""
+def num_words(ep_size: int) -> int:
+    """The check words of a step at this EP size: NUM_WORDS, then one per rank (W_INPUT_RANKS)."""
+    return NUM_WORDS + ep_size
+
+
+def status_rows(row_bytes: int, status_bytes: int) -> int:
+    """Rows that hold ``status_bytes`` in a buffer of ``row_bytes``-byte rows."""
     return -(-status_bytes // row_bytes)
+
+
+def words_rows(row_bytes: int, ep_size: int) -> int:
+    """Rows that hold the check words at this EP size in a buffer of ``row_bytes``-byte rows."""
+    return status_rows(row_bytes, 4 * num_words(ep_size))
 
 
 def _row_bytes(buf: torch.Tensor) -> int:
@@ -68,15 +83,15 @@ def _row_bytes(buf: torch.Tensor) -> int:
 
 
 def write_status(buf: torch.Tensor, chunks: int, chunk_rows: int, valid_rows: int, words: torch.Tensor) -> None:
-    """Write words (int32 [NUM_WORDS]) into the status rows (after ``valid_rows``) of each chunk."""
+    """Write words (int32 [num_words(P)]) into the status rows (after ``valid_rows``) of each chunk."""
     raw = buf.view(torch.uint8).view(chunks, chunk_rows, -1)[:, valid_rows:].reshape(chunks, -1)
-    raw[:, :_STATUS_BYTES].copy_(words.to(torch.int32).view(torch.uint8).expand(chunks, -1))
+    raw[:, :words.numel() * 4].copy_(words.to(torch.int32).view(torch.uint8).expand(chunks, -1))
 
 
-def read_status(buf: torch.Tensor, chunks: int, chunk_rows: int, valid_rows: int) -> torch.Tensor:
-    """The max over the chunks of their status words: int32 [NUM_WORDS]."""
+def read_status(buf: torch.Tensor, chunks: int, chunk_rows: int, valid_rows: int, count: int) -> torch.Tensor:
+    """The max over the chunks of their ``count`` status words: int32 [count]."""
     raw = buf.view(torch.uint8).view(chunks, chunk_rows, -1)[:, valid_rows:].reshape(chunks, -1)
-    return raw[:, :_STATUS_BYTES].contiguous().view(torch.int32).amax(0)
+    return raw[:, :count * 4].contiguous().view(torch.int32).amax(0)
 
 
 def _byte_rows(buf: torch.Tensor) -> torch.Tensor:
@@ -161,7 +176,9 @@ def messages(words: list[int], sizes: StaticSizes, deferred: bool = True) -> lis
                    f"must run the layer in the same grad mode: a rank under no_grad would skip the backward "
                    f"exchanges the others wait in)")
     if words[W_INPUT]:
-        out.append(f"EP rank {words[W_INPUT] - 1} passed inputs whose dtypes, devices or shapes differ from the first "
+        ranks = [r for r, flag in enumerate(words[W_INPUT_RANKS:]) if flag] or [words[W_INPUT] - 1]
+        who = f"EP rank {ranks[0]}" if len(ranks) == 1 else f"EP ranks {', '.join(map(str, ranks))}"
+        out.append(f"{who} passed inputs whose dtypes, devices or shapes differ from the first "
                    f"sync-free step's (planned for up to T = {T} tokens per rank), a Prepared record whose x or "
                    f"probs were replaced with another shape, dtype or device before send, a wrong expert_output / "
                    f"routing_map to reuse, or fp8_weights the layer refused (stale, or another layer's)")
@@ -202,9 +219,9 @@ def raise_words(words: list[int], sizes: StaticSizes, deferred: bool = True) -> 
 def latch_words(group: ProcessGroup, words: torch.Tensor, sizes: StaticSizes) -> None:
     """Keep a bad step's words (max with earlier ones, in place: capture-safe) and poison on CUDA.
     A good step's words count for nothing: its sizes may be another plan's (another T or config)."""
-    entry = STATIC_WORDS.get(group)  # [words (device int32 [NUM_WORDS], max of the bad steps'), sizes]
-    if entry is None or entry[0].device != words.device:
-        entry = STATIC_WORDS.set(group, [torch.zeros(NUM_WORDS, dtype=torch.int32, device=words.device), sizes])
+    entry = STATIC_WORDS.get(group)  # [words (device int32 [num_words(P)], max of the bad steps'), sizes]
+    if entry is None or entry[0].device != words.device or entry[0].shape != words.shape:
+        entry = STATIC_WORDS.set(group, [torch.zeros_like(words, dtype=torch.int32), sizes])
     bad = bad_words(words, sizes)
     entry[0].copy_(torch.maximum(entry[0], torch.where(bad, words, torch.zeros_like(words))))
     if words.is_cuda or bool(bad):  # CPU: the bad step's sizes (reading costs no sync); CUDA: the last

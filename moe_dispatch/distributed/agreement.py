@@ -7,6 +7,8 @@ leave the others waiting in a collective. Four ways, each one fixed-size exchang
   its values and the ranks.
 - ``InputProblem`` (e.g. from ``hidden_states_problem``): a problem one rank finds in its input
   travels in the dispatcher's size exchange instead of the data (``_Dispatcher.raise_together``).
+  A ``DeviceProblem`` is one found on the device (a stale FP8 weights handle's bits): it travels
+  in the step's own exchanges, read with them (``_Dispatcher.dispatch_rows(device_problem=...)``).
 - ``ErrorLatch``: an error found after the size exchange (``combine`` given the wrong rows, a
   reused handle whose routing differs, another call's rows in a return exchange:
   ``latch_call_mismatch``) cannot raise at once without stranding the other ranks in the step's
@@ -28,7 +30,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..config import DISPATCHER_KINDS, DispatchConfig
+from ..config import DispatchConfig
 from .comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
 from .identity import FUNCTIONAL_LAYER, CallId, layer_name
 from .registry import LATCHES
@@ -68,6 +70,17 @@ class InputProblem:
     got: int = 0
 
 
+@dataclass(frozen=True)
+class DeviceProblem:
+    """An InputProblem found on the device, so that finding it reads nothing on the host: 0-dim
+    int64 tensors on the layer's device; code 0: no problem. The dispatcher carries it in the
+    step's exchanges (``_Dispatcher.dispatch_rows``), so every rank raises it without a host sync."""
+
+    code: torch.Tensor
+    expected: torch.Tensor
+    got: torch.Tensor
+
+
 # The return exchanges that compare their handle's call (``check_call``): latched code -> which.
 COMBINE_CALL, COMBINE_BACKWARD_CALL, DISPATCH_BACKWARD_CALL = 103, 104, 105
 RETURN_CHECKS = {COMBINE_CALL: "combine", COMBINE_BACKWARD_CALL: "combine's backward",
@@ -83,7 +96,7 @@ def _call_mismatch(what: str, mine: int, other: int) -> str:
 
 # A caller's fp8_weights (moe_dispatch.experts.fp8_weights) that cannot serve the forward.
 FP8_WEIGHTS_NOT_FP8, FP8_WEIGHTS_NOT_A_HANDLE, FP8_WEIGHTS_OTHER_EXPERTS = 6, 7, 8
-FP8_WEIGHTS_STEPPED, FP8_WEIGHTS_CHANGED = 9, 10
+FP8_WEIGHTS_STEPPED, FP8_WEIGHTS_CHANGED, FP8_WEIGHTS_BITS_CHANGED = 9, 10, 11
 _QUANTISE_AGAIN = "quantise the weights again after each optimizer step (quantize_fp8_weights)"
 
 
@@ -103,6 +116,9 @@ _PROBLEMS = {
                                        f"{_QUANTISE_AGAIN}"),
     FP8_WEIGHTS_CHANGED: lambda e, g: (f"fp8_weights is stale: weight{e} changed in place or moved since it was "
                                        f"quantised (copy_, load_state_dict, .data =); {_QUANTISE_AGAIN}"),
+    FP8_WEIGHTS_BITS_CHANGED: lambda e, g: (f"fp8_weights is stale: weight{e}'s bits differ from those it was "
+                                            f"quantised from (a write autograd does not count: dist.broadcast, "
+                                            f".data.copy_, a custom kernel); {_QUANTISE_AGAIN}"),
     100: lambda e, g: f"expert_output given to the previous combine on this group must have N = {e} rows "
                       f"(sum(tokens_per_expert)) of hidden size H, got {g if g >= 0 else 'no [rows, H] tensor'} "
                       f"(that step's outputs were NaN)",
@@ -191,17 +207,6 @@ def _encode(value: Any) -> int:
     if isinstance(value, float):
         return struct.unpack("<q", struct.pack("<d", value))[0]
     return zlib.crc32(str(value).encode())
-
-
-def _show(name: str, code: int) -> Any:
-    """Invert _encode well enough for an error message."""
-    if code == -1:
-        return None
-    if name in ("capacity_factor", "ep_capacity_factor"):
-        return struct.unpack("<d", struct.pack("<q", code))[0]
-    if name in ("kind", "router_dtype"):
-        return {zlib.crc32(k.encode()): k for k in (*DISPATCHER_KINDS, "fp32", "fp64")}.get(code, code)
-    return code
 
 
 def fingerprint(cfg: DispatchConfig) -> list[int]:
@@ -341,12 +346,17 @@ def agree_config(cfg: DispatchConfig, group: ProcessGroup, device: torch.device,
     order = order_problem([row[2] for row in rows])
     if order:  # explains any field that differs too: the ranks compare different layers
         raise ValueError(order)
-    problems = []
-    for i, (name, _) in enumerate(cfg.field_values()):
-        values = [row[3 + i] for row in rows]
-        if len(set(values)) > 1:
-            problems.append(f"{name} differs across the EP group: {differ([_show(name, v) for v in values])}")
-    if problems:
+    fields = cfg.field_values()
+    if any(len({row[3 + i] for row in rows}) > 1 for i in range(len(fields))):
+        # every rank sees the same rows, so every rank gathers: the values as each rank wrote them
+        # (a fingerprint holds a str as its crc32, which no message should show)
+        gathered: list = [None] * P
+        dist.all_gather_object(gathered, fields, group=group)
+        problems = []
+        for i, (name, _) in enumerate(fields):
+            values = [dict(g)[name] for g in gathered]
+            if len({row[3 + i] for row in rows}) > 1:
+                problems.append(f"{name} differs across the EP group: {differ(values)}")
         raise ValueError("dispatcher configuration mismatch: " + "; ".join(problems))
     if len({row[-1] for row in rows}) > 1:
         raise ValueError("layer configuration mismatch: " + "; ".join(_settings_problems(settings, group,

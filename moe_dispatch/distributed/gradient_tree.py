@@ -1,19 +1,23 @@
 """GradientTree: every gradient reduced by one fixed binary tree over the step's micro-batches.
 
 One optimizer step covers L = W x A micro-batches (W ranks in ``group``, A micro-batches each); the
-rank of group rank r runs global micro-batch r*A + a at its a-th micro-step. Each micro-batch's
-gradient of every parameter is a function of that micro-batch alone (a leaf), and the leaves are
-summed by the tree ((m0 + m1) + (m2 + m3)) + ... over the global index, in fp32 (fp64 for fp64
-weights), then divided by L. Where a node is computed changes with the layout, its value does not:
+rank of group rank r runs global micro-batch a*W + r at its a-th micro-step (``micro_batch_index``:
+the ranks take turns, as DistributedSampler deals samples). Each micro-batch's gradient of every
+parameter is a function of that micro-batch alone (a leaf), and the leaves are summed by the tree
+((m0 + m1) + (m2 + m3)) + ... over the global index, in fp32 (fp64 for fp64 weights), then divided
+by L. The low bits of the index are the rank, the high bits the micro-step, so the subtree of one
+micro-step's W leaves is complete after that micro-step on every layout; where a node is computed
+changes with the layout, its value does not:
 
-- inside a rank, a stack of log2(A) partials over the micro-steps (a binary counter);
-- the routed experts at EP P: one backward mixes P sources (the P ranks of the EP group, P
-  different micro-batches), so their weight gradient is computed per (local expert, source)
-  block (``LocalExperts.source_grads``) and each source's partials stack separately; after the
-  last micro-step the P subtrees of an EP group are paired locally;
-- across ranks by recursive doubling: at step k group rank r adds the partial of rank r xor 2^k.
-  The two partners hold the two halves of one tree node, and a + b is the same bits as b + a, so
-  both hold the node. The experts join at step log2(P), where the partner holds the same experts.
+- the routed experts at EP P: one backward mixes P sources (the P ranks of the EP group, which are
+  consecutive ranks: the lowest log2(P) bits of the index), so their weight gradient is computed
+  per (local expert, source) block (``LocalExperts.source_grads``) and the P blocks are paired
+  locally in ``add_micro_batch``: one partial per local expert, whatever P;
+- across ranks, in each ``add_micro_batch``, by recursive doubling: at step k group rank r adds
+  the partial of rank r xor 2^k. The two partners hold the two halves of one tree node, and a + b
+  is the same bits as b + a, so both hold the node. The experts join at step log2(P), where the
+  partner holds the same experts;
+- over the micro-steps, on every rank alike: a stack of log2(A) partials (a binary counter).
 
 So parameters, their gradients and the clipped norm are bitwise the same for every layout with the
 same L (world size, EP size, expert-data-parallel size, A), given that each leaf is: the layer's
@@ -72,6 +76,8 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 _REBUILD = ("which parameters train is fixed when the GradientTree is built: build a new GradientTree(model, ...) "
             "after changing requires_grad, a dtype or a parameter (this step's gradients are dropped)")
+_ADD, _REDUCE = 1, 2  # which call a rank is in, in the calls' agreement
+_CALLS = {_ADD: "add_micro_batch", _REDUCE: "reduce"}
 _ORDER = ("the order of a step: loss.backward() and add_micro_batch() for each micro-batch, reduce(), "
           "clip_grad_norm_(), optimizer.step(), optimizer.zero_grad()")
 
@@ -122,8 +128,9 @@ class GradientTree:
 
         tree = GradientTree(model, micro_batches=A, group=None)
         for a in range(A):
-            loss_fn(model(x[a])).backward()     # loss: the mean over this micro-batch's tokens
-            tree.add_micro_batch()
+            x = batch[tree.micro_batch_index(a)]  # global micro-batch a*W + r
+            loss_fn(model(x)).backward()        # loss: the mean over this micro-batch's tokens
+            tree.add_micro_batch()              # this micro-step's W leaves summed over group
         tree.reduce()                           # every .grad = the mean over the L micro-batches
         norm = tree.clip_grad_norm_(max_norm)
         optimizer.step(); optimizer.zero_grad()
@@ -273,83 +280,129 @@ class GradientTree:
         return self._entries[0].param.device if self._entries else torch.device("cpu")
 
     # ---- accumulation and reduction ------------------------------------------------------------
+    def micro_batch_index(self, a: int) -> int:
+        """The global micro-batch (0..L-1) this rank runs at its micro-step ``a``: a*W + r."""
+        if not isinstance(a, int) or isinstance(a, bool) or not 0 <= a < self.micro_batches:
+            raise ValueError(f"a must be a micro-step 0..{self.micro_batches - 1} (micro_batches), got {a!r}")
+        return a * self.world + self.rank
+
     def add_micro_batch(self) -> None:
         """Take this micro-batch's gradients (each ``.grad``, then set to None; the experts'
-        per-source gradients) as leaves of the tree. Call after each micro-batch's backward."""
+        per-source gradients, paired in order) as leaves of the tree, sum the micro-step's W leaves
+        over ``group`` by recursive doubling and push that node on the stack. Call after each
+        micro-batch's backward. Collective over ``group``: first one small fixed-size all-gather,
+        so that a misuse on one rank (a .grad reduce() wrote, a rank in another call) raises the
+        same ValueError on every rank, and the step's gradients are dropped."""
+        problems = []
         if self._added == self.micro_batches:
-            raise ValueError(f"add_micro_batch: already {self.micro_batches} micro-batches (micro_batches) this "
-                             "step; call reduce()")
+            problems.append(f"add_micro_batch: already {self.micro_batches} micro-batches (micro_batches) this "
+                            "step; call reduce()")
         for e in self._entries:
             p = e.param
             if e.changed():  # reduce() refuses the step on every rank, naming it
-                p.grad = None
                 continue
             if p.grad is not None and p.grad in self._written:
-                raise ValueError("add_micro_batch: a .grad is still the one reduce() wrote: call optimizer.zero_grad() "
-                                 "(set_to_none=True, the default) after each step")
-            acc = _acc_dtype(p.dtype)
-            if e.experts is None:
-                leaf = p.grad.detach() if p.grad is not None else torch.zeros(p.shape, dtype=acc, device=p.device)
+                problems.append("add_micro_batch: a .grad is still the one reduce() wrote: call optimizer.zero_grad() "
+                                "(set_to_none=True, the default) after each step")
+                break
+            if e.experts is not None and p.grad is not None:
+                problems.append(f"add_micro_batch: the sharded expert weight {e.name} has a .grad; under a "
+                                "GradientTree its gradient comes per source (LocalExperts.source_grads), which "
+                                "only an MoELayer's dropless dispatch gives (experts called on their own do not)")
+                break
+        self._agree_call(problems, _ADD)
+        by_dtype: Dict[torch.dtype, List[Tuple[_Entry, torch.Tensor]]] = {}
+        for e in self._entries:  # in order: each dtype's entries keep the prefix order of their start
+            acc = _acc_dtype(e.dtype)  # as built: the same exchange on every rank
+            p = e.param
+            if e.changed():  # its place in the exchange stays, as zeros; reduce() refuses the step
+                if e.experts is not None:
+                    e.experts.source_grads.pop(e.name, None)
+                node = torch.zeros(e.shape, dtype=acc, device=p.device)
+            elif e.experts is None:
+                node = p.grad.detach() if p.grad is not None else torch.zeros(p.shape, dtype=acc, device=p.device)
             else:
-                if p.grad is not None:
-                    raise ValueError(f"add_micro_batch: the sharded expert weight {e.name} has a .grad; under a "
-                                     "GradientTree its gradient comes per source (LocalExperts.source_grads), which "
-                                     "only an MoELayer's dropless dispatch gives (experts called on their own do not)")
-                leaf = self._source_leaf(e)
+                node = self._source_node(e, acc)
             p.grad = None
-            e.push(leaf, acc)
+            by_dtype.setdefault(acc, []).append((e, node))
+        for acc, pairs in by_dtype.items():
+            entries = [e for e, _ in pairs]
+            flat = torch.cat([node.reshape(-1).to(acc) for _, node in pairs])  # the leaves, converted exactly
+            del pairs
+            self._doubling(flat, entries)
+            offset = 0
+            for e in entries:  # views of flat: it lives as long as a node of this micro-step does
+                n = e.shape.numel()
+                e.push(flat[offset:offset + n].view(e.shape), acc)
+                offset += n
         self._added += 1
         self._reduced = False
 
-    def _source_leaf(self, e: _Entry) -> torch.Tensor:
-        """[E_local, P, ...]: the micro-step's per-source gradients in the weight's dtype (the layer
-        ran twice: their sum in order, in fp32)."""
+    def _source_node(self, e: _Entry, acc: torch.dtype) -> torch.Tensor:
+        """[E_local, ...]: the micro-step's per-source gradients ([E_local, P, ...], in the weight's
+        dtype; the layer ran twice: their sum in order, in ``acc``) paired over the P sources in
+        order, ((s0 + s1) + (s2 + s3)) + ..., by a binary counter: each block is converted to ``acc``
+        on its own, so at most log2(P) + 1 blocks of [E_local, ...] in ``acc`` live at once."""
         p, P = e.param, 1 << e.start
         grads = e.experts.source_grads.pop(e.name, [])
         if not grads:
-            return torch.zeros((p.shape[0], P, *p.shape[1:]), dtype=p.dtype, device=p.device)
-        if len(grads) == 1:  # the popped tensors are this tree's alone
-            return grads[0]
-        leaf = grads[0].to(_acc_dtype(p.dtype), copy=True)
-        for g in grads[1:]:
-            leaf.add_(g)
-        return leaf
+            return torch.zeros(e.shape, dtype=acc, device=p.device)
+        leaf = grads[0]  # the popped tensors are this tree's alone: adding into them is safe
+        if len(grads) > 1:
+            leaf = leaf.to(acc, copy=True)
+            for g in grads[1:]:
+                leaf.add_(g)
+        del grads
+        stack: List[Tuple[int, torch.Tensor]] = []
+        for s in range(P):
+            block = leaf[:, s].to(acc)
+            level = 0
+            while stack and stack[-1][0] == level:
+                block = stack.pop()[1].add_(block)
+                level += 1
+            stack.append((level, block))
+        (_, node), = stack
+        return node
+
+    def _agree_call(self, problems: List[str], call: int) -> None:
+        """The fixed-size all-gather that starts `add_micro_batch` and `reduce`: every rank's local
+        refusals, and which call at which micro-step it is in; a ValueError on every rank alike if a
+        rank found a problem or the ranks are in different calls (the step's gradients dropped)."""
+        try:
+            rows = agree_problems(problems, self.group, self._exchange_device(), "GradientTree",
+                                  values=[call, self._added])
+            if len({tuple(row) for row in rows}) > 1:
+                calls = [f"{_CALLS[c]} after {n} micro-batches" for c, n in rows]
+                raise ValueError(f"GradientTree: the ranks of group are in different calls: {differ(calls)}; "
+                                 f"every rank adds micro_batches={self.micro_batches} micro-batches, then reduces")
+        except ValueError:
+            self._drop()
+            raise
+
+    def _drop(self) -> None:
+        """Forget this step's gradients: the partials, the .grad and source gradients not yet taken."""
+        for e in self._entries:
+            e.stack = []
+            if e.experts is not None:
+                e.experts.source_grads.pop(e.name, None)
+            if e.param.grad is not None and e.param.grad not in self._written:
+                e.param.grad = None
+        self._added = 0
 
     def reduce(self) -> None:
-        """Sum the L leaves by the tree on every rank of ``group``, divide by L and set each ``.grad``
-        (a sharded expert weight's: its local shard). Collective over ``group``. First one small
-        fixed-size all-gather: a rank that added other than micro_batches micro-batches, or whose
-        trained parameters changed since the tree was built (frozen, unfrozen, another dtype or
-        shape, replaced), makes every rank raise the same ValueError, naming it; the step's
-        gradients are then dropped."""
-        problems = self._step_problems()
-        try:
-            agree_problems(problems, self.group, self._exchange_device(), "GradientTree.reduce")
-        except ValueError:
-            for e in self._entries:
-                e.stack = []
-            self._added = 0
-            raise
+        """Set each ``.grad`` (a sharded expert weight's: its local shard) to the sum of the L leaves
+        by the tree, divided by L. The cross-rank sums were done in `add_micro_batch`; this adds no
+        exchange but the first, a small fixed-size all-gather (collective over ``group``): a rank
+        that added other than micro_batches micro-batches, or whose trained parameters changed
+        since the tree was built (frozen, unfrozen, another dtype or shape, replaced), makes every
+        rank raise the same ValueError, naming it; the step's gradients are then dropped."""
+        self._agree_call(self._step_problems(), _REDUCE)
         L = self.world * self.micro_batches
-        by_dtype: Dict[torch.dtype, List[_Entry]] = {}
-        for e in self._entries:  # in order: each dtype's entries keep the prefix order of their start
-            by_dtype.setdefault(_acc_dtype(e.param.dtype), []).append(e)
-        for entries in by_dtype.values():
-            parts = []
-            for e in entries:
-                (_, partial), = e.stack
-                e.stack = []
-                parts.append((partial if e.experts is None else _pairwise(partial.transpose(0, 1))).reshape(-1))
-            flat = torch.cat(parts)
-            del parts
-            self._doubling(flat, entries)
-            flat.div_(L)
-            offset = 0
-            for e in entries:
-                n = e.param.numel()
-                e.param.grad = flat[offset:offset + n].view(e.param.shape).to(e.param.dtype)
-                self._written[e.param.grad] = True
-                offset += n
+        for e in self._entries:
+            (_, partial), = e.stack
+            e.stack = []
+            e.param.grad = partial.div_(L).to(e.param.dtype)
+            self._written[e.param.grad] = True
         self._added = 0
         self._reduced = True
 
@@ -377,7 +430,7 @@ class GradientTree:
 
     def _doubling_step(self, flat: torch.Tensor, entries: Sequence[_Entry], k: int) -> None:
         """Step k of `_doubling`: add group rank (rank xor 2^k)'s prefix of the joined entries."""
-        n = sum(e.param.numel() for e in entries if e.start <= k)
+        n = sum(e.shape.numel() for e in entries if e.start <= k)
         if n == 0:
             return
         peer = self.rank ^ (1 << k)
@@ -447,8 +500,8 @@ class GradientTree:
         return norm
 
     def held_bytes(self) -> int:
-        """Bytes of the partial sums this tree holds now (between micro-batches: up to log2(A) + 1
-        per parameter, [E_local, P, ...] for experts sharded over P ranks; none after `reduce`)."""
+        """Bytes of the partial sums this tree holds now (between micro-batches: up to log2(A) per
+        parameter, a sharded expert weight's the size of its local shard; none after `reduce`)."""
         return sum(t.numel() * t.element_size() for e in self._entries for _, t in e.stack)
 
     def global_mean(self, values: torch.Tensor) -> torch.Tensor:
@@ -457,6 +510,6 @@ class GradientTree:
         if values.shape != (self.micro_batches,):
             raise ValueError(f"values must be [{self.micro_batches}] (micro_batches), got {list(values.shape)}")
         v = values.detach().to(_acc_dtype(values.dtype)).contiguous()
-        if self.world > 1:
-            v = all_gather_rows(v, self.group)
+        if self.world > 1:  # rank-major [W * A] -> by global index a*W + r
+            v = all_gather_rows(v, self.group).view(self.world, self.micro_batches).t().reshape(-1)
         return _pairwise(v) / v.numel()

@@ -46,11 +46,11 @@ from torch import nn
 
 from ..checkpoint import register_sharded
 from ..config import FP8_FORMATS
-from ..distributed.agreement import FP8_WEIGHTS_NOT_FP8, problem_message
+from ..distributed.agreement import FP8_WEIGHTS_NOT_FP8, InputProblem, problem_message
 from ..distributed.comm import WeakGroup
 from .activations import activate, scale_rows
 from .fp8 import fp8_mlp
-from .fp8_weights import Fp8ExpertWeights, fp8_weights_problem, quantize_fp8_weights
+from .fp8_weights import Fp8ExpertWeights, fp8_weights_bits_problem, fp8_weights_problem, quantize_fp8_weights
 from .gemm import GemmStrategy, SourceBlocks, expert_gemm, select_gemm
 from .init import WEIGHT1, WEIGHT2, init_expert_weights
 
@@ -197,6 +197,7 @@ class LocalExperts(nn.Module):
         row_scales: Optional[torch.Tensor] = None,
         row_grad_sink: Optional[torch.Tensor] = None,
         fp8_weights: Optional[Fp8ExpertWeights] = None,
+        fp8_weights_checked: bool = False,
     ) -> torch.Tensor:
         """permuted_tokens [N, H] (expert-major rows), tokens_per_expert [E_local] (int, summing
         to N), permuted_probs [N] or None -> [N, H] in permuted_tokens' dtype. ``offsets``:
@@ -221,10 +222,13 @@ class LocalExperts(nn.Module):
         (`moe_dispatch.experts.fp8.fp8_expert_gemm`); the activation in the output dtype.
         ``fp8_weights``: the weights quantised once (``quantize_fp8_weights()``), for the forwards
         until the next optimizer step; a stale one raises a ValueError (`moe_dispatch.experts.fp8_weights`).
+        Its weights' bits are compared with a host read (on CUDA a synchronisation);
+        ``fp8_weights_checked=True``: the caller has checked the handle, bits included (MoELayer does,
+        carrying the result in its dispatcher's exchanges), and the experts do not check it again.
         """
         if self.fp8 is not None:  # source_blocks with FP8 wgrad: fp8_expert_gemm's ValueError
             return self._forward_fp8(permuted_tokens, tokens_per_expert, permuted_probs, offsets, row_scales,
-                                     row_grad_sink, trailing_rows, fp8_weights, source_blocks)
+                                     row_grad_sink, trailing_rows, fp8_weights, source_blocks, fp8_weights_checked)
         if fp8_weights is not None:
             raise ValueError(problem_message(FP8_WEIGHTS_NOT_FP8, 0, 0))
         x = permuted_tokens
@@ -251,16 +255,15 @@ class LocalExperts(nn.Module):
     def _forward_fp8(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: Optional[torch.Tensor],
                      offsets: Optional[torch.Tensor], row_scales: Optional[torch.Tensor],
                      row_grad_sink: Optional[torch.Tensor], trailing_rows: bool,
-                     fp8_weights: Optional[Fp8ExpertWeights], source_blocks: Optional[SourceBlocks] = None
-                     ) -> torch.Tensor:
+                     fp8_weights: Optional[Fp8ExpertWeights], source_blocks: Optional[SourceBlocks] = None,
+                     fp8_weights_checked: bool = False) -> torch.Tensor:
         if row_scales is None or row_grad_sink is None:
             raise ValueError("fp8 experts need row_scales [N] and row_grad_sink [N, H] (the dispatcher's FP8 rows, "
                              "handle.row_grad_sink)")
         operands = None
         if fp8_weights is not None:
-            problem = fp8_weights_problem(fp8_weights, self)
-            if problem is not None:
-                raise ValueError(problem_message(problem.code, problem.expected, problem.got))
+            if not fp8_weights_checked:
+                _check_fp8_weights(fp8_weights, self)
             operands = (fp8_weights.weight1, fp8_weights.weight2)
         probs = permuted_probs if self.probs_in_experts else None
         sinks = (None, None) if source_blocks is None else (self._sink("weight1"), self._sink("weight2"))
@@ -324,6 +327,18 @@ class LocalExperts(nn.Module):
 
 
 _SHARDED_KEYS = ("weight1", "weight2", "expert_ids")
+
+
+def _check_fp8_weights(fp8_weights: Any, experts: LocalExperts) -> None:
+    """ValueError if ``fp8_weights`` cannot serve a forward of ``experts`` now: the host checks,
+    then the weights' bits (one host read of the comparison)."""
+    problem = fp8_weights_problem(fp8_weights, experts)
+    if problem is None:
+        bits = fp8_weights_bits_problem(fp8_weights, experts)
+        code, expected, got = torch.stack([bits.code, bits.expected, bits.got]).tolist()
+        problem = InputProblem(code, expected, got) if code else None
+    if problem is not None:
+        raise ValueError(problem_message(problem.code, problem.expected, problem.got))
 
 
 def _sharding_group(ep_group: Optional[dist.ProcessGroup], num_experts: int, num_local: int,

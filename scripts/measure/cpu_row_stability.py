@@ -12,17 +12,12 @@ the tests assert only what holds on every CPU):
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
 from moe_dispatch.experts import expert_gemm
 from moe_dispatch.experts.activations import _unary
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for tests/
-from tests.experts.test_row_stability import _activation_mismatches  # noqa: E402
+from moe_dispatch.tools.batch_invariance import activation_mismatches
 
 BLOCKS = [1, 2, 3, 7, 8, 16, 64, 200, 1000]
 
@@ -49,8 +44,8 @@ def activation_table() -> None:
     print("\nfp32 activations: probes (of 180) whose value or gradient alone differs from inside the batch")
     print(f"{'':>8} | {'native':>7} | {'ours':>7}")
     for name, native in (("silu", F.silu), ("gelu", F.gelu)):
-        ours = _activation_mismatches(lambda h, n=name: _unary(h, n), torch.float32)
-        print(f"{name:>8} | {_activation_mismatches(native, torch.float32):>7} | {ours:>7}")
+        ours = activation_mismatches(lambda h, n=name: _unary(h, n), torch.float32)
+        print(f"{name:>8} | {activation_mismatches(native, torch.float32):>7} | {ours:>7}")
 
 
 if __name__ == "__main__":

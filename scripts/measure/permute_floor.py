@@ -13,18 +13,14 @@ at the copy bandwidth of torch's device-to-device copy measured in the same run.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from moe_dispatch.ops import kernels as KT
+from moe_dispatch.tools.benchmarks import copy_bandwidth, routing
 from moe_dispatch.tools.profiling import graph_median_ms
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for bench_ops
-from bench_ops import copy_bandwidth, routing  # noqa: E402
 
 SHAPES = [(4096, 256, 7168, 8), (16384, 128, 4096, 6), (32768, 64, 4096, 8)]
 

@@ -16,18 +16,16 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from moe_dispatch.ops.kernels import quantize as K  # noqa: E402
+from moe_dispatch.ops.kernels import quantize as K
 
 E4M3 = 448.0
 REGISTERS_PER_SM, THREADS_PER_SM, PROGRAMS_PER_SM = 65536, 2048, 32

@@ -14,17 +14,12 @@ shape.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for bench_fp8_layer
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import torch  # noqa: E402
-from bench_fp8_layer import add_shape_args, layer_inputs, layer_step  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from moe_dispatch import MoEConfig  # noqa: E402
+from moe_dispatch import MoEConfig
+from moe_dispatch.tools.benchmarks import add_shape_args, layer_inputs, layer_step
 
 STEPS = 5
 

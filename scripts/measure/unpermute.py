@@ -19,8 +19,6 @@ The forward's floor is (N*H read + T*H written) * 2 bytes + the probs (T*E*4).
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import triton
@@ -29,10 +27,8 @@ import triton.language as tl
 from moe_dispatch.ops import guard, permute
 from moe_dispatch.ops.kernels import permute as KT
 from moe_dispatch.ops.torch_twin import block_h
+from moe_dispatch.tools.benchmarks import copy_bandwidth, routing
 from moe_dispatch.tools.profiling import graph_median_ms
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for bench_ops
-from bench_ops import copy_bandwidth, routing  # noqa: E402
 
 SHAPES = [(8192, 16, 2048, 4), (16384, 128, 4096, 6), (4096, 256, 7168, 8), (32768, 64, 4096, 8)]
 

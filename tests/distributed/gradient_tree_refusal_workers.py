@@ -37,7 +37,7 @@ class Tiny(nn.Module):
 
 
 def step(model: nn.Module, tree: GradientTree, opt: torch.optim.Optimizer, rank: int, micro_batches: int = 1) -> None:
-    """One optimizer step; group rank r runs global micro-batch r * A + a."""
+    """One optimizer step; each rank its own micro-batches."""
     for a in range(micro_batches):
         gen = torch.Generator().manual_seed(rank * micro_batches + a)
         x, y = torch.randn(6, 4, generator=gen), torch.randint(0, 2, (6,), generator=gen)
@@ -117,10 +117,14 @@ def refusal_worker(rank: int, world_size: int) -> Dict[str, object]:
         tree = GradientTree(model, micro_batches=2, group=g)
         model(torch.randn(3, 4)).sum().backward()
         tree.add_micro_batch()
-        if rank != one:
-            model(torch.randn(3, 4)).sum().backward()
-            tree.add_micro_batch()
-        return outcome(tree.reduce)
+
+        def rest() -> None:  # rank 0's second add_micro_batch meets rank 1's reduce: both raise
+            if rank != one:
+                model(torch.randn(3, 4)).sum().backward()
+                tree.add_micro_batch()
+            tree.reduce()
+
+        return outcome(rest)
 
     case("micro-batch count", added_once)
     # last: the old code's reduction of mismatched sizes aborts the process in gloo

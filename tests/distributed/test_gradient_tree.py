@@ -17,7 +17,7 @@ from moe_dispatch.parallel import GradientTree
 from tests.dispatcher.harness import run_ranks, value_error_of
 
 from .gradient_tree_refusal_workers import refusal_worker
-from .gradient_tree_workers import LAYOUTS, assemble, layouts_worker
+from .gradient_tree_workers import LAYOUTS, assemble, held_bytes_worker, layouts_worker
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,14 @@ def test_layouts_bitwise_with_gradient_tree(cpu_results):
     assert all(float(ref[f"norm {i}"]) > 1.0 for i in range(3))
     moved = assemble(cpu_results, "initial")[LAYOUTS[0]]
     assert all(not torch.equal(moved[k], ref[k]) for k in moved), "a parameter did not train"
+
+
+def test_partials_do_not_grow_with_ep_size():
+    """Issue 50, item 1: at EP 2 the tree held one fp32 stack per (expert, source), 2x the local
+    expert weights; now the sources are paired in each micro-step: after micro-batches 1..4 at
+    A = 4 it holds 1, 1, 2, 1 fp32 copies of the rank's own parameters (the binary counter)."""
+    for held in run_ranks(held_bytes_worker, 2, timeout=120):
+        assert held == [1.0, 1.0, 2.0, 1.0], held
 
 
 def test_todays_reducers_differ_across_layouts(cpu_results):
@@ -82,6 +90,11 @@ def test_single_process_misuse():
         model(torch.randn(3, 4)).square().mean().backward()
         tree.add_micro_batch()
     assert "already 2 micro-batches" in value_error_of(tree.add_micro_batch)
+    # a refused add_micro_batch drops the step on every rank (another rank may be in another call)
+    assert value_error_of(tree.reduce).startswith("reduce: 0 micro-batches")
+    for _ in range(2):
+        model(torch.randn(3, 4)).square().mean().backward()
+        tree.add_micro_batch()
     tree.reduce()
     norm = tree.clip_grad_norm_(1e9)
     expected = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()

@@ -8,8 +8,9 @@ import torch
 
 from moe_dispatch.experts import GroupedMLP, SequentialMLP
 from moe_dispatch.experts.activations import _unary
+from moe_dispatch.tools.batch_invariance import activation_mismatches
 from tests.experts.reference import make_config
-from tests.experts.test_row_stability import _activation_mismatches, _assert_row_stable, assert_ep_layouts_agree
+from tests.experts.test_row_stability import _assert_row_stable, assert_ep_layouts_agree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -61,7 +62,7 @@ def test_grouped_and_tiled_agree_within_rounding():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["gelu", "silu"])
 def test_cuda_activations_batch_independent(dtype, name):
-    assert _activation_mismatches(lambda h: _unary(h, name), dtype, "cuda") == 0
+    assert activation_mismatches(lambda h: _unary(h, name), dtype, "cuda") == 0
 
 
 def test_tokens_per_expert_on_device_and_empty_experts():

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_dispatch.experts import GroupedMLP, SequentialMLP, expert_gemm, scale_rows
 from moe_dispatch.experts.activations import _row_sum, _unary, activate
+from moe_dispatch.tools.batch_invariance import activation_mismatches
 from tests.experts.reference import make_config
 from tests.fake_blas import FakeBlas
 
@@ -185,32 +186,12 @@ def test_strategy_selection_cpu():
         assert SequentialMLP(cfg, 4, row_stable=False).gemm_strategies(x) == ("loop", "loop")
 
 
-def _activation_mismatches(fn, dtype, device="cpu") -> int:
-    """How many probes of `fn` differ between a big batch and the same rows or elements alone."""
-    g = torch.Generator().manual_seed(1)
-    bad = 0
-    for n, width in [(1000, 100), (333, 256), (7, 1030), (5000, 7)]:
-        h = (torch.randn(n, width, generator=g) * 4).to(device, dtype).requires_grad_()
-        out = fn(h)
-        dout = torch.randn(out.shape, generator=g).to(device, dtype)
-        out.backward(dout)
-        probes = [(i, slice(None)) for i in (0, 1, n // 2, n - 2, n - 1)]
-        probes += [(i, slice(j, j + 1)) for i, j in zip(torch.randint(n, (40,), generator=g).tolist(),
-                                                         torch.randint(width, (40,), generator=g).tolist())]
-        for i, cols in probes:
-            hi = h.detach()[i : i + 1, cols].clone().requires_grad_()
-            oi = fn(hi)
-            oi.backward(dout[i : i + 1, cols])
-            bad += not (torch.equal(oi[0], out[i, cols]) and torch.equal(hi.grad[0], h.grad[i, cols]))
-    return bad
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["gelu", "silu"])
 def test_cpu_activations_do_not_depend_on_batch(dtype, name):
     """The hand-built CPU activations (fwd + bwd): any row, or single element, equals the same
     computed inside a large batch (SIMD tails, multi-threaded chunks)."""
-    assert _activation_mismatches(lambda h: _unary(h, name), dtype) == 0
+    assert activation_mismatches(lambda h: _unary(h, name), dtype) == 0
 
 
 # torch's transcendental CPU kernels: each has a SIMD body and a scalar tail with other code.

@@ -162,8 +162,11 @@ def _errors(rank: int, pg2, pg1) -> dict:
     out["cuda_graphs_sync_free"] = graphs.token_dispatcher.config.sync_free
     te = _megatron("alltoall", dtype, 1, pg1)
     te.config.fp8 = "hybrid"  # Megatron's TE FP8 (--fp8-format hybrid), set after the config's checks
-    out["te_fp8"] = outcome(lambda: install(te))
+    out["te_fp8"] = outcome(lambda: install(te))  # TE's recipe stays on the dense layers: accepted
     out["te_fp8_and_ours"] = outcome(lambda: install(te, fp8=FP8))
+    te.config.fp8_param = True  # --fp8-param-gather: TE's FP8 weights, which our GEMMs cannot read
+    out["te_fp8_param"] = outcome(lambda: install(te, fp8=FP8))
+    te.config.fp8_param = False
     out["none_after_fp8"] = outcome(lambda: install(layer, fp8=None))  # fp8=None: no FP8 checks
     out["once_without_fp8"] = outcome(lambda: install(layer, quantize_weights_once=True))
     out["once_not_bool"] = outcome(lambda: install(layer, fp8=FP8, quantize_weights_once=1))

@@ -135,7 +135,7 @@ def test_reported_scenario_within_bound(dtype):
     bounds depend on H and K, not on how many tokens share the batch (batch invariance is
     test_token_result_independent_of_other_tokens). Both sides get the same upstream gradients;
     every result sits inside the stated bound. The errors at all 8192 tokens:
-    scripts/measure/permute_error.py."""
+    python -m tests.ops.permute_error."""
     _check_against_oracle(256, 16, 4, 2048, dtype, seed=3)
 
 

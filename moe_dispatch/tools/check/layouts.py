@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ...experts import LocalExperts
 from .args import DTYPES, base_config
 from .contract import Result, bitwise, gather_results, largest_diff, progress
 
@@ -84,38 +83,23 @@ def _micro_batch(args: argparse.Namespace, step: int, index: int,
     return x.to(device), torch.randint(0, CLASSES, (args.tokens,), generator=gen).to(device)
 
 
-def by_global_id(model: nn.Module, prefix: str = "", grads: bool = False) -> Dict[str, torch.Tensor]:
-    """The model's parameters (or their gradients) by name, on the CPU; a routed expert's under
-    its global id."""
-    out: Dict[str, torch.Tensor] = {}
-    for module_name, module in model.named_modules():
-        for name, p in module.named_parameters(recurse=False):
-            key, value = f"{prefix}{module_name}.{name}", (p.grad if grads else p).detach().cpu().clone()
-            if isinstance(module, LocalExperts):
-                for local, expert in enumerate(module.global_expert_ids):
-                    out[f"{key}[expert {expert}]"] = value[local]
-            else:
-                out[key] = value
-    return out
-
-
 def train(args: argparse.Namespace, device: torch.device, layout: Layout, data: dist.ProcessGroup,
           ep_group: dist.ProcessGroup) -> Dict[str, torch.Tensor]:
     """STEPS optimizer steps of the model on one layout with a GradientTree over ``data``; returns
     its parameters (``by_global_id``) and each step's loss, clipped norm and clipped gradients.
     Collective over ``data``."""
     from ...parallel import GradientTree
+    from ..gradient_tree_layouts import by_global_id
 
     _, _, A = layout
-    r = dist.get_rank(data)
     model = _Model(args, ep_group, device)
     tree = GradientTree(model, micro_batches=A, group=data)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     out: Dict[str, torch.Tensor] = {}
     for step in range(STEPS):
         losses = []
-        for a in range(A):  # group rank r runs global micro-batches r*A .. r*A + A-1
-            x, y = _micro_batch(args, step, r * A + a, device)
+        for a in range(A):  # group rank r runs global micro-batch a*W + r (GradientTree.micro_batch_index)
+            x, y = _micro_batch(args, step, tree.micro_batch_index(a), device)
             loss = F.cross_entropy(model(x).float(), y)
             loss.backward()
             tree.add_micro_batch()
