@@ -36,7 +36,7 @@ A handle is for the weights as they were when it was made. A forward refuses it 
 - when either parameter was replaced, or the handle is another experts' module's.
 
 Cost of the bits check, per forward with a handle: on CUDA one fused Triton kernel per weight
-(``ops.fingerprint_kernel``) reads each weight once, 2 bytes per bf16 element (the floor), and
+(``ops.kernels.fingerprint``) reads each weight once, 2 bytes per bf16 element (the floor), and
 writes 16 bytes per program; the comparison is a few kernels on 2-element tensors. Quantising per
 call reads each weight twice and writes two FP8 copies (about 6 bytes per element), so the check
 moves a third of the bytes the handle saves (``scripts/measure/fingerprint.py`` times both at the

@@ -2,7 +2,7 @@
 
 Each op takes tensors and ints only and has a fake implementation for torch.compile; the ones with
 a backward register it here. ``_impl`` picks the backend per call: the Triton kernels
-(triton_kernels.py) for CUDA tensors, the pure-torch twin (torch_twin.py) for CPU tensors, or one
+(kernels/) for CUDA tensors, the pure-torch twin (torch_twin.py) for CPU tensors, or one
 forced by ``set_backend``. Arguments added after an op's first release come last, with defaults,
 so calls written against the older schema keep working.
 """
@@ -41,8 +41,8 @@ def _uses_triton(x: torch.Tensor) -> bool:
 def _impl(x: torch.Tensor):
     if not _uses_triton(x):
         return torch_twin
-    from . import triton_kernels  # imported lazily: CPU-only users need no Triton
-    return triton_kernels
+    from . import kernels  # imported lazily: CPU-only users need no Triton
+    return kernels
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,10 +205,10 @@ def _(t):
 
 
 def _fingerprint_impl(t: torch.Tensor):
-    """fingerprint.py (the torch twin) or fingerprint_kernel.py (Triton), as ``_impl`` picks."""
+    """fingerprint.py (the torch twin) or kernels/fingerprint.py (Triton), as ``_impl`` picks."""
     if not _uses_triton(t):
         return fingerprint
-    from . import fingerprint_kernel  # imported lazily: CPU-only users need no Triton
+    from .kernels import fingerprint as fingerprint_kernel  # imported lazily: CPU-only users need no Triton
     return fingerprint_kernel
 
 

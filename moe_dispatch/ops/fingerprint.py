@@ -17,7 +17,7 @@ positions, about 2^-31 for each hash for changes unrelated to the positions, abo
 It is not a cryptographic hash: it guards against accidents, not an adversary.
 
 This module is the torch twin: the definition in torch ops, run on CPU. On CUDA the Triton
-kernel (fingerprint_kernel.py) computes the same value, bitwise, reading t once (2 bytes per
+kernel (kernels/fingerprint.py) computes the same value, bitwise, reading t once (2 bytes per
 16-bit word, the floor). Callers use ``moe_dispatch.ops.bits_fingerprint`` (custom_ops.py), which
 picks between the two as the other ops do. The twin's cost: t is read once; the product runs in
 blocks of at most 2^24 words into an int32 temporary (64 MB), written and read once: about

@@ -14,8 +14,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moe_dispatch.ops import fingerprint_kernel as FK  # noqa: E402
-from moe_dispatch.ops import triton_kernels as K  # noqa: E402
+from moe_dispatch.ops.kernels import fingerprint as FK  # noqa: E402
+from moe_dispatch.ops.kernels import permute as K  # noqa: E402
+from moe_dispatch.ops.kernels import quantize as KQ  # noqa: E402
 
 POINTERS = {
     "map_ptr": "*u8", "probs_ptr": "*fp32", "tokens_ptr": "*bf16", "slots_ptr": "*i32", "stats_ptr": "*i64",
@@ -73,7 +74,7 @@ def variants():
         yield K._zero_uncovered_rows_kernel, dict(BLOCK_R=64, BLOCK_W=256), {"out_ptr": out}
     yield K._gather_rows_kernel, dict(BLOCK_H=1024, TOKEN_MAJOR=False), {}
     for fp8, x, one_pass, stages in ((E4M3, "*bf16", True, 1), (E5M2, "*fp32", False, 1), (E4M3, "*bf16", True, 3)):
-        yield K._quantize_rows_kernel, dict(FP8_MAX=fp8, AMAX_FLOOR=2.0 ** -64, BLOCK_T=2, BLOCK_H=4096,
+        yield KQ._quantize_rows_kernel, dict(FP8_MAX=fp8, AMAX_FLOOR=2.0 ** -64, BLOCK_T=2, BLOCK_H=4096,
                                             ONE_PASS=one_pass, STAGES=stages), {"x_ptr": x}
 
     # the bits fingerprint: 1-, 2-, 4- and 8-byte elements, contiguous and strided

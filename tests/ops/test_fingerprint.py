@@ -1,4 +1,4 @@
-"""ops.bits_fingerprint: its Triton kernel (fingerprint_kernel.py; under the interpreter, and
+"""ops.bits_fingerprint: its Triton kernel (kernels/fingerprint.py; under the interpreter, and
 compiled on CUDA with -m gpu) against its torch twin (fingerprint.py), bitwise, for every element
 size, tails, 3-D and strided inputs and any launch settings; and what the fingerprint catches."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.flo
 
 
 def _kernel(t: torch.Tensor, **launch) -> torch.Tensor:
-    from moe_dispatch.ops import fingerprint_kernel
+    from moe_dispatch.ops.kernels import fingerprint as fingerprint_kernel
 
     return fingerprint_kernel.bits_fingerprint(t, **launch)
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fingerprint import CHUNK, PRIME, chunk_weights, position_weights
+from ..fingerprint import CHUNK, PRIME, chunk_weights, position_weights
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 BLOCK = 4096  # elements per load step (a launch setting: no value depends on it)
