@@ -120,3 +120,15 @@ def apply_cpu_rng() -> None:
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     megatron_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
     _APPLIED["rng"] = True
+
+
+def apply_typing_override() -> None:
+    """Give Python 3.11's ``typing`` the ``override`` decorator of 3.12 (``typing_extensions``'), which
+    Megatron-LM's training package (core_v0.19.0 and later) imports, so that its source tree imports
+    in the test suite's 3.11 venv. A no-op on 3.12+."""
+    import typing
+
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override

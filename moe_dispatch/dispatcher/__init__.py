@@ -10,9 +10,10 @@ Three faces, one path:
   ``return_rows`` -> ``owner_sum``, each returning a frozen record (``Prepared``, ``Sent``,
   ``DispatchHandle``, ``Returned``).
 
-Inside: ``plan`` (the Plan interface: a step's plan is chosen once, in prepare), ``dropless`` (sizes
-from the size exchange, ``layout``; transport, ``exchange``), ``static`` (the sync-free plan;
-``static_exchange``, ``static_words``), ``expand`` (the received rows into the expert layout, and
+Inside: ``plan`` (the Plan interface, a step's plan chosen once in prepare, and the records it
+passes between the stages), ``dropless`` (sizes from the size exchange, ``layout``; transport,
+``exchange``), ``static`` (the sync-free plan; ``static_sizes``, ``static_exchange``,
+``static_words``), ``expand`` (the received rows into the expert layout, and
 their gradients back). Agreement across ranks and latched errors: ``moe_dispatch.distributed``;
 the settings: ``moe_dispatch.config.DispatchConfig``.
 """
@@ -22,8 +23,7 @@ from .dispatchers import AllGatherDispatcher, AllToAllDispatcher, build_dispatch
 from .exchange import KINDS
 from .fp8_wire import pack_rows, unpack_rows, wire_width
 from .functional import combine, dispatch, dispatch_rows, with_host_counts
-from .handle import DispatchHandle, Prepared, Returned, Sent
-from .plan import Plan
+from .plan import DispatchHandle, Plan, Prepared, Returned, Sent
 from .stages import (
            check_expert_output,
            device_of,

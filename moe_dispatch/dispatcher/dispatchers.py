@@ -11,8 +11,8 @@ from ..distributed.agreement import GROUP_LATCHES, DeviceProblem, InputProblem, 
 from ..distributed.comm import ProcessGroup, WeakGroup, group_size_rank
 from ..distributed.identity import StepCounter, new_layer_id
 from . import functional, static
-from .handle import DispatchHandle
 from .layout import check_ep_size, exchange_sizes
+from .plan import DispatchHandle
 from .stages import device_of
 
 

@@ -25,9 +25,8 @@ from ..ops.permutation import make_slots, runs_index
 from .exchange import KINDS, TAG_BYTES, Received, ReturnRoute, return_rows, return_tables, send_back
 from .expand import Expand, ReturnPath, grad_anchor
 from .fp8_wire import wire_rows
-from .handle import DispatchHandle, Prepared, Returned, Sent
 from .layout import Layout, exchange_sizes
-from .plan import Plan, SourceBlocks
+from .plan import DispatchHandle, Plan, Prepared, Returned, Sent, SourceBlocks
 from .records import agree_send, check_record_here
 from .static_words import status_rows
 

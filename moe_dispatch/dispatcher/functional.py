@@ -38,7 +38,7 @@ from ..config import DispatchConfig, MoEConfig
 from ..distributed.agreement import ErrorLatch
 from ..distributed.comm import ProcessGroup
 from ..distributed.identity import StepCounter
-from .handle import DispatchHandle
+from .plan import DispatchHandle
 from .stages import check_expert_output, finish, owner_sum, prepare, return_rows, send_just_prepared
 
 

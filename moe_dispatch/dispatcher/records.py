@@ -22,7 +22,7 @@ import torch
 from ..distributed.agreement import differ, dtype_code, dtype_name
 from ..distributed.comm import all_gather_rows, group_size_rank, read_host, to_device
 from ..distributed.identity import CallId
-from .handle import DispatchHandle, Prepared, Returned, Sent
+from .plan import DispatchHandle, Prepared, Returned, Sent
 
 # The stage that makes each record, for the error messages.
 _MADE_BY = {Prepared: "prepare()", Sent: "send()", DispatchHandle: "finish() or dispatch()",

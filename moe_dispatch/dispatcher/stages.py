@@ -9,7 +9,7 @@
 
 ``dispatch`` and ``combine`` (functional.py) are these stages in a row; Megatron's six-method
 interface (``moe_dispatch.integrations.megatron``) is these stages one per method. Each stage
-returns a frozen record (handle.py) that the next consumes; a framework that changes a tensor
+returns a frozen record (plan.py) that the next consumes; a framework that changes a tensor
 between two stages (Megatron passes its own copies on) swaps it in with ``dataclasses.replace``.
 The plan is chosen once, in ``prepare`` (``plan_type``), and every later stage calls it.
 
@@ -37,8 +37,7 @@ from ..experts.rows import ExpertRows
 from ..ops import RowIdMap
 from .dropless import DroplessPlan
 from .fp8_wire import unpack_rows
-from .handle import DispatchHandle, Prepared, Returned, Sent
-from .plan import Plan
+from .plan import DispatchHandle, Plan, Prepared, Returned, Sent
 from .records import expect_record, expect_rows
 from .static import StaticPlan
 

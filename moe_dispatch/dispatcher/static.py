@@ -20,7 +20,6 @@ sum is the dropless path's, bitwise. Both exchanges, with their status rows: sta
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -35,10 +34,11 @@ from ..ops import RowIdMap, unpermute
 from ..ops.permutation import make_slots
 from .expand import Expand, ReturnPath, grad_anchor
 from .fp8_wire import wire_rows
-from .handle import DispatchHandle, Prepared, Returned, Sent
-from .plan import Plan
+from .layout import exchange_sizes, own_input_problems
+from .plan import DispatchHandle, Plan, Prepared, Returned, Sent
 from .records import check_record_here, record_problem
 from .static_exchange import ReturnRows, expert_map_and_route, return_exchange, send_tokens
+from .static_sizes import StaticSizes
 from .static_words import (
     W_GRAD_OFF,
     W_GRAD_ON,
@@ -57,59 +57,6 @@ from .static_words import (
     set_call_words,
     words_rows,
 )
-
-
-@dataclass(frozen=True)
-class StaticSizes:
-    """The sizes of one sync-free step, host ints from the config and T alone (equal on every
-    rank). Field names shared with ``layout.Layout`` mean the same.
-
-    Attributes:
-        num_tokens: [P], the plan's T on every rank (a rank with fewer tokens pads: see prepare).
-        send_capacity: tokens one rank sends to one rank (alltoall): min(T, ceil(f * T * K / P));
-            the allgather sends every token (T).
-        recv_rows: N, (token, local expert) rows a rank's experts receive: T * K at EP 1, else
-            min(P * T * min(K, El), ceil(f * T * K)) (T * K is the balanced load).
-        return_capacity: rows one expert rank returns to one owner: min(T * min(K, El),
-            ceil(f * T * K / P)) (unused at EP 1).
-        probs_grad: the probs gradient travels back (probs_in_experts), whether or not this rank's
-            probs require grad: the collectives must match on every rank without an exchange.
-    """
-
-    ep_size: int
-    rank: int
-    num_experts: int
-    num_local_experts: int
-    topk: int
-    num_tokens: tuple[int, ...]
-    factor: Optional[float]
-    send_capacity: int
-    recv_rows: int
-    return_capacity: int
-    probs_grad: bool
-
-    @classmethod
-    def build(cls, cfg: DispatchConfig, ep_size: int, rank: int, num_tokens: int) -> "StaticSizes":
-        P, T, K = ep_size, num_tokens, cfg.topk
-        El = cfg.num_experts // P
-        f = cfg.ep_capacity_factor
-        if P == 1:
-            send, recv, ret = T, T * K, T * K
-        else:
-            if f is None:
-                raise ValueError(f"the sync-free dispatch at EP size {P} needs ep_capacity_factor (a finite number "
-                                 f"> 0), got None")
-            pair = math.ceil(f * T * K / P)
-            send = T if cfg.kind == "allgather" else max(1, min(T, pair))
-            recv = max(1, min(P * T * min(K, El), math.ceil(f * T * K)))
-            ret = max(1, min(T * min(K, El), pair))
-        return cls(ep_size=P, rank=rank, num_experts=cfg.num_experts, num_local_experts=El, topk=K,
-                   num_tokens=(T,) * P, factor=None if f is None else float(f),  # the same text on every rank
-                   send_capacity=send, recv_rows=recv, return_capacity=ret, probs_grad=cfg.probs_in_experts)
-
-    @property
-    def T(self) -> int:
-        return self.num_tokens[0]
 
 
 # ---- the plan -----------------------------------------------------------------------------------
@@ -297,20 +244,11 @@ def agreed_hidden(group: ProcessGroup, cfg: DispatchConfig) -> Optional[tuple[to
     return None if agreed is None else (torch.Size((agreed.T, cfg.hidden_size)), agreed.hidden_dtype)
 
 
-def _host_problems(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig) -> list[str]:
-    from .layout import _HOST_FIELDS, _input_problems
-    from .layout import _describe as describe
-    prefix = [0] * _HOST_FIELDS.index("hidden_T")  # tag, fingerprint, call, caller's problem: unused here
-    fields = dict(zip(_HOST_FIELDS, [*prefix, *describe(hidden, routing_map, probs, True)]))
-    return _input_problems(fields, cfg)
-
-
 def _agree(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch,
            call: CallId, experts_grad: Optional[bool]) -> _Agreed:
     """The plan of (group, cfg). Its first step runs the dropless size exchange, which validates
     every rank (raising alike on all) and tells every rank every T: the plan takes the largest
     (an all-empty step plans nothing: the next step agrees again)."""
-    from .layout import exchange_sizes
     fingerprint = fingerprint_hash(cfg)
     agreed = STATIC_PLANS.get(group, fingerprint)
     if agreed is None:
@@ -337,12 +275,12 @@ def _prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, gro
         call = steps.call()
     input_code = grown = 0
     if P == 1:
-        problems = _host_problems(hidden, routing_map, probs, cfg)
+        problems = own_input_problems(hidden, routing_map, probs, cfg)
         if problems:
             raise ValueError("invalid MoE dispatch input: " + "; ".join(problems))
     else:
         agreed = _agree(hidden, routing_map, probs, cfg, group, latch, call, experts_grad)
-        if _host_problems(hidden, routing_map, probs, cfg) or (hidden.dtype, probs.dtype, hidden.device) != (
+        if own_input_problems(hidden, routing_map, probs, cfg) or (hidden.dtype, probs.dtype, hidden.device) != (
                 agreed.hidden_dtype, agreed.probs_dtype, agreed.device):
             input_code = rank + 1
         elif routing_map.shape[0] > agreed.T:

@@ -4,10 +4,11 @@ layout's rows back to their owners with its mirror in the backward. static.py pl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
 
+from ..config import DispatchConfig
 from ..distributed.agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, check_call
 from ..distributed.comm import ProcessGroup, all_gather_rows, all_to_all_rows
 from ..distributed.identity import CallId
@@ -16,6 +17,7 @@ from ..ops import RowIdMap
 from ..ops.permutation import make_slots
 from .exchange import Received, RowFormat
 from .expand import SendBack
+from .static_sizes import StaticSizes
 from .static_words import (
     DISPATCH_CODE,
     ORDER_CODE,
@@ -31,8 +33,19 @@ from .static_words import (
     write_status,
 )
 
-if TYPE_CHECKING:
-    from .static import StaticPlan, StaticSizes
+
+class SyncFreeStep(Protocol):
+    """What these exchanges read of a sync-free step's plan (static.StaticPlan is one): defined here,
+    so that the plan imports its exchanges and not the other way round."""
+
+    config: DispatchConfig
+    group: ProcessGroup
+    call: CallId
+    layout: StaticSizes
+    routing_map: torch.Tensor  # [T, E] bool, this rank's
+    slots: torch.Tensor  # make_slots of routing_map, and its counts (the EP-1 expert map)
+    counts: torch.Tensor
+    words: torch.Tensor  # int32 [NUM_WORDS], this rank's check words
 
 
 @dataclass(frozen=True)
@@ -68,7 +81,7 @@ class StaticRoute:
 
 
 @torch.no_grad()
-def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: StaticPlan) -> Received:
+def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: SyncFreeStep) -> Received:
     """x [T, H], probs [T, E] (wire dtype) -> every source's rows for this rank's experts, in
     source rank order, each source's chunk padded to its capacity (padding routes nowhere); the
     routing is a contiguous copy; ``words``: the max of every source's words."""
@@ -127,7 +140,7 @@ def _fitting(counts: torch.Tensor, num_rows: int) -> torch.Tensor:
     return ends - torch.cat([ends.new_zeros(1), ends[:-1]])
 
 
-def expert_map_and_route(plan: StaticPlan, recv: Received, hidden_size: int,
+def expert_map_and_route(plan: SyncFreeStep, recv: Received, hidden_size: int,
                          hidden_itemsize: int) -> tuple[RowIdMap, Optional[StaticRoute]]:
     """The receiver layout's RowIdMap (padded_expert_rows: the blocks' rows, cut to N) and,
     at EP > 1, the return route."""
@@ -214,7 +227,7 @@ class ReturnRows(torch.autograd.Function):
         return send_forth(grad, ctx.route, ctx.sizes), None, None, None
 
 
-def return_exchange(plan: StaticPlan, route: StaticRoute) -> SendBack:
+def return_exchange(plan: SyncFreeStep, route: StaticRoute) -> SendBack:
     """Expand's return path over the static route: the rows' gradients and the words; a bad step's
     are latched (CUDA: before unpermute, whose kernel sees them) and poisoned."""
     sizes = plan.layout

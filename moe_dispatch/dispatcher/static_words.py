@@ -33,7 +33,7 @@ rank at fault), so no rank waits alone; so does a problem the caller found on th
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
@@ -42,9 +42,7 @@ from ..distributed.comm import ProcessGroup
 from ..distributed.identity import CallId, layer_name
 from ..distributed.registry import STATIC_WORDS
 from ..ops import guard
-
-if TYPE_CHECKING:
-    from .static import StaticSizes
+from .static_sizes import StaticSizes
 
 # Check words (int32, combined across ranks by max). W_CALL: 4 words, the sender's call of one
 # exchange (_call_words); W_ORDER: which exchange found different calls (an _ORDER_WHAT key), then
@@ -255,7 +253,7 @@ def _clear() -> None:
 guard.register_check(_pending_messages, _clear)
 
 
-def poison(out: torch.Tensor, words: Optional[torch.Tensor], sizes: "StaticSizes") -> torch.Tensor:
+def poison(out: torch.Tensor, words: Optional[torch.Tensor], sizes: StaticSizes) -> torch.Tensor:
     """CPU at EP > 1: NaN outputs (and gradients) for a bad step; CUDA poisons through the status."""
     if words is None or out.is_cuda:
         return out

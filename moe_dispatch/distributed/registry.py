@@ -40,14 +40,9 @@ Process-wide state elsewhere, kept where it lives (a module of its own concern):
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Generic, Hashable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Generic, Hashable, Iterator, Optional, TypeVar
 
 from .comm import ProcessGroup, group_key, weakly_referable
-
-if TYPE_CHECKING:
-    from ..dispatcher.static import _Agreed
-    from .agreement import ErrorLatch
-    from .identity import StepCounter
 
 V = TypeVar("V")
 
@@ -106,10 +101,13 @@ class GroupTable(Generic[V]):
         return f"GroupTable({self.name!r}, {sum(len(e) for e in self._all_entries())} entries)"
 
 
+# The tables of values whose classes live above this module (identity.StepCounter,
+# agreement.ErrorLatch, the sync-free plan's record) hold Any here, so that this module imports
+# nothing above it (not even for typing); each table's one accessor, named above, returns the type.
 LAYER_IDS: GroupTable[int] = GroupTable("layer ids")
-FUNCTIONAL_STEPS: GroupTable["StepCounter"] = GroupTable("functional steps")
-LATCHES: GroupTable["ErrorLatch"] = GroupTable("error latches")
-STATIC_PLANS: GroupTable["_Agreed"] = GroupTable("sync-free plans")
+FUNCTIONAL_STEPS: GroupTable[Any] = GroupTable("functional steps")
+LATCHES: GroupTable[Any] = GroupTable("error latches")
+STATIC_PLANS: GroupTable[Any] = GroupTable("sync-free plans")
 STATIC_WORDS: GroupTable[list] = GroupTable("sync-free check words")
 
 TABLES = (LAYER_IDS, FUNCTIONAL_STEPS, LATCHES, STATIC_PLANS, STATIC_WORDS)

@@ -8,7 +8,7 @@ import torch
 
 from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.dispatcher import AllToAllDispatcher
-from moe_dispatch.dispatcher.static import StaticSizes
+from moe_dispatch.dispatcher.static_sizes import StaticSizes
 from moe_dispatch.ops import check_device_errors
 from tests.cuda_host_waits import count_host_transfers, count_scalar_copies
 from tests.dispatcher import static_workers as workers

@@ -174,7 +174,7 @@ def test_install_errors_and_spec_helper(ranks):
         "etp_groups": "pg_collection.expt_tp has size 2, expected 1",
         "ep_mismatch": "EP group mismatch",
         "shared_overlap": "moe_shared_expert_overlap=True",
-        "not_sequential": "row_stable_gemms needs SequentialMLP experts, got NoneType",
+        "not_sequential": "row_stable_gemms needs SequentialMLP or TEGroupedMLP experts, got NoneType",
         "silu_not_gated": "activation_func=silu with gated_linear_unit=False is not supported",
     }
     for key, text in expect.items():

@@ -8,6 +8,9 @@ HEAD's 0.20 interface), and everything else that knows Megatron::
     spec = get_moe_module_spec(use_te=False, num_experts=64)      # Megatron's, MoELayer swapped
     layer_spec = deterministic_moe_spec(get_gpt_layer_local_spec(num_experts=64))  # any spec tree
 
+    # Megatron-LM's own script (core_v0.19.0 and later), one flag:
+    #   python pretrain_gpt.py ... --spec moe_dispatch.integrations.megatron deterministic_layer_spec
+
 Release differences are detected from the installed package (attributes, signatures, spec
 types), never from its version string. What is supported, and why, is in docs/megatron.md;
 every unsupported setting raises a ValueError naming the field (``supported``).
@@ -28,7 +31,16 @@ from .dispatcher import MegatronTokenDispatcher, dispatcher_from_megatron, is_in
 from .inputs import check_inputs_together
 from .install import install
 from .row_stable import make_row_stable
-from .specs import deterministic_moe_layer_class, deterministic_moe_spec, get_moe_module_spec
+
+# deterministic_layer_spec*: real attributes, not lazy ones: Megatron-LM's --spec reads vars(module)[name].
+from .specs import (
+    deterministic_layer_spec,
+    deterministic_layer_spec_fp8,
+    deterministic_moe_layer_class,
+    deterministic_moe_spec,
+    get_moe_module_spec,
+    megatron_default_layer_spec,
+)
 from .state import (
     from_megatron_grouped,
     from_megatron_sequential,
@@ -43,16 +55,19 @@ from .supported import (
     check_graph_capture,
     check_row_stable_supported,
     check_supported,
+    expert_layout,
     sync_free_obstacle,
     warn_if_untested,
 )
 
 __all__ = ["DeterministicMoELayer",  # noqa: F822  (built lazily, see __getattr__)
            "MegatronTokenDispatcher", "SUPPORTED_DISPATCHERS", "TESTED_MEGATRON_CORE", "check_graph_capture",
-           "check_inputs_together", "check_row_stable_supported", "check_supported", "deterministic_moe_spec",
+           "check_inputs_together", "check_row_stable_supported", "check_supported", "deterministic_layer_spec",
+           "deterministic_layer_spec_fp8", "deterministic_moe_spec", "expert_layout",
            "dispatcher_from_megatron", "from_megatron_grouped", "from_megatron_sequential", "get_moe_module_spec",
            "install", "is_installed", "load_megatron_state_dict", "make_row_stable", "megatron_moe_settings",
-           "megatron_state_dict", "moe_config_from_megatron", "sync_free_obstacle", "to_megatron_grouped",
+           "megatron_default_layer_spec", "megatron_state_dict",
+           "moe_config_from_megatron", "sync_free_obstacle", "to_megatron_grouped",
            "to_megatron_sequential", "warn_if_untested"]
 
 

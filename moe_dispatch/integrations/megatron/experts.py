@@ -1,10 +1,13 @@
-"""Megatron's SequentialMLP experts on our row-stable GEMMs, reading the weights where they live
-(``make_row_stable``).
+"""Megatron's experts on our row-stable GEMMs, reading the weights where they live
+(``make_row_stable``). Two layouts hold one [out, in] weight per local expert and projection
+(``expert_weights``): SequentialMLP (Megatron's own or TransformerEngine's linears,
+``local_experts[i].linear_fcX.weight``) and TEGroupedMLP (TE's GroupedLinear,
+``linear_fcX.weight0`` .. ``weight{El-1}``).
 
 ``stack_expert_weights`` (run by ``make_row_stable``) moves each projection's El expert weights
-into one storage [El, out, in] (Megatron's Linear layout, expert-major) and makes every
-``local_experts[i].linear_fcX.weight`` a view of its slice: the same Parameter objects, names,
-shapes, dtypes and state-dict keys. ``expert_linear`` then reads the stack in place (no copy per
+into one storage [El, out, in] (the Linear layout, expert-major) and makes every one of those
+weights a view of its slice: the same Parameter objects, names, shapes, dtypes and state-dict
+keys. ``expert_linear`` then reads the stack in place (no copy per
 step) and returns each weight's gradient as a contiguous slice of one [El, out, in] tensor, so
 AccumulateGrad (or Megatron DDP's hook into ``main_grad``) adds contiguous tensors.
 
@@ -38,8 +41,15 @@ _PROJECTIONS = ("linear_fc1", "linear_fc2")
 
 
 def expert_weights(experts: Any, projection: str) -> List[torch.nn.Parameter]:
-    """``local_experts[i].<projection>.weight`` for every local expert of a SequentialMLP."""
-    return [getattr(e, projection).weight for e in experts.local_experts]
+    """The El weights [out, in] of ``projection`` ('linear_fc1' or 'linear_fc2'), in local expert
+    order: ``local_experts[i].<projection>.weight`` of a SequentialMLP, else (TEGroupedMLP)
+    ``<projection>.weight{i}`` of TE's GroupedLinear, one Parameter per GEMM
+    (``supported.expert_layout`` has checked which)."""
+    local = getattr(experts, "local_experts", None)
+    if local is not None:
+        return [getattr(e, projection).weight for e in local]
+    linear = getattr(experts, projection)
+    return [getattr(linear, f"weight{i}") for i in range(linear.num_gemms)]
 
 
 def stacked_view(weights: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -103,7 +113,7 @@ def warn_copied(owner: Any, stacklevel: int = 2) -> None:
     """Warn once per experts module that its forwards copy the weights."""
     if owner is not None and not getattr(owner, "_moe_dispatch_warned_copy", False):
         owner._moe_dispatch_warned_copy = True
-        warnings.warn("moe_dispatch: the SequentialMLP expert weights are not views of one stacked storage "
+        warnings.warn(f"moe_dispatch: the {type(owner).__name__} expert weights are not views of one stacked storage "
                       "(e.g. Megatron's DistributedDataParallel moved them into its buffer, or they were "
                       "replaced): every forward copies them (correct, slower). Call install() before wrapping "
                       "the model in DistributedDataParallel to avoid it.", stacklevel=stacklevel + 1)

@@ -5,6 +5,7 @@ Upstream has no hook for the dispatcher: ``MoELayer.__init__`` builds its own fr
 ``config.moe_token_dispatcher_type``, so ``install`` swaps it afterwards."""
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -21,10 +22,53 @@ from .supported import (
     check_quantize_weights_once,
     check_row_stable_supported,
     check_supported,
+    expert_layout,
     megatron_field,
     sync_free_obstacle,
     warn_if_untested,
 )
+
+logger = logging.getLogger(__name__.rpartition(".")[0])  # moe_dispatch.integrations.megatron
+_LOGGED: set = set()
+
+
+def _log_once(message: str) -> None:
+    """Log ``message`` (INFO) the first time this process sees it: a model's layers share one line."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.info(message)
+
+
+def install_messages(moe_layer: Any, row_stable_gemms: bool, fp8: Optional[str]) -> list[str]:
+    """What ``install`` logs (once per process each): the route the layer now takes, and the
+    Megatron settings it accepts by replacing what they would run (fused permute and router,
+    TransformerEngine's FP8 recipe, which stays on the dense layers)."""
+    config = moe_layer.config
+    kind = megatron_field(config, "moe_token_dispatcher_type", "allgather")
+    wire = f"our per-token FP8 ({fp8})" if fp8 else "the tokens' dtype"
+    if row_stable_gemms:
+        experts = expert_layout(megatron_field(moe_layer, "experts"))
+        route = (f"our {kind} dispatcher, row-stable router gating and {experts} expert GEMMs on Megatron's own "
+                 f"parameters, dispatch and experts in {wire}")
+    else:
+        route = f"our {kind} dispatcher, Megatron's own router and experts"
+    messages = [f"moe_dispatch: install() on Megatron's MoELayer: {route}"]
+    te_fp8 = megatron_field(config, "fp8")
+    if te_fp8:
+        recipe = megatron_field(config, "fp8_recipe")
+        recipe = getattr(recipe, "value", recipe)
+        messages.append(f"moe_dispatch: fp8={te_fp8!r} (TransformerEngine, recipe {recipe!r}) stays on the dense "
+                        f"layers; the MoE layers run {wire}")
+    fused = []
+    if megatron_field(config, "moe_permute_fusion", False):
+        fused.append("moe_permute_fusion=True (our dispatcher replaces Megatron's fused permute / unpermute)")
+    if megatron_field(config, "moe_router_fusion", False):
+        fused.append("moe_router_fusion=True (the router's top-k and scores run Megatron's unfused code beside our "
+                     "row-stable gating; TE's fused router kernel is not used)" if row_stable_gemms else
+                     "moe_router_fusion=True (Megatron's fused router kept: row_stable_gemms=False)")
+    if fused:
+        messages.append("moe_dispatch: accepted " + "; ".join(fused))
+    return messages
 
 
 def _groups_of(moe_layer: Any, pg_collection: Any) -> Any:
@@ -53,8 +97,9 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
             except 'flex').
         pg_collection: the layer's ProcessGroupCollection (``.ep``, ``.expt_tp``, ``.tp_ep``);
             default: the groups of the layer's current dispatcher.
-        row_stable_gemms: also run the router's gating GEMM and the SequentialMLP experts' GEMMs
-            through our row-stable GEMMs (``make_row_stable``), same parameters. Needed for the
+        row_stable_gemms: also run the router's gating GEMM and the experts' GEMMs (SequentialMLP
+            with Megatron's or TransformerEngine's linears, or TEGroupedMLP) through our row-stable
+            GEMMs (``make_row_stable``), same parameters. Needed for the
             contract on GPUs, where cuBLAS is not row-stable. False keeps Megatron's own GEMMs
             (then results equal Megatron's stock numerics, and the contract holds only where
             those GEMMs are row-stable, e.g. CPU bf16). The experts' weights then become views of
@@ -82,9 +127,10 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
     row is quantised once before the dispatch with its own fp32 scale, FP8 rows and scales travel,
     and the row-stable experts run both GEMMs in FP8 (``moe_dispatch.experts.fp8_expert_gemm``:
     fc1 on the dispatched rows and scales, fc2 quantising its input per row); the combine stays
-    the fp32 weighted sum. Needs ``row_stable_gemms``, hidden and expert ffn sizes multiples of 16,
-    the TransformerConfig's own ``fp8`` (TransformerEngine) None (``check_fp8``); it runs sync-free
-    (and so captures) where the layer would without FP8. Shared experts and the rest of the model
+    the fp32 weighted sum. Needs ``row_stable_gemms`` and hidden and expert ffn sizes multiples of
+    16 (``check_fp8``). The TransformerConfig's own ``fp8`` (TransformerEngine's recipe) may be set
+    too: it stays on the dense layers. It runs sync-free (and so captures) where the layer would without FP8.
+    Shared experts and the rest of the model
     keep Megatron's dtype.
     ``quantize_weights_once`` (needs ``fp8``; default False: quantised in each forward): the
     experts keep their weights' FP8 operands (``moe_dispatch.experts.quantize_weight``'s, for the
@@ -94,9 +140,15 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
     (``load_state_dict``, ``copy_``) or new storage for one: what TransformerEngine does across
     micro-batches with ``is_first_microbatch``, which Megatron signals only under its own FP8. Results
     are bitwise those of per-forward quantisation. It costs memory: the operands take as many bytes as
-    the bf16 weights. Not seen: a write into the weights through ``.data`` outside an optimizer step.
+    the bf16 weights. A write autograd does not count (``dist.broadcast``, ``p.data.copy_``) is
+    seen by a fingerprint of the weights' bits compared at each such forward and read on the host
+    (on CUDA one synchronisation per forward), then quantised again.
     Inside a CUDA-graph capture the experts quantise per forward (the graph re-reads the weights at
     each replay) and keep nothing.
+    ``moe_permute_fusion`` and ``moe_router_fusion`` are accepted: our dispatcher replaces the
+    fused permute, and with ``row_stable_gemms`` the router runs Megatron's unfused top-k
+    (``make_row_stable``). install logs (INFO, logger ``moe_dispatch.integrations.megatron``) the
+    route it set up and what it accepted, each line once per process (``install_messages``).
     Idempotent: installing twice keeps one of ours (rebuilt from the same groups). Call it
     before the first forward; the dispatcher keeps one step's state between dispatch and combine.
     """
@@ -123,8 +175,11 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
         raise ValueError(f"EP group mismatch: the dispatcher's local experts {dispatcher.local_expert_indices} "
                          f"differ from the layer's local_expert_indices {expected}")
     moe_layer.token_dispatcher = dispatcher
+    messages = install_messages(moe_layer, row_stable_gemms, fp8)  # before the router's config is copied
     if row_stable_gemms:
         make_row_stable(moe_layer, quantize_weights_once=quantize_weights_once)
     check_inputs_together(moe_layer)
+    for message in messages:
+        _log_once(message)
     return moe_layer
 

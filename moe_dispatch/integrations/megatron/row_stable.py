@@ -1,29 +1,38 @@
-"""Row-stable GEMMs inside Megatron's router and SequentialMLP experts (``make_row_stable``): a
-row's result then does not depend on the rows sharing the GEMM call, which cuBLAS (and CPU fp32
-``mm`` below 8 rows) does not promise."""
+"""Row-stable GEMMs inside Megatron's router and experts (``make_row_stable``): SequentialMLP (with
+Megatron's or TransformerEngine's linears) and TEGroupedMLP. A row's result then does not depend
+on the rows sharing the GEMM call, which cuBLAS (and CPU fp32 ``mm`` below 8 rows) does not
+promise."""
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any, Optional
 
 from .config import moe_config_from_megatron
-from .supported import check_row_stable_supported, megatron_fp8_wgrad, row_stable_activation
+from .supported import check_row_stable_supported, megatron_field, megatron_fp8_wgrad, row_stable_activation
 
 if TYPE_CHECKING:
     import torch
 
 
 def make_row_stable(moe_layer: Any, quantize_weights_once: bool = False) -> Any:
-    """Run a Megatron MoELayer's router gating and SequentialMLP expert GEMMs row-stably.
+    """Run a Megatron MoELayer's router gating and expert GEMMs row-stably.
 
+    The experts: SequentialMLP (Megatron's or TransformerEngine's linears) or TEGroupedMLP (TE's
+    GroupedLinear, ``weight0`` .. ``weight{El-1}`` per projection); ``supported.expert_layout``.
     The layer keeps its modules, parameters and state-dict names; two forwards are replaced:
     - ``router.gating``: logits = hidden @ weight.T in the router dtype through
-      ``moe_dispatch.router.gating_linear`` (bitwise independent of the other rows);
+      ``moe_dispatch.router.gating_linear`` (bitwise independent of the other rows). With
+      ``moe_router_fusion`` the router gets its own copy of the config with the flag off: its
+      top-k and scores run Megatron's unfused torch code, the same numbers with or without the
+      flag (TE's fused router kernel is not used);
     - ``experts.forward``: ``moe_dispatch.experts.expert_gemm`` (grouped_mm where row-stable, else
       the ordered / tiled fallbacks) on the local experts' fc1 / fc2 weights and Megatron's
-      activation. The probs: when the layer's dispatcher is ours with ``probs_in_experts=False``
-      (what ``install`` builds), the experts ignore ``permuted_probs`` and the combine weights each
-      expert row by its prob inside its fixed-order fp32 sum (no separate multiply pass, forward or
-      backward); otherwise they are multiplied into the activation in fp32 and rounded once, as
+      activation (``activation_func``; TE's activation module and TE's grouped GEMM, its
+      quantisation padding and its op fuser are not run). The probs: when the layer's
+      dispatcher is ours with ``probs_in_experts=False`` (what ``install`` builds), the experts
+      ignore ``permuted_probs`` and the combine weights each expert row by its prob inside its
+      fixed-order fp32 sum (no separate multiply pass, forward or backward);
+      otherwise they are multiplied into the activation in fp32 and rounded once, as
       Megatron's MLP does before fc2. With our dispatcher's FP8 wire (``install(fp8=...)``) the
       experts take its FP8 rows and run both GEMMs in FP8 (``_fp8_experts``), their weights
       quantised in each forward or, with ``quantize_weights_once``, kept from one forward to the
@@ -75,10 +84,14 @@ def make_row_stable(moe_layer: Any, quantize_weights_once: bool = False) -> Any:
         warn_copied(experts, stacklevel=3)
     restack_after_conversion(experts)
     router.gating = types.MethodType(gating, router)
+    if megatron_field(router.config, "moe_router_fusion", False):
+        unfused = copy.copy(router.config)  # this router's own: the layer's config keeps the flag
+        unfused.moe_router_fusion = False
+        router.config = unfused
     experts.forward = types.MethodType(experts_forward, experts)
     experts._moe_dispatch_dispatcher = moe_layer.token_dispatcher
     experts._moe_dispatch_quantize_weights_once = quantize_weights_once
-    experts._moe_dispatch_fp8_weights = None  # (WeightStamp, operands) with quantize_weights_once
+    experts._moe_dispatch_fp8_weights = None  # (WeightStamp, fingerprints, operands): quantize_weights_once
     moe_layer._moe_dispatch_row_stable = True
     return moe_layer
 
@@ -95,7 +108,7 @@ def _fp8_dispatcher(experts: Any) -> Any:
 
 def _fp8_experts(experts: Any, rows: "torch.Tensor", plan_counts: bool, permuted_probs: "torch.Tensor",
                  activation: str) -> "torch.Tensor":
-    """The SequentialMLP experts on the dispatch's FP8 wire rows [N, W] -> [N, H] in the tokens'
+    """The experts (SequentialMLP or TEGroupedMLP) on the dispatch's FP8 wire rows [N, W] -> [N, H] in the tokens'
     dtype, as our LocalExperts in FP8: fc1 on the rows' fp8 values and per-row scales (their
     gradient to the handle's ``row_grad_sink``), the activation in the tokens' dtype, fc2
     quantising it per row (``fp8_expert_gemm``), the weights read from their stacked storage. A
@@ -131,21 +144,33 @@ def _fp8_experts(experts: Any, rows: "torch.Tensor", plan_counts: bool, permuted
 def _weights_quantised_once(experts: Any, weights: list, w1: "torch.Tensor", w2: "torch.Tensor",
                             fp8_dtype: "torch.dtype") -> Optional[tuple]:
     """The FP8 operands of w1 and w2 (``quantize_weight``'s) kept on ``experts`` while ``weights``
-    (the Parameters they stack) have not changed (``weights_problem``), else quantised again and
-    kept; None inside a CUDA-graph capture (the forward then quantises per call, in the graph)."""
+    (the Parameters they stack) have not changed, else quantised again and kept; None inside a
+    CUDA-graph capture (the forward then quantises per call, in the graph). Changed: what
+    ``weights_problem`` sees on the host (an optimizer step, a change autograd counts, new
+    storage), or bits that differ from the fingerprint taken when the operands were made (a write
+    autograd does not count: ``dist.broadcast``, ``p.data.copy_``), compared on the device and read
+    on the host here (on CUDA one synchronisation per forward that keeps them)."""
     import torch
 
     from ...experts import quantize_weight, stamp_weights, weights_problem
+    from ...ops import bits_fingerprint
 
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
+    # the stacked [El, out, in] weights the operands are made from (contiguous when stacked in place)
+    sources = (w1.transpose(1, 2), w2.transpose(1, 2))
     kept = experts._moe_dispatch_fp8_weights
     if kept is not None and weights_problem(kept[0], weights) is None:
-        return kept[1]
+        stamp, bits, operands = kept
+        with torch.no_grad():
+            differ = torch.stack([(bits_fingerprint(s) != b).any() for s, b in zip(sources, bits)]).any()
+        if not bool(differ):
+            return operands
     stamp = stamp_weights(weights)  # before quantising: what the operands are made from
     with torch.no_grad():
+        bits = tuple(bits_fingerprint(s) for s in sources)
         operands = (quantize_weight(w1, fp8_dtype), quantize_weight(w2, fp8_dtype))
-    experts._moe_dispatch_fp8_weights = (stamp, operands)
+    experts._moe_dispatch_fp8_weights = (stamp, bits, operands)
     return operands
 
 

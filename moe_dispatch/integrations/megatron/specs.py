@@ -1,13 +1,15 @@
 """``DeterministicMoELayer`` (megatron-core's MoELayer with ``install`` applied at construction) and
-the spec helpers that put it into Megatron's spec trees. The class is built on first use, so that
+the spec helpers that put it into Megatron's spec trees, among them ``deterministic_layer_spec``
+for Megatron-LM's own ``pretrain_gpt.py --spec``. The class is built on first use, so that
 importing the package needs no megatron-core."""
 from __future__ import annotations
 
 import copy
 import dataclasses
 import functools
+import importlib
 import inspect
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ...config import FP8_FORMATS
 from .install import install
@@ -46,8 +48,7 @@ def deterministic_moe_layer_class() -> type:
             ``get_moe_module_spec`` / ``deterministic_moe_spec``; raises ValueError up front
             (before Megatron builds its own dispatcher) for the settings that ``check_supported``
             and ``check_fp8`` reject (an ``fp8`` outside ``FP8_FORMATS``, hidden or expert ffn
-            sizes not multiples of 16, TransformerEngine FP8 in the config, ``row_stable_gemms``
-            False).
+            sizes not multiples of 16, ``row_stable_gemms`` False with ``fp8``).
 
             megatron-core 0.16 and 0.17 build a ModuleSpec MLP with ``pg_collection`` (and 0.17
             ``is_mtp_layer``) only when its module is MoELayer itself, and log "Unknown MLP type"
@@ -177,3 +178,66 @@ def get_moe_module_spec(*args: Any, row_stable_gemms: bool = True, fp8: Optional
     _check_fp8_value(fp8, "get_moe_module_spec")
     check_quantize_weights_once(fp8, quantize_weights_once)
     return deterministic_moe_spec(megatron_spec(*args, **kwargs), row_stable_gemms, fp8, quantize_weights_once)
+
+
+# Where Megatron-LM keeps the spec that pretrain_gpt.py builds when --spec is not given (core_v0.19.0
+# and HEAD: megatron/training/models/gpt.py, called as default_layer_spec(config, vp_stage)).
+DEFAULT_LAYER_SPEC = ("megatron.training.models.gpt", "default_layer_spec")
+_GPT_BUILDERS_EDIT = ("With Megatron-LM core_v0.16.x to core_v0.18.x, pretrain_gpt.py builds the spec in "
+                      "gpt_builders.gpt_builder, where --spec takes a spec object only: add "
+                      "`transformer_layer_spec = deterministic_moe_spec(transformer_layer_spec)` there "
+                      "(docs/megatron.md, 'Megatron-LM core_v0.16 to core_v0.18')")
+
+
+def _megatron_version() -> str:
+    try:
+        from megatron.core import package_info
+
+        return f"megatron-core {package_info.__version__}"
+    except ImportError:
+        return "no megatron-core"
+
+
+def megatron_default_layer_spec() -> Callable[..., Any]:
+    """Megatron-LM's ``default_layer_spec(config, vp_stage)`` (``DEFAULT_LAYER_SPEC``: in
+    megatron/training/models/gpt.py from core_v0.19.0 on). Raises ImportError naming the installed
+    megatron-core and the way for older Megatron-LM when it is not there (megatron-core alone has no
+    ``megatron.training``; core_v0.16 to 0.18 have no ``megatron.training.models``)."""
+    path, name = DEFAULT_LAYER_SPEC
+    try:
+        module = importlib.import_module(path)
+    except ModuleNotFoundError as exc:
+        if not (exc.name and path.startswith(exc.name)):
+            raise  # the module exists but one of its own imports is missing: Megatron-LM's error
+        raise ImportError(f"deterministic_layer_spec needs Megatron-LM's {path}.{name} (Megatron-LM core_v0.19.0 "
+                          f"and later, its training package beside megatron.core); {_megatron_version()} is "
+                          f"installed and {exc.name} is not there. {_GPT_BUILDERS_EDIT}") from exc
+    spec = getattr(module, name, None)
+    if not callable(spec):
+        raise ImportError(f"deterministic_layer_spec: {path} has no {name} ({_megatron_version()}); "
+                          f"{_GPT_BUILDERS_EDIT}")
+    return spec
+
+
+def deterministic_layer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
+    """Megatron-LM's ``default_layer_spec(config, vp_stage)`` with every MoELayer in it
+    DeterministicMoELayer (``deterministic_moe_spec``): the spec that Megatron-LM's own
+    ``pretrain_gpt.py`` builds, with our dispatcher and row-stable GEMMs in its MoE layers::
+
+        python pretrain_gpt.py ... --spec moe_dispatch.integrations.megatron deterministic_layer_spec
+
+    Megatron-LM core_v0.19.0 and later call a callable ``--spec`` as ``f(config, vp_stage=...)``
+    with their ``GPTModelConfig`` (megatron/training/models/gpt.py). Every layer kind of that spec
+    works: ``--transformer-impl local`` or ``transformer_engine`` (SequentialMLP or, with
+    ``--moe-grouped-gemm``, TEGroupedMLP experts), a decoder block spec with dense and MoE layers
+    mixed by ``--moe-layer-freq``. Dense layers, attention and TE's FP8 recipe are Megatron's.
+    Raises ImportError (``megatron_default_layer_spec``) where Megatron-LM's training package is
+    absent or older; there, wrap the spec in gpt_builders.py (docs/megatron.md)."""
+    return deterministic_moe_spec(megatron_default_layer_spec()(config, vp_stage))
+
+
+def deterministic_layer_spec_fp8(config: Any, vp_stage: Optional[int] = None) -> Any:
+    """``deterministic_layer_spec`` with our per-token FP8 in every MoE layer (``fp8='e4m3'``,
+    ``install(fp8=...)``): ``--spec moe_dispatch.integrations.megatron deterministic_layer_spec_fp8``.
+    TE's own ``--fp8-format`` / ``--fp8-recipe`` may be set beside it: they stay on the dense layers."""
+    return deterministic_moe_spec(megatron_default_layer_spec()(config, vp_stage), fp8="e4m3")

@@ -6,8 +6,9 @@
   the CUDA graphs that may then capture it;
 - ``check_layer_supported``: our whole MoELayer built from a TransformerConfig;
 - ``check_groups``: the process groups our dispatcher runs on;
-- ``check_row_stable_supported``: the layers whose GEMMs ``make_row_stable`` can swap;
-- ``check_fp8``: install()'s own FP8 (per-token scales; Megatron's TE FP8 is refused);
+- ``check_row_stable_supported``, ``expert_layout``: the layers whose GEMMs ``make_row_stable`` can
+  swap (SequentialMLP, Megatron's or TE's linears; TEGroupedMLP);
+- ``check_fp8``: install()'s own FP8 (per-token scales; beside Megatron's TE FP8 on the dense layers);
 - ``warn_if_untested``: a megatron-core release outside the tested range (a warning only).
 """
 from __future__ import annotations
@@ -288,22 +289,91 @@ def row_stable_activation(config: Any) -> str:
                          "silu+gated_linear_unit (swiglu), or pass row_stable_gemms=False") from exc
 
 
+# Config fields that make row-stable experts impossible, with the reason and what is expected.
+_ROW_STABLE_REFUSED = (
+    ("fp8_param", "TransformerEngine keeps the weights themselves in FP8 (--fp8-param-gather), which our GEMMs do "
+     "not read; expected False (TE's FP8 recipe on the dense layers, fp8 / --fp8-format, is fine)"),
+    ("fp4_param", "TransformerEngine keeps the weights themselves in FP4, which our GEMMs do not read; expected "
+     "False"),
+    ("delay_wgrad_compute", "TE's experts would compute the weight gradients later, and their parameters skip "
+     "Megatron's gradient hooks, so our experts' gradients would never reach main_grad; expected False"),
+    ("overlap_dispatch_backward_with_experts_wgrad", "it delays the experts' weight gradients (as "
+     "delay_wgrad_compute); expected False"),
+)
+
+
+def expert_layout(experts: Any) -> str:
+    """Which of Megatron's expert modules ``experts`` is, as ``make_row_stable`` reads its weights:
+    'SequentialMLP' (Megatron's own or TransformerEngine's linears; ``local_experts[i].linear_fcX.weight``)
+    or 'TEGroupedMLP' (TE's GroupedLinear, ``linear_fcX.weight0`` .. ``weight{El-1}``, one Parameter
+    per GEMM). Each weight must be a plain 2-D tensor [out, in] (not TE's FP8 parameters). Raises
+    ValueError naming the module and what is expected otherwise."""
+    names = [c.__name__ for c in type(experts).__mro__]
+    name = names[0]
+    hint = "(or pass row_stable_gemms=False)"
+    if name == "SequentialMLP" and hasattr(experts, "local_experts"):
+        for i, expert in enumerate(experts.local_experts):
+            for projection in ("linear_fc1", "linear_fc2"):
+                _check_plain_weight(megatron_field(megatron_field(expert, projection), "weight"),
+                                    f"SequentialMLP local_experts.{i}.{projection}.weight", hint)
+        return "SequentialMLP"
+    if "TEGroupedMLP" in names and name != "InferenceGroupedMLP":
+        count = megatron_field(experts, "num_local_experts")
+        for projection in ("linear_fc1", "linear_fc2"):
+            linear = megatron_field(experts, projection)
+            gemms = megatron_field(linear, "num_gemms")
+            if gemms is None or gemms != count:
+                raise ValueError(f"row_stable_gemms: TEGroupedMLP {projection} has num_gemms={gemms}, expected "
+                                 f"num_local_experts={count} (one GEMM per local expert) {hint}")
+            if megatron_field(linear, "single_grouped_weight", False) or megatron_field(linear, "weight0") is None:
+                raise ValueError(f"row_stable_gemms: TEGroupedMLP {projection} holds its experts in one grouped "
+                                 "'weight' parameter (moe_single_grouped_weight=True), which our GEMMs do not read; "
+                                 f"expected weight0..weight{gemms - 1} (moe_single_grouped_weight=False) {hint}")
+            if megatron_field(linear, "use_bias", False):
+                raise ValueError(f"row_stable_gemms: TEGroupedMLP {projection} has biases; expected "
+                                 f"add_bias_linear=False {hint}")
+            for i in range(gemms):
+                _check_plain_weight(megatron_field(linear, f"weight{i}"), f"TEGroupedMLP {projection}.weight{i}",
+                                    hint)
+        return "TEGroupedMLP"
+    if name == "GroupedMLP":
+        raise ValueError("row_stable_gemms: Megatron's legacy GroupedMLP (--moe-use-legacy-grouped-gemm) is not "
+                         "supported; expected SequentialMLP (no --moe-grouped-gemm) or TEGroupedMLP "
+                         f"(--moe-grouped-gemm with --transformer-impl transformer_engine) {hint}")
+    raise ValueError(f"row_stable_gemms needs SequentialMLP or TEGroupedMLP experts, got {name} "
+                     f"(use get_moe_module_spec(use_te=False) or Megatron's TE spec) {hint}")
+
+
+def _check_plain_weight(weight: Any, where: str, hint: str) -> None:
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or type(weight.data) is not torch.Tensor:
+        kind = type(weight.data).__name__ if isinstance(weight, torch.Tensor) else type(weight).__name__
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+        raise ValueError(f"row_stable_gemms: {where} is {kind} of shape {shape}, expected a plain 2-D tensor "
+                         f"[out, in] (TE's FP8 parameters, --fp8-param-gather, are not read by our GEMMs) {hint}")
+
+
 def check_row_stable_supported(moe_layer: Any) -> None:
-    """Raise ValueError, naming the field, if ``make_row_stable`` cannot swap this layer's GEMMs."""
+    """Raise ValueError, naming the field, if ``make_row_stable`` cannot swap this layer's GEMMs.
+
+    TransformerEngine layers are supported: TEGroupedMLP and SequentialMLP with TE linears
+    (``expert_layout``), and a config with TE's FP8 or FP4 recipe (``fp8`` / ``fp4``, which stays on
+    the dense layers while the MoE layer runs in the model's dtype or our FP8). Refused: what
+    cannot work (``_ROW_STABLE_REFUSED``: FP8/FP4 parameters, delayed weight gradients), biases,
+    probs on the input, GLU weights interleaved for TE's fused op, activations we do not implement."""
     config = moe_layer.config
-    experts = megatron_field(moe_layer, "experts")
-    if type(experts).__name__ != "SequentialMLP" or not hasattr(experts, "local_experts"):
-        raise ValueError(f"row_stable_gemms needs SequentialMLP experts, got {type(experts).__name__} "
-                         "(use get_moe_module_spec(use_te=False), or pass row_stable_gemms=False)")
-    if megatron_field(config, "fp8"):
-        raise ValueError(f"row_stable_gemms: fp8={megatron_field(config, 'fp8')!r} (TransformerEngine FP8, "
-                         "--fp8-format / --fp8-recipe) is not supported: its scales are shared over a tensor, so a "
-                         "token's result depends on its batch; expected fp8=None, and for FP8 experts and dispatch "
-                         "install(layer, fp8='e4m3') (per-token scales)")
-    for field in ("add_bias_linear", "moe_apply_probs_on_input", "fp4"):
+    expert_layout(megatron_field(moe_layer, "experts"))
+    for field, why in _ROW_STABLE_REFUSED:
+        if megatron_field(config, field, False):
+            raise ValueError(f"row_stable_gemms: {field}={megatron_field(config, field)!r} is not supported: {why} "
+                             "(or pass row_stable_gemms=False)")
+    for field in ("add_bias_linear", "moe_apply_probs_on_input"):
         if megatron_field(config, field):
             raise ValueError(f"row_stable_gemms: {field}={megatron_field(config, field)!r} is not supported; "
                              "expected False/None (or pass row_stable_gemms=False)")
+    interleave = megatron_field(config, "moe_mlp_glu_interleave_size")
+    if interleave is not None and megatron_field(config, "gated_linear_unit", False):
+        raise ValueError(f"row_stable_gemms: moe_mlp_glu_interleave_size={interleave!r} interleaves the GLU halves of "
+                         "fc1's rows, and our swiglu takes the gate from the first half; expected None")
     row_stable_activation(config)
     router = megatron_field(moe_layer, "router")
     if router is None or megatron_field(router, "bias") is not None:
@@ -312,18 +382,16 @@ def check_row_stable_supported(moe_layer: Any) -> None:
 
 def check_fp8(config: Any, fp8: Any, row_stable_gemms: bool) -> None:
     """Raise ValueError, naming the argument or field, when ``install(fp8=...)`` cannot run: a value
-    outside ``FP8_FORMATS`` (MoEConfig's own error), Megatron's own FP8 (``config.fp8``, TE) at the
-    same time, Megatron's experts (``row_stable_gemms=False``: they cannot take FP8 rows), or hidden
-    or expert ffn sizes not multiples of 16 (16-byte FP8 GEMM rows). None: nothing to check. The
-    sync-free dispatch is ``sync_free_obstacle``'s to allow or refuse, as without FP8 (the FP8
-    experts read no count on the host)."""
+    outside ``FP8_FORMATS`` (MoEConfig's own error), Megatron's experts (``row_stable_gemms=False``:
+    they cannot take FP8 rows), or hidden or expert ffn sizes not multiples of 16 (16-byte FP8 GEMM
+    rows). None: nothing to check. Megatron's own FP8 (``config.fp8``, TransformerEngine's recipe)
+    may be set too: it stays on the dense layers, the MoE layer runs ours. The sync-free dispatch is
+    ``sync_free_obstacle``'s to allow or refuse, as without FP8 (the FP8 experts read no count on
+    the host)."""
     if fp8 is None:
         return
     if not isinstance(fp8, str) or fp8 not in FP8_FORMATS:
         raise ValueError(f"fp8={fp8!r} is not one of {tuple(FP8_FORMATS)}")  # MoEConfig's message
-    if megatron_field(config, "fp8"):
-        raise ValueError(f"install(fp8={fp8!r}) with the TransformerConfig's fp8={megatron_field(config, 'fp8')!r} "
-                         "(TransformerEngine FP8): use one or the other, expected fp8=None in the config")
     if not row_stable_gemms:
         raise ValueError(f"install(fp8={fp8!r}) needs row_stable_gemms=True: Megatron's own experts cannot take "
                          "the dispatch's FP8 rows")
