@@ -14,8 +14,8 @@ every later stage calls the plan it was given and never asks which plan it is:
     owner_sum    the owner's fixed-order fp32 sum    -> output, hidden_states' shape
 
 Two plans implement it:
-- ``DroplessPlan`` (dropless.py): sizes from a size exchange (one all-gather, one host read);
-- ``StaticPlan`` (static.py): sizes from the config and T alone, no host read (``sync_free``).
+- ``DroplessPlan`` (dropless/plan.py): sizes from a size exchange (one all-gather, one host read);
+- ``SyncFreePlan`` (sync_free/plan.py): sizes from the config and T alone, no host read (``sync_free``).
 A new plan (an FP8 wire format, a node-level dedup) is a third class with these methods.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..distributed.agreement import DeviceProblem, ErrorLatch
 from ..distributed.comm import ProcessGroup
 from ..distributed.identity import CallId, StepCounter
 from ..ops import RowIdMap
-from .exchange import Received
+from .row_format import Received
 
 # (first row, rows) of each (local expert, source EP rank) block of the receiver layout: [El][P]
 SourceBlocks = tuple[tuple[tuple[int, int], ...], ...]
@@ -42,7 +42,7 @@ class Plan(ABC):
     """One step's plan. Implementations are frozen dataclasses with at least these fields:
 
     config (DispatchConfig), group (the EP ProcessGroup), latch (its ErrorLatch), layout (the
-    step's sizes: at least ep_size and rank; layout.Layout or static.StaticSizes), routing_map
+    step's sizes: at least ep_size and rank; dropless.layout.Layout or sync_free.sizes.SyncFreeSizes), routing_map
     ([T, E] bool, this rank's), hidden_dtype, probs_dtype (the wire dtype), owner_map (RowIdMap of
     this rank's (token, expert) pairs in the owner buffer; None at EP 1, where the expert map
     serves), call (the step's ``identity.CallId``: which record of which layer), ep_size, rank,
@@ -139,8 +139,8 @@ class Prepared:
     """After ``prepare``: x [T, H] and probs [T, E] in the wire dtype (fp32, fp64 for an fp64
     router; autograd to the caller's), the step's plan, the caller's hidden shape ([T, H] or
     [S, B, H]), and the caller's own (hidden, routing_map, probs) and experts_grad (a sync-free
-    send re-plans from them when a rank had more tokens than the plan). ``wire``: the rows as
-    they travel when they are not x itself: [T, W], the FP8 wire rows (fp8_wire.py)."""
+    send re-plans from them when a rank had more tokens than the plan). ``wire_rows``: the rows
+    as they travel when they are not x itself: [T, W], the FP8 wire rows (fp8_wire.py)."""
 
     x: torch.Tensor
     probs: torch.Tensor
@@ -148,12 +148,12 @@ class Prepared:
     hidden_shape: torch.Size
     inputs: tuple[Any, Any, Any]
     experts_grad: Optional[bool] = None
-    wire: Optional[torch.Tensor] = None
+    wire_rows: Optional[torch.Tensor] = None
 
     @property
     def rows(self) -> torch.Tensor:
         """What ``send`` moves: [T, H] (or the wire rows [T, W]), detached."""
-        return (self.x if self.wire is None else self.wire).detach()
+        return (self.x if self.wire_rows is None else self.wire_rows).detach()
 
 
 @dataclass(frozen=True)
@@ -184,8 +184,9 @@ class DispatchHandle:
         expert_offsets: int32 [El] on the device, cumulative rows per local expert (the offsets
             torch._grouped_mm takes: no host-to-device copy of the counts).
         route: the plan's return route (None at EP 1: nothing moves).
-        expert_rows: the rows the experts were given, when fewer than N (a sync-free plan's rows
-            after the experts' blocks belong to no expert); the combine takes those. None: all N.
+        given_rows: how many rows the experts were given, when fewer than N (``dispatch`` cuts a
+            sync-free plan's rows after the experts' blocks, which belong to no expert); the combine
+            takes those. None: all N.
         row_grad_sink: with the FP8 wire (``config.fp8``), [N, H] zeros in the tokens' dtype whose
             gradient is the expert rows' gradient (the rows are quantised bytes and carry none):
             the experts' first GEMM takes it as its ``grad_sink``. None otherwise.
@@ -204,7 +205,7 @@ class DispatchHandle:
     hidden_shape: torch.Size
     expert_offsets: torch.Tensor
     route: Any = None
-    expert_rows: Optional[int] = None
+    given_rows: Optional[int] = None
     row_grad_sink: Optional[torch.Tensor] = None
     dispatch_id: int = field(default_factory=new_dispatch_id)
 
@@ -215,12 +216,12 @@ class DispatchHandle:
         return self
 
     @property
-    def device_expert_rows(self) -> torch.Tensor:
+    def rows_per_expert(self) -> torch.Tensor:
         """int64 [El] on the device, rows per local expert block (padding included): no host read."""
         return self.expert_map.padded_expert_rows
 
     @property
-    def host_expert_rows(self) -> torch.Tensor:
+    def host_rows_per_expert(self) -> torch.Tensor:
         """CPU int64 [El], rows per local expert block (padding included): the dropless plan's, or
         for a sync-free plan read from the device now (a host sync on CUDA: only whoever asks pays)."""
         return self.plan.host_counts(self)

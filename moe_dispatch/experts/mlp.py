@@ -204,7 +204,7 @@ class LocalExperts(nn.Module):
         optional int32 [E_local] on the tokens' device, cumsum(tokens_per_expert) (e.g. the
         dispatcher's ``handle.expert_offsets``), so that grouped GEMMs copy nothing to the device.
         ``trailing_rows`` (a sync-free dispatch, ``handle.trailing_rows``): tokens_per_expert may
-        sum to less than N and be a device tensor (``handle.device_expert_rows``); see ``expert_gemm``.
+        sum to less than N and be a device tensor (``handle.rows_per_expert``); see ``expert_gemm``.
 
         With ``config.probs_in_experts`` and probs given, the activation is multiplied by each
         row's prob before fc2 (in float32 at least, rounded once), as Megatron's experts do;

@@ -185,12 +185,11 @@ def _expert_offsets(experts: Any, tokens_per_expert: "torch.Tensor") -> tuple[Op
     ``trailing_rows``) when tokens_per_expert is this step's own (the plan's CPU counts, or a
     sync-free step's device counts), so grouped_mm copies and reads nothing on the host; else
     (None, False)."""
-    from ...dispatcher import host_tokens_per_expert
     from .dispatcher import MegatronTokenDispatcher
 
     dispatcher = getattr(experts, "_moe_dispatch_dispatcher", None)
     handle = dispatcher.handle if isinstance(dispatcher, MegatronTokenDispatcher) else None
-    if handle is not None and (handle.device_expert_rows is tokens_per_expert
-                               or (not handle.trailing_rows and host_tokens_per_expert(handle) is tokens_per_expert)):
+    if handle is not None and (handle.rows_per_expert is tokens_per_expert
+                               or (not handle.trailing_rows and handle.host_rows_per_expert is tokens_per_expert)):
         return handle.expert_offsets, handle.trailing_rows
     return None, False
