@@ -216,13 +216,6 @@ class GradientTree:
         if router.loss_group is not None or router.global_loss_group is not None:
             problems.append(f"model.{name}: a router loss group sums token counts over other ranks' tokens; "
                             "GradientTree needs each micro-batch's loss to be its own")
-        if router.ep_ranks and cfg.dispatch_config().sync_free:
-            problems.append(
-                f"model.{name}: the sync-free dispatch (ep_capacity_factor={cfg.ep_capacity_factor} at EP "
-                f"{len(router.ep_ranks)}) gives no per-source blocks (DispatchHandle.source_blocks is None), so the "
-                "experts' weight gradient cannot be split by micro-batch; use the dropless dispatch "
-                "(ep_capacity_factor=None)"
-            )
         return problems
 
     def _experts_problems(self, name: str, experts: LocalExperts) -> List[str]:
@@ -308,7 +301,7 @@ class GradientTree:
             if e.experts is not None and p.grad is not None:
                 problems.append(f"add_micro_batch: the sharded expert weight {e.name} has a .grad; under a "
                                 "GradientTree its gradient comes per source (LocalExperts.source_grads), which "
-                                "only an MoELayer's dropless dispatch gives (experts called on their own do not)")
+                                "only an MoELayer's dispatch gives (experts called on their own do not)")
                 break
         self._agree_call(problems, _ADD)
         by_dtype: Dict[torch.dtype, List[Tuple[_Entry, torch.Tensor]]] = {}

@@ -362,10 +362,10 @@ def fp8_expert_gemm(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.
         raise ValueError(f"fp8_wgrad must be a bool (True or False), got {fp8_wgrad!r}")
     per_source = None
     if source_blocks is not None:
-        if fp8_wgrad or sink is None or trailing_rows:
+        if fp8_wgrad or sink is None:
             raise ValueError("source_blocks (per-source weight gradients) need fp8_wgrad=False (FP8 wgrad's column "
-                             "scales span every source's rows), a sink and a dropless dispatch (trailing_rows=False)")
-        per_source = (_check_blocks(source_blocks, tokens_per_expert, w.shape[0]), sink)
+                             "scales span every source's rows) and a sink")
+        per_source = (_check_blocks(source_blocks, tokens_per_expert, w.shape[0], x), sink)
     _check(x, x_scales, w, tokens_per_expert, offsets, fp8_dtype, out_dtype, grad_sink)
     _check_weight_operands(weight_operands, w, fp8_dtype)
     if x.device.type == "cuda" and offsets is None:

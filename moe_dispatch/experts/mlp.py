@@ -210,8 +210,9 @@ class LocalExperts(nn.Module):
         row's prob before fc2 (in float32 at least, rounded once), as Megatron's experts do;
         otherwise probs are ignored (the combine applies them).
 
-        ``source_blocks`` ([E_local][P] (first row, rows) of each (local expert, source) block, the
-        dispatcher's ``handle.source_blocks``), only while ``source_grads`` is set: each weight's
+        ``source_blocks`` (the (local expert, source) blocks, the dispatcher's ``handle.source_blocks``:
+        host [E_local][P] (first row, rows), or a sync-free plan's device rows [E_local, P], see
+        ``gemm.SourceBlocks``), only while ``source_grads`` is set: each weight's
         gradient is computed per block and appended to ``source_grads[name]`` as [E_local, P, ...]
         in the weight's dtype; ``.grad`` is left alone. Output and input gradient are unchanged.
         With FP8 only at ``config.fp8_wgrad=False`` (weight gradients in the output dtype).

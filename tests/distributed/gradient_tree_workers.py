@@ -52,8 +52,6 @@ def _refusals(rank: int, groups: Groups, device: str) -> Dict[str, Optional[str]
                                                                    groups.world))
     out["global_aux_loss"] = value_error_of(lambda: GradientTree(
         Net(CONFIG.replace(load_balancing_type="global_aux_loss"), groups.pair, device), 1, groups.world))
-    out["sync_free"] = value_error_of(lambda: GradientTree(
-        Net(CONFIG.replace(ep_capacity_factor=2.0), groups.pair, device), 1, groups.world))
     out["micro_batches"] = value_error_of(lambda: GradientTree(Net(CONFIG, groups.pair, device), 3, groups.world))
     out["micro_batches differ"] = value_error_of(lambda: GradientTree(Net(CONFIG, groups.pair, device),
                                                                       2 if rank == 0 else 1, groups.world))
@@ -66,12 +64,16 @@ def _refusals(rank: int, groups: Groups, device: str) -> Dict[str, Optional[str]
 
 
 def layouts_worker(rank: int, world_size: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                   with_today: bool = True, fp8: bool = False) -> dict:
+                   with_today: bool = True, fp8: bool = False, sync_free: bool = False) -> dict:
     """The package's layouts_worker (``fp8``: the MoE layers in FP8 with their expert weight gradients
     in the tokens' dtype, ``fp8="e4m3", fp8_wgrad=False``, the tree only), and with ``with_today``
-    each layout's gradients with today's reducers; on CPU, the refusals."""
+    each layout's gradients with today's reducers; on CPU, the refusals. ``sync_free``: also the
+    same runs with the sync-free step at EP > 1 (``out["sync-free tree"]``), in the same spawn."""
     groups = Groups(rank)
     out = layouts.layouts_worker(rank, world_size, device, dtype, fp8, groups)
+    if sync_free:
+        out["sync-free tree"] = layouts.layouts_worker(rank, world_size, device, dtype, fp8, groups,
+                                                       sync_free=True)["tree"]
     config = layouts.layout_config(dtype, fp8)
     out["today"] = {layout: today(config, groups, rank, layout, device)
                     for layout in rank_layouts(rank)} if with_today else {}

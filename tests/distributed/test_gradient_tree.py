@@ -22,7 +22,7 @@ from .gradient_tree_workers import LAYOUTS, assemble, held_bytes_worker, layouts
 
 @pytest.fixture(scope="module")
 def cpu_results():
-    return run_ranks(layouts_worker, 4, timeout=300)
+    return run_ranks(layouts_worker, 4, "cpu", torch.float32, True, False, True, timeout=300)
 
 
 def _check_bitwise(merged: dict) -> None:
@@ -45,6 +45,23 @@ def test_layouts_bitwise_with_gradient_tree(cpu_results):
     assert all(float(ref[f"norm {i}"]) > 1.0 for i in range(3))
     moved = assemble(cpu_results, "initial")[LAYOUTS[0]]
     assert all(not torch.equal(moved[k], ref[k]) for k in moved), "a parameter did not train"
+
+
+def _check_sync_free(results: list) -> None:
+    """The sync-free step at EP > 1 (ep_capacity_factor; its blocks of each (expert, source) on the
+    device, its padding and trailing rows in none): bitwise across the six layouts, and bitwise the
+    dropless runs' (it moves the same rows in the same order while nothing is capped)."""
+    sync_free = assemble(results, "sync-free tree")
+    _check_bitwise(sync_free)
+    dropless = assemble(results, "tree")
+    for layout in LAYOUTS:
+        differ = [k for k in dropless[layout] if not torch.equal(sync_free[layout][k], dropless[layout][k])]
+        assert not differ, (layout, differ[:8])
+
+
+def test_layouts_bitwise_with_gradient_tree_sync_free(cpu_results):
+    """Issue 50, item 4: GradientTree refused the sync-free step at EP > 1 (no per-source blocks)."""
+    _check_sync_free(cpu_results)
 
 
 def test_partials_do_not_grow_with_ep_size():
@@ -70,7 +87,6 @@ def test_refusals_name_the_argument(cpu_results):
         errors = out["refusals"]
         assert "contiguous blocks" in errors["strided EP groups"], (rank, errors)
         assert "global_aux_loss" in errors["global_aux_loss"] and "aux_loss" in errors["global_aux_loss"], rank
-        assert "sync-free" in errors["sync_free"] and "source_blocks" in errors["sync_free"], rank
         assert errors["micro_batches"].startswith("micro_batches must be a power of two"), rank
         assert "micro_batches differs across group: [2, 1, 1, 1]" in errors["micro_batches differ"], (rank, errors)
         assert "fp8_wgrad=True" in errors["fp8_wgrad"] and "fp8_wgrad=False" in errors["fp8_wgrad"], (rank, errors)
@@ -106,10 +122,12 @@ def test_single_process_misuse():
 
 def test_layouts_bitwise_fp8_without_fp8_wgrad():
     """The same six layouts with the MoE layers in FP8 (fp8="e4m3", fp8_wgrad=False: the expert
-    weight gradients per (expert, source) block from the widened FP8 rows), CPU: bitwise."""
-    results = run_ranks(layouts_worker, 4, "cpu", torch.float32, False, True, timeout=300)
+    weight gradients per (expert, source) block from the widened FP8 rows), CPU: bitwise; with
+    the sync-free step at EP > 1 too, in the same spawn."""
+    results = run_ranks(layouts_worker, 4, "cpu", torch.float32, False, True, True, timeout=300)
     merged = assemble(results, "tree")
     _check_bitwise(merged)
+    _check_sync_free(results)
     moved = assemble(results, "initial")[LAYOUTS[0]]
     assert all(not torch.equal(moved[k], merged[LAYOUTS[0]][k]) for k in moved), "a parameter did not train"
 
@@ -120,8 +138,9 @@ def test_layouts_bitwise_on_one_gpu_bf16():
     group per (expert, source) for the experts' weight gradient."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    results = run_ranks(layouts_worker, 4, "cuda", torch.bfloat16, False, timeout=600)
+    results = run_ranks(layouts_worker, 4, "cuda", torch.bfloat16, False, False, True, timeout=600)
     _check_bitwise(assemble(results, "tree"))
+    _check_sync_free(results)
 
 
 @pytest.mark.gpu
@@ -129,8 +148,9 @@ def test_layouts_bitwise_on_one_gpu_fp8_without_fp8_wgrad():
     """The same on one GPU in FP8 with fp8_wgrad=False (bf16 grouped GEMMs per (expert, source))."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    results = run_ranks(layouts_worker, 4, "cuda", torch.bfloat16, False, True, timeout=600)
+    results = run_ranks(layouts_worker, 4, "cuda", torch.bfloat16, False, True, True, timeout=600)
     _check_bitwise(assemble(results, "tree"))
+    _check_sync_free(results)
 
 
 # ---- misuse on 2 ranks: the same ValueError on every rank, never a silent wrong, a hang or an abort ----
@@ -173,7 +193,7 @@ def test_parameter_order_must_agree(refusals):
     _alike([r["order"] for r in refusals], "group rank 1", "second.weight", "first.weight", "#0")
 
 
-@pytest.mark.parametrize("case", ["micro_batches", "fp8_wgrad", "global_aux_loss", "ep_capacity_factor"])
+@pytest.mark.parametrize("case", ["micro_batches", "fp8_wgrad", "global_aux_loss"])
 def test_refusal_on_one_rank_raises_on_every_rank(refusals, case):
     """Issue 46, item 8: a refusal true on rank 1 only raised there; rank 0 waited in the agreement."""
     _alike([r[case] for r in refusals], "group rank 1", case)
