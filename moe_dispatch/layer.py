@@ -84,7 +84,7 @@ class MoELayer(nn.Module):
         trailing = handle.trailing_rows
         counts = handle.device_expert_rows if trailing else host_tokens_per_expert(handle)
         q, scales = unpack_rows(expert_input, self.config.hidden_size, self.config.fp8)
-        # per-source weight gradients while a GradientTree asks for them (fp8_wgrad=False only)
+        # per-source weight gradients while a GradientTree asks for them
         blocks = handle.source_blocks if self.experts.source_grads is not None else None
         out = self.experts(q, counts, handle.permuted_probs, offsets=handle.expert_offsets, row_scales=scales,
                            row_grad_sink=handle.row_grad_sink, trailing_rows=trailing, fp8_weights=fp8_weights,

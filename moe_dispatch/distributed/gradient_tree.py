@@ -21,8 +21,8 @@ changes with the layout, its value does not:
 
 So parameters, their gradients and the clipped norm are bitwise the same for every layout with the
 same L (world size, EP size, expert-data-parallel size, A), given that each leaf is: the layer's
-per-token contract (dropless), micro-batches of equal size, and row-stable expert GEMMs (docs/parallel.md
-has the promise and its limits).
+per-token contract (dropless, or the sync-free step within its capacity), micro-batches of equal
+size, and row-stable expert GEMMs (docs/parallel.md has the promise and its limits).
 """
 from __future__ import annotations
 
@@ -220,12 +220,6 @@ class GradientTree:
 
     def _experts_problems(self, name: str, experts: LocalExperts) -> List[str]:
         problems = []
-        if experts.fp8 is not None and experts.fp8_wgrad:
-            problems.append(
-                f"model.{name}: fp8={experts.fp8!r} with fp8_wgrad=True: FP8 wgrad's column scales span an expert's "
-                "rows from every source, so its weight gradient cannot be split by micro-batch; use "
-                "MoEConfig(fp8_wgrad=False) (the expert weight gradients in the tokens' dtype)"
-            )
         P = dist.get_world_size(experts.ep_group)
         first = self.rank // P * P
         ranks = dist.get_process_group_ranks(self.group)

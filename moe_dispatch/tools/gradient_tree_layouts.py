@@ -127,24 +127,27 @@ def rank_layouts(rank: int) -> List[Layout]:
     return [*LAYOUTS[:3], LAYOUTS[3] if rank < 2 else LAYOUTS[4], *([LAYOUTS[5]] if rank == 0 else [])]
 
 
-def layout_config(dtype: torch.dtype = torch.float32, fp8: bool = False, sync_free: bool = False) -> MoEConfig:
-    """CONFIG with activations in ``dtype``; ``fp8``: the MoE layers in FP8 with their expert weight
-    gradients in the tokens' dtype (``fp8="e4m3", fp8_wgrad=False``); ``sync_free``: the sync-free
-    step at EP > 1 (``ep_capacity_factor=SYNC_FREE_FACTOR``; EP 1 is sync-free anyway)."""
-    fields = dict(fp8="e4m3", fp8_wgrad=False) if fp8 else {}
+def layout_config(dtype: torch.dtype = torch.float32, fp8: bool = False, sync_free: bool = False,
+                  fp8_wgrad: bool = False) -> MoEConfig:
+    """CONFIG with activations in ``dtype``; ``fp8``: the MoE layers in FP8 (``fp8="e4m3"``), their
+    expert weight gradients in FP8 with ``fp8_wgrad``, else in the tokens' dtype (``fp8_wgrad=False``);
+    ``sync_free``: the sync-free step at EP > 1 (``ep_capacity_factor=SYNC_FREE_FACTOR``; EP 1 is
+    sync-free anyway)."""
+    fields: dict = dict(fp8="e4m3", fp8_wgrad=fp8_wgrad) if fp8 else {}
     if sync_free:
         fields["ep_capacity_factor"] = SYNC_FREE_FACTOR
     return CONFIG.replace(params_dtype=dtype, **fields)
 
 
 def layouts_worker(rank: int, world_size: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                   fp8: bool = False, groups: Optional[Groups] = None, sync_free: bool = False) -> dict:
+                   fp8: bool = False, groups: Optional[Groups] = None, sync_free: bool = False,
+                   fp8_wgrad: bool = False) -> dict:
     """Rank ``rank`` of 4 trains each of its layouts (``rank_layouts``) with a GradientTree:
     ``{"tree": {layout: train's result}, "initial": {layout: the parameters before training}}``.
     ``groups``: the Groups to use (built here if None; new_group is collective); ``fp8``,
-    ``sync_free``: as `layout_config`'s."""
+    ``sync_free``, ``fp8_wgrad``: as `layout_config`'s."""
     groups = Groups(rank) if groups is None else groups
-    config = layout_config(dtype, fp8, sync_free)
+    config = layout_config(dtype, fp8, sync_free, fp8_wgrad)
     out: dict = {"tree": {}, "initial": {}}
     for layout in rank_layouts(rank):
         out["tree"][layout] = train(config, groups, rank, layout, device)
