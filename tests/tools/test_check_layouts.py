@@ -1,9 +1,10 @@
 """The check's layouts rows (tools/check/layouts.py): a short GradientTree training run compared
 bitwise across layouts with the same L, dropless and with the sync-free step at EP > 1. On 4 gloo
-ranks: every row PASSes with the tree as it is, in bf16 and in FP8 (with FP8 wgrad and without),
-and FAILs when the tree's cross-rank steps run in the other order (pairs two ranks apart first: a
-different reduction order, so the ranks' subtrees no longer nest with each rank's own
-micro-batches). One rank gives a SKIP row with its reason and no number."""
+ranks: every row PASSes with the tree as it is, in bf16 and in FP8 with FP8 wgrad (--no-fp8-wgrad:
+the six-layout FP8 test of tests/distributed/test_gradient_tree.py, to keep this spawn short), and
+FAILs when the tree's cross-rank steps run in the other order (pairs two ranks apart first: a
+different reduction order, so the ranks' subtrees no longer nest with each rank's own micro-batches).
+One rank gives a SKIP row with its reason and no number."""
 from __future__ import annotations
 
 import math
@@ -22,7 +23,7 @@ ROWS = ["layouts: 3 training steps, (world 4, EP 4, A 1) vs (world 4, EP 1, A 1)
         "layouts: 3 training steps, (world 2, EP 2, A 2) on ranks 0-1 vs (world 4, EP 1, A 1), alltoall",
         "layouts: 3 training steps, (world 4, EP 4, A 1) sync-free vs (world 4, EP 1, A 1), alltoall",
         "layouts: 3 training steps, (world 2, EP 2, A 2) sync-free on ranks 0-1 vs (world 4, EP 1, A 1), alltoall"]
-FP8, FP8_WIDE = ["--fp8"], ["--fp8", "--no-fp8-wgrad"]
+FP8 = ["--fp8"]
 
 
 def _reversed_doubling(self, flat: torch.Tensor, entries) -> None:
@@ -38,7 +39,6 @@ def _worker(rank: int, world: int) -> dict:
     args = build_parser().parse_args([])  # the check's defaults: bf16, 128 tokens per micro-batch
     out = {"tree": layout_rows(args, cpu)}
     out["fp8"] = layout_rows(build_parser().parse_args(FP8), cpu)
-    out["fp8 wide"] = layout_rows(build_parser().parse_args(FP8_WIDE), cpu)
     GradientTree._doubling = _reversed_doubling  # this spawned rank's class only
     out["reversed"] = layout_rows(args, cpu)
     out["fp8 reversed"] = layout_rows(build_parser().parse_args(FP8), cpu)
@@ -74,18 +74,15 @@ def test_layouts_rows_fail_for_another_reduction_order(four_ranks):
             assert r.status == "FAIL" and r.failed and 0 < r.max_diff < 1e-2, (rank, r)
 
 
-@pytest.mark.parametrize("mode", ["fp8", "fp8 wide"])
-def test_layouts_rows_pass_bitwise_fp8(four_ranks, mode):
-    """--fp8 (issue 50, item 5: a SKIP before, FP8 wgrad giving no per-source weight gradients) and
-    --fp8 --no-fp8-wgrad: every row, the sync-free ones too, passes bitwise; with FP8 wgrad it fails
-    when the tree pairs in another order."""
+def test_layouts_rows_pass_bitwise_fp8(four_ranks):
+    """--fp8 (issue 50, item 5: a SKIP before, FP8 wgrad giving no per-source weight gradients):
+    every row, the sync-free ones too, passes bitwise, and fails when the tree pairs in another order."""
     for rank, out in enumerate(four_ranks):
-        rows = _by_row(out[mode])
-        assert list(rows) == ROWS, (rank, [r.check for r in out[mode]])
+        rows = _by_row(out["fp8"])
+        assert list(rows) == ROWS, (rank, [r.check for r in out["fp8"]])
         for r in rows.values():
             assert r.status == "PASS" and r.max_diff == 0.0 and not r.informational, (rank, r)
-        if mode == "fp8":
-            assert all(r.status == "FAIL" and r.max_diff > 0 for r in out["fp8 reversed"]), rank
+        assert all(r.status == "FAIL" and r.max_diff > 0 for r in out["fp8 reversed"]), rank
 
 
 def test_one_rank_skips_and_prints_no_number(tmp_path, capsys):
