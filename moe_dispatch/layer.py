@@ -84,8 +84,8 @@ class MoELayer(nn.Module):
         trailing = handle.trailing_rows
         counts = handle.rows_per_expert if trailing else host_tokens_per_expert(handle)
         q, scales = unpack_rows(expert_input, self.config.hidden_size, self.config.fp8)
-        # per-source weight gradients while a GradientTree asks for them (fp8_wgrad=False only)
-        blocks = handle.source_blocks if self.experts.source_grads is not None and not trailing else None
+        # per-source weight gradients while a GradientTree asks for them
+        blocks = handle.source_blocks if self.experts.source_grads is not None else None
         out = self.experts(q, counts, handle.permuted_probs, offsets=handle.expert_offsets, row_scales=scales,
                            row_grad_sink=handle.row_grad_sink, trailing_rows=trailing, fp8_weights=fp8_weights,
                            fp8_weights_checked=True, source_blocks=blocks)
@@ -154,14 +154,14 @@ class MoELayer(nn.Module):
         expert_input, handle = self.dispatcher.dispatch_rows(None if agreed else tokens, routing_map, probs,
                                                              experts_need_grad=experts_grad,
                                                              device_problem=bits_problem)
+        # per-source weight gradients only while a GradientTree asked for them (experts.source_grads)
+        blocks = handle.source_blocks if self.experts.source_grads is not None else None
         if self.config.fp8 is not None:
             expert_output, handle = self._fp8_experts(expert_input, handle, fp8_weights)
-        elif handle.trailing_rows:  # sync-free: device counts, read only by a GEMM path that needs them
+        elif handle.trailing_rows:  # sync-free: device counts and blocks, read only by a GEMM path that needs them
             expert_output = self.experts(expert_input, handle.rows_per_expert, handle.permuted_probs,
-                                         offsets=handle.expert_offsets, trailing_rows=True)
+                                         offsets=handle.expert_offsets, trailing_rows=True, source_blocks=blocks)
         else:
-            # per-source weight gradients only while a GradientTree asked for them (experts.source_grads)
-            blocks = handle.source_blocks if self.experts.source_grads is not None else None
             expert_output = self.experts(expert_input, host_tokens_per_expert(handle), handle.permuted_probs,
                                          offsets=handle.expert_offsets, source_blocks=blocks)
         output = self.dispatcher.combine(expert_output, handle)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -34,8 +34,10 @@ from ..distributed.identity import CallId, StepCounter
 from ..ops import RowIdMap
 from .row_format import Received
 
-# (first row, rows) of each (local expert, source EP rank) block of the receiver layout: [El][P]
-SourceBlocks = tuple[tuple[tuple[int, int], ...], ...]
+# The (local expert, source EP rank) blocks of the receiver layout: host [El][P] (first row, rows)
+# (the dropless plan's), or a device int tensor [El, P] of each block's rows, the blocks tiling the
+# rows from row 0 (the sync-free plan's: never read on the host). experts.gemm takes either.
+SourceBlocks = Union[tuple[tuple[tuple[int, int], ...], ...], torch.Tensor]
 
 
 class Plan(ABC):
@@ -122,7 +124,7 @@ class Plan(ABC):
         """The owner's fixed-order weighted sum of its rows -> hidden_states' shape."""
 
     def source_blocks(self, handle: "DispatchHandle") -> Optional[SourceBlocks]:
-        """Host (first row, rows) of each (local expert, source) block; None if not on the host."""
+        """The (local expert, source) blocks of the receiver layout (``SourceBlocks``); None: none."""
         return None
 
 
@@ -228,9 +230,11 @@ class DispatchHandle:
 
     @property
     def source_blocks(self) -> Optional["SourceBlocks"]:
-        """Host ints [El][P]: (first row, rows) of each (local expert, source EP rank) block of the
-        receiver layout (capacity padding included; an expert's tail padding after its blocks is in
-        none). A block holds that source's tokens alone, in token order. None for the sync-free plan."""
+        """The (local expert, source EP rank) blocks of the receiver layout: the dropless plan's host
+        ints [El][P], (first row, rows) of each block (capacity padding included; an expert's tail
+        padding after its blocks is in none); the sync-free plan's a device int64 [El, P], each
+        block's rows, the blocks tiling the rows from row 0 (its trailing rows in none; no host
+        read). A block holds that source's tokens alone, in token order."""
         return self.plan.source_blocks(self)
 
     @property

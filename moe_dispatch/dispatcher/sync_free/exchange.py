@@ -60,6 +60,8 @@ class SyncFreeRoute:
         words: int32 [num_words(P)], this rank's words with everything it received (sent back), and
             the handle's call in the W_CALL slots (every return exchange compares it).
         call, strict: for ``strict_call_order``'s host-side ``agreement.check_call``.
+        source_rows: int64 [El, P] on the device, the rows of each (local expert, source rank) block
+            of the receiver layout, cut so that the blocks end by row N (``DispatchHandle.source_blocks``).
     """
 
     index: torch.Tensor
@@ -71,6 +73,7 @@ class SyncFreeRoute:
     group: ProcessGroup
     call: CallId
     strict: bool
+    source_rows: Optional[torch.Tensor] = None
 
     def check_call_strict(self, code: int, device: torch.device) -> None:
         """strict_call_order: raise on every rank before a return exchange of another call's rows
@@ -174,7 +177,7 @@ def expert_map_and_route(plan: SyncFreeStep, recv: Received, hidden_size: int,
     words[W_CALL:W_CALL + 4] = plan.words[W_CALL:W_CALL + 4]
     route = SyncFreeRoute(index=index, gather=index.clamp(max=N - 1), chunk=chunk, valid=valid, num_rows=N,
                         words=words, group=plan.group, call=plan.call,
-                        strict=plan.config.strict_call_order)
+                        strict=plan.config.strict_call_order, source_rows=_fitting(flat, N).view(El, P))
     return expert_map, route
 
 

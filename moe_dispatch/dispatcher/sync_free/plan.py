@@ -203,6 +203,14 @@ class SyncFreePlan(Plan):
     def host_counts(self, handle: DispatchHandle) -> torch.Tensor:
         return handle.rows_per_expert.cpu()  # a host read: only whoever asks pays it
 
+    def source_blocks(self, handle: DispatchHandle) -> torch.Tensor:
+        """On the device, no host read: int64 [El, P], the rows of each (local expert, source) block;
+        the blocks tile the receiver layout from row 0 (expert-major, source ascending, as make_slots
+        numbers the received rows), the trailing rows in none."""
+        if handle.route is None:  # EP 1: one source, an expert's block is its rows
+            return handle.rows_per_expert.view(-1, 1)
+        return handle.route.source_rows
+
     def flag_expert_output(self, handle: DispatchHandle, expert_output: Any) -> None:
         route = handle.route  # the input word travels in the return exchange's status rows
         route.words[W_INPUT] = torch.clamp(route.words[W_INPUT], min=self.rank + 1)
