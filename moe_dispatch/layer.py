@@ -60,7 +60,7 @@ class MoELayer(nn.Module):
         dispatch_config = config.dispatch_config()
         if group_size_rank(ep_group)[0] == 1 and not config.pad_to_capacity and config.pad_multiple == 1:
             # Our router routes a token to at most topk experts, so N = T * topk is known on the host:
-            # the sync-free dispatch (no host read; dispatcher/static.py), bitwise the dropless one.
+            # the sync-free dispatch (no host read; dispatcher/sync_free/), bitwise the dropless one.
             dispatch_config = dispatch_config.replace(sync_free=True)
         # built once: each dispatcher takes the next layer id of its group (identity)
         self.dispatcher = build_dispatcher(dispatch_config, ep_group)
@@ -132,7 +132,7 @@ class MoELayer(nn.Module):
         the step's size exchange with it (``raise_together``). Sync-free at EP > 1 after its first
         step there is no size exchange: this rank then takes part with zeros of the agreed shape
         (``replaced``), every rank's outputs are NaN and every rank raises at the next poll
-        (dispatcher/static.py). The FP8 weights' bits are compared on the device (``bits_problem``),
+        (dispatcher/sync_free/). The FP8 weights' bits are compared on the device (``bits_problem``),
         carried by the dispatch."""
         device = self.experts.weight1.device
         check_ddp(self.experts)
@@ -150,7 +150,7 @@ class MoELayer(nn.Module):
                 bits_problem = fp8_weights_bits_problem(fp8_weights, self.experts)
         if problem is None:
             return _Guarded(hidden_states, fp8_weights, bits_problem)
-        agreed = self.dispatcher.static_agreed_input()
+        agreed = self.dispatcher.sync_free_agreed_input()
         if agreed is not None:
             # the problem may be the FP8 weights handle: the step runs on without it
             return _Guarded(torch.zeros(agreed[0], dtype=agreed[1], device=device), None, None, replaced=True)

@@ -14,8 +14,8 @@ every later stage calls the plan it was given and never asks which plan it is:
     owner_sum    the owner's fixed-order fp32 sum    -> output, hidden_states' shape
 
 Two plans implement it:
-- ``DroplessPlan`` (dropless.py): sizes from a size exchange (one all-gather, one host read);
-- ``StaticPlan`` (static.py): sizes from the config and T alone, no host read (``sync_free``).
+- ``DroplessPlan`` (dropless/plan.py): sizes from a size exchange (one all-gather, one host read);
+- ``SyncFreePlan`` (sync_free/plan.py): sizes from the config and T alone, no host read (``sync_free``).
 A new plan (an FP8 wire format, a node-level dedup) is a third class with these methods.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -32,17 +32,19 @@ from ..distributed.agreement import DeviceProblem, ErrorLatch
 from ..distributed.comm import ProcessGroup
 from ..distributed.identity import CallId, StepCounter
 from ..ops import RowIdMap
-from .exchange import Received
+from .row_format import Received
 
-# (first row, rows) of each (local expert, source EP rank) block of the receiver layout: [El][P]
-SourceBlocks = tuple[tuple[tuple[int, int], ...], ...]
+# The (local expert, source EP rank) blocks of the receiver layout: host [El][P] (first row, rows)
+# (the dropless plan's), or a device int tensor [El, P] of each block's rows, the blocks tiling the
+# rows from row 0 (the sync-free plan's: never read on the host). experts.gemm takes either.
+SourceBlocks = Union[tuple[tuple[tuple[int, int], ...], ...], torch.Tensor]
 
 
 class Plan(ABC):
     """One step's plan. Implementations are frozen dataclasses with at least these fields:
 
     config (DispatchConfig), group (the EP ProcessGroup), latch (its ErrorLatch), layout (the
-    step's sizes: at least ep_size and rank; layout.Layout or static.StaticSizes), routing_map
+    step's sizes: at least ep_size and rank; dropless.layout.Layout or sync_free.sizes.SyncFreeSizes), routing_map
     ([T, E] bool, this rank's), hidden_dtype, probs_dtype (the wire dtype), owner_map (RowIdMap of
     this rank's (token, expert) pairs in the owner buffer; None at EP 1, where the expert map
     serves), call (the step's ``identity.CallId``: which record of which layer), ep_size, rank,
@@ -122,7 +124,7 @@ class Plan(ABC):
         """The owner's fixed-order weighted sum of its rows -> hidden_states' shape."""
 
     def source_blocks(self, handle: "DispatchHandle") -> Optional[SourceBlocks]:
-        """Host (first row, rows) of each (local expert, source) block; None if not on the host."""
+        """The (local expert, source) blocks of the receiver layout (``SourceBlocks``); None: none."""
         return None
 
 
@@ -139,8 +141,8 @@ class Prepared:
     """After ``prepare``: x [T, H] and probs [T, E] in the wire dtype (fp32, fp64 for an fp64
     router; autograd to the caller's), the step's plan, the caller's hidden shape ([T, H] or
     [S, B, H]), and the caller's own (hidden, routing_map, probs) and experts_grad (a sync-free
-    send re-plans from them when a rank had more tokens than the plan). ``wire``: the rows as
-    they travel when they are not x itself: [T, W], the FP8 wire rows (fp8_wire.py)."""
+    send re-plans from them when a rank had more tokens than the plan). ``wire_rows``: the rows
+    as they travel when they are not x itself: [T, W], the FP8 wire rows (fp8_wire.py)."""
 
     x: torch.Tensor
     probs: torch.Tensor
@@ -148,12 +150,12 @@ class Prepared:
     hidden_shape: torch.Size
     inputs: tuple[Any, Any, Any]
     experts_grad: Optional[bool] = None
-    wire: Optional[torch.Tensor] = None
+    wire_rows: Optional[torch.Tensor] = None
 
     @property
     def rows(self) -> torch.Tensor:
         """What ``send`` moves: [T, H] (or the wire rows [T, W]), detached."""
-        return (self.x if self.wire is None else self.wire).detach()
+        return (self.x if self.wire_rows is None else self.wire_rows).detach()
 
 
 @dataclass(frozen=True)
@@ -228,9 +230,11 @@ class DispatchHandle:
 
     @property
     def source_blocks(self) -> Optional["SourceBlocks"]:
-        """Host ints [El][P]: (first row, rows) of each (local expert, source EP rank) block of the
-        receiver layout (capacity padding included; an expert's tail padding after its blocks is in
-        none). A block holds that source's tokens alone, in token order. None for the sync-free plan."""
+        """The (local expert, source EP rank) blocks of the receiver layout: the dropless plan's host
+        ints [El][P], (first row, rows) of each block (capacity padding included; an expert's tail
+        padding after its blocks is in none); the sync-free plan's a device int64 [El, P], each
+        block's rows, the blocks tiling the rows from row 0 (its trailing rows in none; no host
+        read). A block holds that source's tokens alone, in token order."""
         return self.plan.source_blocks(self)
 
     @property

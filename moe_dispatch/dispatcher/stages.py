@@ -35,16 +35,16 @@ from ..distributed.comm import ProcessGroup
 from ..distributed.identity import StepCounter, functional_counter
 from ..experts.rows import ExpertRows
 from ..ops import RowIdMap
-from .dropless import DroplessPlan
+from .dropless.plan import DroplessPlan
 from .fp8_wire import unpack_rows
 from .plan import DispatchHandle, Plan, Prepared, Returned, Sent
 from .records import expect_record, expect_rows
-from .static import StaticPlan
+from .sync_free.plan import SyncFreePlan
 
 
 def plan_type(cfg: DispatchConfig) -> type[Plan]:
     """The plan of a configuration, chosen here once per dispatch: every later stage calls it."""
-    return StaticPlan if cfg.sync_free else DroplessPlan
+    return SyncFreePlan if cfg.sync_free else DroplessPlan
 
 
 def device_of(hidden: Any) -> torch.device:
@@ -115,7 +115,8 @@ def to_expert_rows(expert_input: torch.Tensor, handle: DispatchHandle, *, source
     take it: one ``ExpertRows`` with the handle's rows per expert (on the device; on the host too
     where the plan has them, never read here), offsets, probs, trailing rows, and, FP8, the rows
     unpacked to fp8 values and scales with their gradient sink. ``source_blocks``: also the (local
-    expert, source rank) blocks, for per-source weight gradients (a dropless plan's; None otherwise)."""
+    expert, source rank) blocks, for per-source weight gradients (``handle.source_blocks``: a
+    dropless plan's host pairs, a sync-free plan's device rows [El, P], no host read)."""
     expect_record(handle, DispatchHandle, "to_expert_rows")
     expect_rows(expert_input, "to_expert_rows")
     config, trailing = handle.plan.config, handle.trailing_rows
@@ -124,7 +125,8 @@ def to_expert_rows(expert_input: torch.Tensor, handle: DispatchHandle, *, source
         rows, row_scales = unpack_rows(expert_input, config.hidden_size, config.fp8)
     # a sync-free plan's host counts would cost a host read: the experts take the device ones
     host_rows_per_expert = None if trailing else handle.host_rows_per_expert
-    blocks = handle.source_blocks if source_blocks and not trailing else None
+    # a sync-free plan's blocks are a device tensor (trailing rows in none): no host read either
+    blocks = handle.source_blocks if source_blocks else None
     return ExpertRows(rows, handle.rows_per_expert, host_rows_per_expert, handle.expert_offsets, handle.permuted_probs,
                       trailing, blocks, row_scales, handle.row_grad_sink)
 

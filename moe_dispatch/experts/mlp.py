@@ -209,11 +209,12 @@ class LocalExperts(nn.Module):
         row's prob before fc2 (in float32 at least, rounded once), as Megatron's experts do;
         otherwise probs are ignored (the combine applies them).
 
-        ``rows.source_blocks`` ([E_local][P] (first row, rows) of each (local expert, source) block),
-        only while ``source_grads`` is set: each weight's gradient is computed per block and appended
-        to ``source_grads[name]`` as [E_local, P, ...] in the weight's dtype; ``.grad`` is left alone.
-        Output and input gradient are unchanged. With FP8 only at ``config.fp8_wgrad=False`` (weight
-        gradients in the output dtype).
+        ``rows.source_blocks`` (the (local expert, source) blocks, the dispatcher's ``handle.source_blocks``:
+        host [E_local][P] (first row, rows), or a sync-free plan's device rows [E_local, P], see
+        ``gemm.SourceBlocks``), only while ``source_grads`` is set: each weight's gradient is computed
+        per block and appended to ``source_grads[name]`` as [E_local, P, ...] in the weight's dtype;
+        ``.grad`` is left alone. Output and input gradient are unchanged. With FP8 wgrad
+        (``config.fp8_wgrad``) the column scales are per (expert, source) block.
 
         FP8 (``config.fp8``): ``rows.rows`` are fp8 values [N, H] with ``rows.row_scales`` [N] fp32
         (the dispatcher's wire rows, unpacked), ``rows.row_grad_sink`` [N, H] the tensor their
@@ -230,7 +231,7 @@ class LocalExperts(nn.Module):
         elif rows_per_expert is not None or probs is not None or offsets is not None:
             raise ValueError("LocalExperts.forward: given an ExpertRows, pass rows_per_expert, probs and offsets "
                              "inside it (dataclasses.replace), not beside it")
-        if self.fp8 is not None:  # source_blocks with FP8 wgrad: fp8_expert_gemm's ValueError
+        if self.fp8 is not None:
             return self._forward_fp8(rows, fp8_weights, fp8_weights_checked)
         if fp8_weights is not None:
             raise ValueError(problem_message(FP8_WEIGHTS_NOT_FP8, 0, 0))

@@ -37,8 +37,12 @@ class ExpertRows:
             ``probs_in_experts`` (otherwise the combine does).
         trailing_rows: the counts may sum to less than N; the rows after the last expert's block
             belong to no expert (a sync-free dispatch's buffer; see ``expert_gemm``).
-        source_blocks: host [E_local][P] (first row, rows) of each (local expert, source EP rank)
-            block, for per-source weight gradients (``LocalExperts.source_grads``); None otherwise.
+        source_blocks: the (local expert, source EP rank) blocks, for per-source weight gradients
+            (``LocalExperts.source_grads``; ``gemm.SourceBlocks``): a dropless dispatch's host
+            [E_local][P] (first row, rows) pairs, or a sync-free dispatch's device int tensor
+            [E_local, P] on the rows' device, each block's rows, the blocks tiling the rows from
+            row 0 and the trailing rows in none (never read on the host by the grouped GEMMs).
+            None otherwise.
         row_scales: FP8: [N] fp32, row i's value is ``rows[i].float() * row_scales[i]``.
         row_grad_sink: FP8: [N, H] in the output dtype, the tensor the rows' gradient goes to
             (float8 rows cannot carry one); its values are never read.
@@ -67,6 +71,15 @@ class ExpertRows:
         if host is not None and (not isinstance(host, torch.Tensor) or host.device.type != "cpu"):
             where = host.device if isinstance(host, torch.Tensor) else type(host).__name__
             raise ValueError(f"ExpertRows.host_rows_per_expert must be a CPU tensor [E_local], got {where}")
+        blocks = self.source_blocks
+        if isinstance(blocks, torch.Tensor):
+            if blocks.dim() != 2 or blocks.is_floating_point() or blocks.device != self.rows.device:
+                raise ValueError(f"ExpertRows.source_blocks as a tensor must be integer [E_local, P] on the rows' "
+                                 f"device {self.rows.device}, got {blocks.dtype} {list(blocks.shape)} on "
+                                 f"{blocks.device}")
+        elif blocks is not None and not isinstance(blocks, (tuple, list)):
+            raise ValueError("ExpertRows.source_blocks must be host [E_local][P] (first row, rows) pairs or a device "
+                             f"int tensor [E_local, P], got {type(blocks).__name__}")
 
     @property
     def gemm_counts(self) -> torch.Tensor:

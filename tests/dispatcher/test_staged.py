@@ -174,7 +174,8 @@ def test_staged_and_whole_dispatch_agree_at_ep1():
 def test_to_expert_rows_carries_the_handles_split(sync_free):
     """Issue 49 item 4: the experts' input is one record built from the handle. Dropless: the
     plan's host counts and, on request, its per-source blocks; sync-free: the device counts only
-    (host ones would cost a host read) and the trailing rows, never blocks."""
+    (host ones would cost a host read), the trailing rows and, on request, its blocks as the device
+    tensor [El, P] (the sync-free GradientTree's per-source gradients need them)."""
     cfg = config(sync_free=sync_free) if sync_free else config()
     _, _, rows, handle = _step(0, cfg)
     record = to_expert_rows(rows, handle)
@@ -184,8 +185,10 @@ def test_to_expert_rows_carries_the_handles_split(sync_free):
     assert record.source_blocks is None
     with_blocks = to_expert_rows(rows, handle, source_blocks=True)
     if sync_free:
-        assert record.host_rows_per_expert is None and with_blocks.source_blocks is None
-        assert record.gemm_counts is handle.rows_per_expert
+        assert record.host_rows_per_expert is None and record.gemm_counts is handle.rows_per_expert
+        blocks = with_blocks.source_blocks
+        assert isinstance(blocks, torch.Tensor) and blocks.device == rows.device
+        assert torch.equal(blocks, handle.source_blocks) and blocks.shape == (E, 1)
     else:
         assert torch.equal(record.host_rows_per_expert, handle.rows_per_expert)
         assert record.gemm_counts is record.host_rows_per_expert

@@ -23,6 +23,16 @@ def test_record_needs_counts_and_a_host_copy_on_the_host():
         lambda: ExpertRows(x, host_rows_per_expert=meta))
     assert "rows_per_expert must be an int tensor" in value_error_of(lambda: ExpertRows.of(x, COUNTS))
     assert "ExpertRows.rows must be a tensor" in value_error_of(lambda: ExpertRows(x.tolist(), counts))
+    # source blocks: a dropless plan's host pairs or a sync-free plan's device rows [E, P]
+    device_blocks = torch.tensor([[3], [0], [5], [2]])
+    assert ExpertRows(x, counts, source_blocks=device_blocks).source_blocks is device_blocks
+    assert ExpertRows(x, counts, source_blocks=((0, 3),) * 4).source_blocks == ((0, 3),) * 4
+    assert "source_blocks as a tensor must be integer [E_local, P]" in value_error_of(
+        lambda: ExpertRows(x, counts, source_blocks=device_blocks.float()))
+    assert "source_blocks as a tensor must be integer [E_local, P]" in value_error_of(
+        lambda: ExpertRows(x, counts, source_blocks=device_blocks.to("meta")))
+    assert "source_blocks must be host [E_local][P]" in value_error_of(
+        lambda: ExpertRows(x, counts, source_blocks={0: (0, 3)}))
     with pytest.raises(dataclasses.FrozenInstanceError):
         ExpertRows(x, counts).trailing_rows = True
 

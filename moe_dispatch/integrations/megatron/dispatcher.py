@@ -182,7 +182,7 @@ def dispatcher_from_megatron(config: Any, pg_collection: Any, *, probs_in_expert
             ``install`` sets up), so the combine weights the rows in its fp32 sum.
         pg_collection: Megatron's ProcessGroupCollection (``.ep``; ``.expt_tp`` and ``.tp_ep``
             are checked when present, see ``check_groups``).
-        sync_free: the sync-free dispatch (dispatcher/static.py: no host read per step), for
+        sync_free: the sync-free dispatch (dispatcher/sync_free/: no host read per step), for
             experts that take device counts (``make_row_stable``'s; install() decides, see
             ``sync_free_obstacle``): EP size 1, no capacity padding, at most topk experts per token.
 

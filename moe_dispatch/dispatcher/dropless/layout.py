@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import DispatchConfig
-from ..distributed.agreement import (
+from ...config import DispatchConfig
+from ...distributed.agreement import (
     ErrorLatch,
     InputProblem,
     differ,
@@ -34,9 +34,9 @@ from ..distributed.agreement import (
     order_problem,
     problem_message,
 )
-from ..distributed.comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
-from ..distributed.identity import CallId
-from ..numerics.rounding import round_up
+from ...distributed.comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
+from ...distributed.identity import CallId
+from ...numerics.rounding import round_up
 
 _HIDDEN_DTYPES = tuple(dtype_code(d) for d in (torch.float32, torch.float16, torch.bfloat16))
 _PROBS_DTYPES = (*_HIDDEN_DTYPES, dtype_code(torch.float64))

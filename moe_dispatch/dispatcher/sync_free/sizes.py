@@ -1,16 +1,16 @@
-"""The sizes of one sync-free step (``StaticSizes``), from the config and T alone: what the plan
-(static.py), its exchanges (static_exchange.py) and its check words (static_words.py) share."""
+"""The sizes of one sync-free step (``SyncFreeSizes``), from the config and T alone: what the plan
+(plan.py), its exchanges (exchange.py) and its check words (words.py) share."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import DispatchConfig
+from ...config import DispatchConfig
 
 
 @dataclass(frozen=True)
-class StaticSizes:
+class SyncFreeSizes:
     """The sizes of one sync-free step, host ints from the config and T alone (equal on every
     rank). Field names shared with ``layout.Layout`` mean the same.
 
@@ -39,7 +39,7 @@ class StaticSizes:
     probs_grad: bool
 
     @classmethod
-    def build(cls, cfg: DispatchConfig, ep_size: int, rank: int, num_tokens: int) -> "StaticSizes":
+    def build(cls, cfg: DispatchConfig, ep_size: int, rank: int, num_tokens: int) -> "SyncFreeSizes":
         P, T, K = ep_size, num_tokens, cfg.topk
         El = cfg.num_experts // P
         f = cfg.ep_capacity_factor
