@@ -48,9 +48,11 @@ def test_check_megatron_end_to_end(dtype):
     # every rank: 2 dispatchers x 2 EP sizes; dispatcher + EP size: 3 comparisons; batch: 2 x 2;
     # 11 rows per kind of layer, and ours has the float64 row and a reference row besides
     reference = [r for r in plain if r.startswith(REFERENCE_LABEL)]
-    layouts = [r for r in plain if r.startswith("layouts: ")]  # our layer trained on two layouts (GradientTree)
+    # our layer trained on other layouts (GradientTree): two dropless rows and two sync-free ones
+    layouts = [r for r in plain if r.startswith("layouts: ")]
     plain = [r for r in plain if r not in reference + layouts]
-    assert len(layouts) == 2 and all(_status(r) == "PASS" for r in layouts), out
+    assert len(layouts) == 4 and sum("sync-free" in r for r in layouts) == 2, out
+    assert all(_status(r) == "PASS" for r in layouts), out
     assert len(plain) == len(ours) + 1 and len(ours) == len(stock) == 11, out
     assert len(reference) == 1 and all(_status(r) in ("PASS", "DIFF") for r in reference), out
     assert all(_status(r) == "PASS" for r in plain + ours), out
