@@ -17,7 +17,7 @@ import torch
 
 from .numerics.rounding import is_int, round_up
 
-# The dispatcher kinds' names, the one list (dispatcher/exchange.py maps each to its implementation).
+# The dispatcher kinds' names, the one list (dispatcher/dropless/exchange.py maps each to its implementation).
 DISPATCHER_KINDS: tuple[str, ...] = ("allgather", "alltoall")
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -106,9 +106,9 @@ class DispatchConfig:
             EP > 1 the default compares the calls in the exchanges' status rows instead; strict
             mode adds the host-side check (and its synchronisation) there too.
         sync_free: the sync-free dispatch: sizes from the config and T alone, no host read
-            (dispatcher/static.py); at EP > 1 it needs ep_capacity_factor.
-        ep_capacity_factor: receive capacity of the static exchange at EP > 1, in units of the
-            balanced load (T * topk rows per rank); see static.StaticSizes.
+            (dispatcher/sync_free/); at EP > 1 it needs ep_capacity_factor.
+        ep_capacity_factor: receive capacity of the static-capacity exchange at EP > 1, in units of the
+            balanced load (T * topk rows per rank); see dispatcher.sync_free.sizes.SyncFreeSizes.
         fp8: None, or a key of ``FP8_FORMATS``: each token's row travels quantised, with its own
             fp32 scale (dispatcher/fp8_wire.py); the combine is unchanged.
     """
@@ -142,7 +142,7 @@ class DispatchConfig:
             raise ValueError("pad_to_capacity=True needs capacity_factor to be set")
         _optional_positive_number("ep_capacity_factor", self.ep_capacity_factor)
         if self.sync_free and (self.pad_to_capacity or self.pad_multiple != 1):
-            raise ValueError("sync_free=True (the static dispatch) needs pad_to_capacity=False and pad_multiple=1")
+            raise ValueError("sync_free=True (the sync-free dispatch) needs pad_to_capacity=False and pad_multiple=1")
         _fp8_format(self.fp8, self.hidden_size, None)
 
     @classmethod
@@ -233,7 +233,7 @@ class MoEConfig:
     the host once per step) opts EP > 1 into the static-capacity exchange: every buffer and split
     is sized from the config and T alone (T equal on every rank), no host read; results are
     bitwise those of the dropless path while every rank's traffic fits, and NaN with an error on
-    every rank when it does not (dispatcher/static.py). At EP 1 the layer is sync-free anyway
+    every rank when it does not (dispatcher/sync_free/). At EP 1 the layer is sync-free anyway
     (pad_multiple=1, no pad_to_capacity); the factor is then unused.
 
     FP8: ``fp8`` None (default) or 'e4m3': each token's row is quantised once, before the dispatch,

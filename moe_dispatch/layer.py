@@ -59,7 +59,7 @@ class MoELayer(nn.Module):
         dispatch_config = config.dispatch_config()
         if group_size_rank(ep_group)[0] == 1 and not config.pad_to_capacity and config.pad_multiple == 1:
             # Our router routes a token to at most topk experts, so N = T * topk is known on the host:
-            # the sync-free dispatch (no host read; dispatcher/static.py), bitwise the dropless one.
+            # the sync-free dispatch (no host read; dispatcher/sync_free/), bitwise the dropless one.
             dispatch_config = dispatch_config.replace(sync_free=True)
         # built once: each dispatcher takes the next layer id of its group (identity)
         self.dispatcher = build_dispatcher(dispatch_config, ep_group)
@@ -82,10 +82,10 @@ class MoELayer(nn.Module):
         A sync-free plan's device counts and whole buffer (its trailing rows belong to no expert:
         the FP8 GEMMs lay out the weight gradient's padding on the device), else the host counts."""
         trailing = handle.trailing_rows
-        counts = handle.device_expert_rows if trailing else host_tokens_per_expert(handle)
+        counts = handle.rows_per_expert if trailing else host_tokens_per_expert(handle)
         q, scales = unpack_rows(expert_input, self.config.hidden_size, self.config.fp8)
-        # per-source weight gradients while a GradientTree asks for them (fp8_wgrad=False only)
-        blocks = handle.source_blocks if self.experts.source_grads is not None and not trailing else None
+        # per-source weight gradients while a GradientTree asks for them
+        blocks = handle.source_blocks if self.experts.source_grads is not None else None
         out = self.experts(q, counts, handle.permuted_probs, offsets=handle.expert_offsets, row_scales=scales,
                            row_grad_sink=handle.row_grad_sink, trailing_rows=trailing, fp8_weights=fp8_weights,
                            fp8_weights_checked=True, source_blocks=blocks)
@@ -133,11 +133,11 @@ class MoELayer(nn.Module):
             problem = fp8_weights_problem(fp8_weights, self.experts)
             if problem is None:
                 bits_problem = fp8_weights_bits_problem(fp8_weights, self.experts)
-        agreed = self.dispatcher.static_agreed_input() if problem is not None else None
+        agreed = self.dispatcher.sync_free_agreed_input() if problem is not None else None
         if agreed is not None:
             # Sync-free at EP > 1 after its first step: the peers are in no size exchange, so this rank
             # takes part with zeros of the agreed shape and a bad input; every rank's outputs are NaN
-            # and every rank raises at the next poll (dispatcher/static.py).
+            # and every rank raises at the next poll (dispatcher/sync_free/).
             hidden_states = torch.zeros(agreed[0], dtype=agreed[1], device=device)
             fp8_weights = None  # the problem may be this handle: the step runs on without it
         elif problem is not None:
@@ -154,14 +154,14 @@ class MoELayer(nn.Module):
         expert_input, handle = self.dispatcher.dispatch_rows(None if agreed else tokens, routing_map, probs,
                                                              experts_need_grad=experts_grad,
                                                              device_problem=bits_problem)
+        # per-source weight gradients only while a GradientTree asked for them (experts.source_grads)
+        blocks = handle.source_blocks if self.experts.source_grads is not None else None
         if self.config.fp8 is not None:
             expert_output, handle = self._fp8_experts(expert_input, handle, fp8_weights)
-        elif handle.trailing_rows:  # sync-free: device counts, read only by a GEMM path that needs them
-            expert_output = self.experts(expert_input, handle.device_expert_rows, handle.permuted_probs,
-                                         offsets=handle.expert_offsets, trailing_rows=True)
+        elif handle.trailing_rows:  # sync-free: device counts and blocks, read only by a GEMM path that needs them
+            expert_output = self.experts(expert_input, handle.rows_per_expert, handle.permuted_probs,
+                                         offsets=handle.expert_offsets, trailing_rows=True, source_blocks=blocks)
         else:
-            # per-source weight gradients only while a GradientTree asked for them (experts.source_grads)
-            blocks = handle.source_blocks if self.experts.source_grads is not None else None
             expert_output = self.experts(expert_input, host_tokens_per_expert(handle), handle.permuted_probs,
                                          offsets=handle.expert_offsets, source_blocks=blocks)
         output = self.dispatcher.combine(expert_output, handle)

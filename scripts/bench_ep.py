@@ -387,7 +387,7 @@ def profile_dispatch(args, world: int, rank: int) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from moe_dispatch.dispatcher import functional
-    from moe_dispatch.ops import permutation, triton_kernels
+    from moe_dispatch.ops import kernels, permutation
 
     # functional.dispatch / combine call the stages by these names (dispatcher/stages.py)
     for name in ["prepare", "send_just_prepared", "finish", "check_expert_output", "return_rows", "owner_sum"]:
@@ -424,7 +424,7 @@ def profile_dispatch(args, world: int, rank: int) -> None:
         "torch add_ (baseline)": lambda: xs.add_(0),
         "make_slots op": lambda: torch.ops.moe_dispatch.make_slots(rm, 1),
         "permute_rows op": lambda: torch.ops.moe_dispatch.permute_rows(xs, slots, pr, rid.num_out_tokens, False),
-        "triton permute_rows direct": lambda: triton_kernels.permute_rows(xs, slots, pr, rid.num_out_tokens, False),
+        "triton permute_rows direct": lambda: kernels.permute_rows(xs, slots, pr, rid.num_out_tokens, False),
         "permute (public, syncs)": lambda: permutation.permute(xs, rm, pr),
         "permute (public, host counts)": lambda: permutation.permute(xs, rm, pr, tokens_per_expert=rm.sum(0).tolist()),
         "unpermute (public)": lambda: permutation.unpermute(rows, rid, pr),

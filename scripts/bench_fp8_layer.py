@@ -46,7 +46,7 @@ from torch.profiler import ProfilerActivity, profile
 from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.numerics.rounding import round_up
 from moe_dispatch.ops import dequantize_rows, quantize_group_columns, quantize_rows
-from moe_dispatch.ops import triton_kernels as KT
+from moe_dispatch.ops import kernels as KT
 from moe_dispatch.tools.benchmarks import add_shape_args, layer_inputs, layer_step
 from moe_dispatch.tools.capture import capture_step
 from moe_dispatch.tools.profiling import graph_median_ms, median_ms

@@ -7,7 +7,7 @@ Run on a CUDA machine:  python scripts/bench_ops.py [--shapes T,E,H,K ...] [--no
 Each pass is timed with triton.testing.do_bench (median). The floor of a pass is the bytes it
 must move (every input read once, every output written once) over the device-to-device copy
 bandwidth measured in the same run (bytes read plus written). The alternative route of
-moe_dispatch/ops/triton_kernels.py's LAUNCH ("per-token route": unpermute_bwd_per_token; same
+moe_dispatch.ops.kernels.LAUNCH ("per-token route": unpermute_bwd_per_token; same
 bits) is timed beside the default in the same run. The backward passes are timed through the
 registered custom ops (torch.ops.moe_dispatch.*). With --fp8: quantize_rows (bf16 -> e4m3) over its
 byte floor beside the twin's eager torch code on the same GPU and a sweep of its LAUNCH settings, and
@@ -63,8 +63,8 @@ def time_host_calls(calls: dict, warmup: int = 20, iters: int = 200) -> list[tup
 
 
 def with_launch(fn, **knobs):
-    """fn with triton_kernels.LAUNCH overridden during the call (also while a CUDA graph captures it)."""
-    from moe_dispatch.ops import triton_kernels as KT
+    """fn with kernels.LAUNCH overridden during the call (also while a CUDA graph captures it)."""
+    from moe_dispatch.ops import kernels as KT
 
     def call():
         with KT.launch_settings(**knobs):
@@ -108,7 +108,7 @@ def passes(T: int, E: int, H: int, K: int) -> tuple[dict, dict, dict, dict]:
         "permute bwd": lambda: OPS.permute_rows_backward(g_perm, slots, None, torch.float32),
         "unpermute bwd, probs grad": lambda: OPS.unpermute_rows_backward(g_out, y, slots, probs, False, K),
     }
-    from moe_dispatch.ops import triton_kernels as KT
+    from moe_dispatch.ops import kernels as KT
     extra = {"permute, counts known (no sync)":
              (lambda: permute(tokens, routing_map, probs, tokens_per_expert=counts, max_experts_per_token=K),
               floors["permute (map + rows)"]),
@@ -255,7 +255,7 @@ def write_svg(path: str, series: dict[str, list[tuple[int, float]]], title: str)
 
 def host_overhead() -> list[tuple[str, float]]:
     """Host microseconds per call (no synchronisation): where small shapes lose their time."""
-    from moe_dispatch.ops import triton_kernels as K
+    from moe_dispatch.ops import kernels as K
     T, E, H, K_ = 1024, 16, 256, 4
     tokens = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
     routing_map, probs = routing(T, E, K_)

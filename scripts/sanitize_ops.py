@@ -235,7 +235,7 @@ def nonfinite_case(value: float, where: str) -> str:
 def kernel_bounds_case() -> str:
     """Slots naming rows past the buffers, n_t past the backward's bound, an out-of-range gather
     index: the kernels called directly (no host check in front), against the twin's semantics."""
-    from moe_dispatch.ops import triton_kernels as K
+    from moe_dispatch.ops import kernels as K
 
     routing_map, tokens, probs = routing(300, 16, 4, seed=4)
     slots, stats = TW.make_slots(routing_map, 1)
@@ -365,7 +365,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU, Triton interpreter"
     print(f"# {name}, torch {torch.__version__}; "
           f"PYTORCH_NO_CUDA_MEMORY_CACHING={os.environ.get('PYTORCH_NO_CUDA_MEMORY_CACHING', '(unset)')}")
-    from moe_dispatch.ops import triton_kernels as KT
+    from moe_dispatch.ops import kernels as KT
 
     routes = [("", {}), ("[alt route] ", {"unpermute_bwd_per_token": True, "quantize_programs_per_sm": 2,
                                            "quantize_stages": 2, "group_columns_splits": 3}),

@@ -11,7 +11,7 @@ LAUNCH (the unpermute backward per token). One knob that does change a value is 
 them: the unpermute backward's block, which sets the probs gradient's chunks (default
 block_h(H)). Prints
 CUDA-graph replay medians (do_bench_cudagraph, GPU time only) over each pass's byte floor, and the
-best setting per pass and shape. The defaults in moe_dispatch/ops/triton_kernels.py come from here.
+best setting per pass and shape. The defaults of moe_dispatch.ops.kernels.LAUNCH come from here.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import sys
 import torch
 import triton
 
+from moe_dispatch.ops import kernels as KT
 from moe_dispatch.ops import permute
-from moe_dispatch.ops import triton_kernels as KT
 from moe_dispatch.tools.benchmarks import copy_bandwidth, routing
 from moe_dispatch.tools.profiling import graph_median_ms
 

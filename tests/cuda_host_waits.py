@@ -14,7 +14,9 @@ import torch
 def count_host_transfers() -> Iterator[dict]:
     """Count, while the block runs, the dispatcher's host reads (``read_host``: each one host sync
     on CUDA) and host-to-device table copies (``to_device``); yields the live counts."""
-    from moe_dispatch.dispatcher import dropless, layout, records
+    from moe_dispatch.dispatcher import records
+    from moe_dispatch.dispatcher.dropless import layout
+    from moe_dispatch.dispatcher.dropless import plan as dropless
     from moe_dispatch.distributed import agreement, comm
 
     counts = {"read_host": 0, "to_device": 0}

@@ -1,9 +1,10 @@
 """The package's modules import each other without a circle, and its leaves load nothing above them.
 
 The import graph is read from the source (ast): an edge for every import of a package module,
-also those inside functions (a lazy import that closes a circle only hides it), but not those
-under ``if TYPE_CHECKING:`` (never run). Importing ``a.b.c`` also runs the packages ``a.b``'s
-``__init__``, so an edge goes to every package on the way that the importer is not inside.
+also those inside functions and those under ``if TYPE_CHECKING:`` (a lazy or type-only import
+that closes a circle only hides it: the two modules still depend on each other). Importing
+``a.b.c`` also runs the packages ``a.b``'s ``__init__``, so an edge goes to every package on the
+way that the importer is not inside.
 """
 from __future__ import annotations
 
@@ -21,15 +22,6 @@ PACKAGE = ROOT / "moe_dispatch"
 def _module_name(path: Path, package: Path) -> str:
     parts = list(path.relative_to(package.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _type_checking_only(tree: ast.Module) -> set[int]:
-    """ids of the nodes inside an ``if TYPE_CHECKING:`` body."""
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
-    return skipped
 
 
 def _imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:
@@ -51,9 +43,8 @@ def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in files}
     for module, path in files.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        skipped = _type_checking_only(tree)
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in skipped:
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             for name in _imported(node, module, path.name == "__init__.py"):
                 parts = name.split(".")
@@ -89,6 +80,22 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
     return []
 
 
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's circles as sets of modules that all reach each other (strongly connected
+    components of more than one module), each sorted; [] if it has none."""
+    reach = {m: set() for m in graph}
+    for start in graph:
+        todo = list(graph[start])
+        while todo:
+            node = todo.pop()
+            if node not in reach[start]:
+                reach[start].add(node)
+                todo.extend(graph[node])
+    found = {tuple(sorted(m for m in graph if m == start or (m in reach[start] and start in reach[m])))
+             for start in graph}
+    return sorted(list(c) for c in found if len(c) > 1)
+
+
 def test_graph_sees_the_package():
     graph = import_graph()
     assert "moe_dispatch.dispatcher.functional" in graph["moe_dispatch.dispatcher.dispatchers"]
@@ -98,11 +105,46 @@ def test_graph_sees_the_package():
     assert "moe_dispatch.dispatcher" not in graph["moe_dispatch.dispatcher.functional"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    assert circles({"a": {"b"}, "b": {"a", "c"}, "c": {"d"}, "d": {"c"}, "e": {"a"}}) == [["a", "b"], ["c", "d"]]
+
+
+def test_graph_counts_type_only_and_in_function_imports(tmp_path):
+    """A circle closed only by an ``if TYPE_CHECKING:`` import or an import inside a function
+    is still a circle (the hidden circles of issue 49 were of these kinds)."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from . import b\n")
+    (package / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\n")
+    (package / "c.py").write_text("from . import d\n")
+    (package / "d.py").write_text("def f():\n    from .c import C\n")
+    assert circles(import_graph(package)) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
 
 
 def test_no_import_circle():
-    cycle = find_cycle(import_graph())
-    assert not cycle, "import circle: " + " -> ".join(cycle)
+    graph = import_graph()
+    found = circles(graph)
+    shown = [", ".join(c) + "\n  e.g. " + " -> ".join(find_cycle({m: graph[m] & set(c) for m in c})) for c in found]
+    assert not found, ("import circles (modules that import each other, type-only and in-function imports "
+                       "included):\n" + "\n".join(shown))
+
+
+@pytest.mark.parametrize("lower, higher", [
+    ("moe_dispatch.distributed", "moe_dispatch.dispatcher"),
+    ("moe_dispatch.ops", "moe_dispatch.dispatcher"),
+    ("moe_dispatch.ops", "moe_dispatch.distributed"),
+    ("moe_dispatch.numerics", "moe_dispatch.ops"),
+])
+def test_lower_concerns_import_nothing_above(lower, higher):
+    """No import, type-only and in-function ones included, from a lower concern up into a higher
+    one (the registry once named the sync-free plan's record for its type)."""
+    def inside(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    graph = import_graph()
+    up = [f"{m} -> {t}" for m, targets in sorted(graph.items()) if inside(m, lower)
+          for t in sorted(targets) if inside(t, higher)]
+    assert up == []
 
 
 @pytest.mark.parametrize("module, not_loaded", [

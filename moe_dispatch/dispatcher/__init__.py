@@ -10,20 +10,21 @@ Three faces, one path:
   ``return_rows`` -> ``owner_sum``, each returning a frozen record (``Prepared``, ``Sent``,
   ``DispatchHandle``, ``Returned``).
 
-Inside: ``plan`` (the Plan interface: a step's plan is chosen once, in prepare), ``dropless`` (sizes
-from the size exchange, ``layout``; transport, ``exchange``), ``static`` (the sync-free plan;
-``static_exchange``, ``static_words``), ``expand`` (the received rows into the expert layout, and
-their gradients back). Agreement across ranks and latched errors: ``moe_dispatch.distributed``;
-the settings: ``moe_dispatch.config.DispatchConfig``.
+Inside: ``plan`` (the Plan interface, a step's plan chosen once in prepare, and the records it
+passes between the stages); the two plans, a package each: ``dropless`` (``plan``; sizes from
+the size exchange, ``layout``; transport, ``exchange``) and ``sync_free`` (``plan``; ``sizes``,
+``exchange``, ``words``: its check words); what both use: ``row_format`` (packed rows,
+``Received``), ``status_rows`` (words at the end of an exchange's chunks), ``expand`` (the
+received rows into the expert layout, and their gradients back). Agreement across ranks and
+latched errors: ``moe_dispatch.distributed``; the settings: ``moe_dispatch.config.DispatchConfig``.
 """
 from ..config import DispatchConfig
 from ..distributed.agreement import InputProblem, hidden_states_problem
 from .dispatchers import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher
-from .exchange import KINDS
+from .dropless.exchange import KINDS
 from .fp8_wire import pack_rows, unpack_rows, wire_width
 from .functional import combine, dispatch, dispatch_rows, with_host_counts
-from .handle import DispatchHandle, Prepared, Returned, Sent
-from .plan import Plan
+from .plan import DispatchHandle, Plan, Prepared, Returned, Sent
 from .stages import (
            check_expert_output,
            device_of,

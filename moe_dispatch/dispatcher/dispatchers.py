@@ -10,10 +10,11 @@ from ..config import DispatchConfig, MoEConfig, as_dispatch_config
 from ..distributed.agreement import GROUP_LATCHES, DeviceProblem, InputProblem, agree_config
 from ..distributed.comm import ProcessGroup, WeakGroup, group_size_rank
 from ..distributed.identity import StepCounter, new_layer_id
-from . import functional, static
-from .handle import DispatchHandle
-from .layout import check_ep_size, exchange_sizes
+from . import functional
+from .dropless.layout import check_ep_size, exchange_sizes
+from .plan import DispatchHandle
 from .stages import device_of
+from .sync_free.plan import BAD_INPUT, agreed_hidden
 
 
 class _Dispatcher:
@@ -94,15 +95,15 @@ class _Dispatcher:
         ``device_problem``: a problem with this rank's input found on the device (code 0: none),
         raised on every rank without a host read of its own. Where this step runs a size exchange
         (dropless; a sync-free plan's first step at EP > 1) it travels in it: every rank raises before
-        any row moves. Sync-free otherwise it sets the step's input word (static_words.py): the
+        any row moves. Sync-free otherwise it sets the step's input word (sync_free/words.py): the
         step's outputs are NaN on every rank, and every rank raises at the next poll (at EP 1 on
         CPU: here, at once)."""
         if hidden_states is None:
-            hidden_states = static.BAD_INPUT
+            hidden_states = BAD_INPUT
         if handle is None:
             self.agree(device_of(hidden_states) if isinstance(hidden_states, torch.Tensor) else probs.device)
         in_exchange = device_problem is not None and handle is None and (
-            not self.sync_free or (self.ep_size > 1 and self.static_agreed_input() is None))
+            not self.sync_free or (self.ep_size > 1 and self.sync_free_agreed_input() is None))
         if in_exchange:
             self.latch.set(device_problem.code, device_problem.expected, device_problem.got)
         rows, new = functional.dispatch_rows(hidden_states, routing_map, probs, self.config, self.ep_group,
@@ -114,14 +115,14 @@ class _Dispatcher:
 
     @property
     def sync_free(self) -> bool:
-        """The sync-free dispatch (static.py): no host read per step."""
+        """The sync-free dispatch (sync_free/): no host read per step."""
         return self.config.sync_free
 
-    def static_agreed_input(self) -> Optional[tuple[torch.Size, torch.dtype]]:
+    def sync_free_agreed_input(self) -> Optional[tuple[torch.Size, torch.dtype]]:
         """Sync-free at EP > 1 after the first step: the agreed hidden_states (shape, dtype)."""
         if not (self.config.sync_free and self.ep_size > 1):
             return None
-        return static.agreed_hidden(self.ep_group, self.config)
+        return agreed_hidden(self.ep_group, self.config)
 
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """expert_output [N, H] -> hidden_states' shape; see functional.combine."""

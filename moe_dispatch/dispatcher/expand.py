@@ -1,6 +1,6 @@
 """``Expand``: the received rows -> the expert layout (one row per (received token, local expert)),
-the autograd function of both plans' dispatch: the dropless plan (dropless.py) and the
-sync-free plan (static.py). They differ only in how the backward returns the rows' gradients to
+the autograd function of both plans' dispatch: the dropless plan (dropless/) and the
+sync-free plan (sync_free/). They differ only in how the backward returns the rows' gradients to
 the tokens' owners: ``ReturnPath``.
 
 Backward: every row's gradient goes back to its owner unreduced, where ``unpermute`` without
@@ -83,9 +83,9 @@ class Expand(torch.autograd.Function):
         ctx.path, ctx.expert_map, ctx.x_shape, ctx.probs_dtype = path, expert_map, x.shape, recv_probs.dtype
         if not probs_in_experts:
             ctx.mark_non_differentiable(row_probs)
-        ctx.wire = fp8_wire
+        ctx.fp8_wire = fp8_wire
         ctx.x_dtype, ctx.x_device = x.dtype, x.device
-        if not ctx.wire:
+        if not ctx.fp8_wire:
             return rows, row_probs, None
         ctx.mark_non_differentiable(rows)
         # The wire rows take no gradient: with autograd's default (grads materialised) the backward
@@ -97,7 +97,7 @@ class Expand(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows, grad_row_probs, grad_sink=None):
         refuse_double_backward("Expand")
-        if ctx.wire:
+        if ctx.fp8_wire:
             grad_rows = grad_sink if grad_sink is not None else torch.zeros(
                 (ctx.expert_map.num_out_tokens, ctx.x_shape[1]), dtype=ctx.x_dtype, device=ctx.x_device)
         path = ctx.path

@@ -38,19 +38,19 @@ from ..config import DispatchConfig, MoEConfig
 from ..distributed.agreement import ErrorLatch
 from ..distributed.comm import ProcessGroup
 from ..distributed.identity import StepCounter
-from .handle import DispatchHandle
+from .plan import DispatchHandle
 from .stages import check_expert_output, finish, owner_sum, prepare, return_rows, send_just_prepared
 
 
 def with_host_counts(rows: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-    """dispatch's return from dispatch_rows': (rows, tokens_per_expert, handle). With trailing rows
-    (sync-free) the experts get rows [sum(tokens_per_expert), H], whose counts sum to their rows
-    as every expert implementation checks (``handle.expert_rows``)."""
-    counts = handle.host_expert_rows
+    """dispatch's return from dispatch_rows': (rows, host_rows_per_expert, handle). With trailing
+    rows (sync-free) the experts get rows [sum(host_rows_per_expert), H], whose counts sum to their
+    rows as every expert implementation checks (``handle.given_rows``)."""
+    host_rows_per_expert = handle.host_rows_per_expert
     if not handle.trailing_rows:
-        return rows, counts, handle
-    n = int(counts.sum())
-    return rows[:n], counts, dataclasses.replace(handle, expert_rows=n)
+        return rows, host_rows_per_expert, handle
+    n = int(host_rows_per_expert.sum())
+    return rows[:n], host_rows_per_expert, dataclasses.replace(handle, given_rows=n)
 
 
 def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor,
@@ -97,7 +97,7 @@ def dispatch_rows(hidden: Any, routing_map: torch.Tensor, probs: torch.Tensor, c
                   steps: Optional[StepCounter] = None, experts_grad: Optional[bool] = None,
                   ) -> tuple[torch.Tensor, DispatchHandle]:
     """``dispatch`` without the host counts: (expert_input [N, H], handle). Sync-free configs make
-    no host read here (the experts take ``handle.device_expert_rows`` / ``handle.expert_offsets``)."""
+    no host read here (the experts take ``handle.rows_per_expert`` / ``handle.expert_offsets``)."""
     if handle is not None:
         return handle.plan.reuse(handle, hidden, routing_map, probs)
     prepared = prepare(hidden, routing_map, probs, config, ep_group, kind, latch=latch, agreed=agreed,

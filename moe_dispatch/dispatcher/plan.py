@@ -1,4 +1,8 @@
-"""The Plan interface: what one step's routing decides, and how that step's rows move.
+"""The Plan interface, what one step's routing decides and how that step's rows move, and the
+records that pass between the stages of one dispatch: ``Prepared`` and ``Sent`` on the way to the
+experts, the frozen ``DispatchHandle`` that the combine (and a reused dispatch) consumes, and
+``Returned`` on the way back. A plan takes and returns these records, and each record holds its
+plan: one module, so that neither imports the other.
 
 A dispatch chooses its plan once (``stages.plan_type``: the config's ``sync_free``), in ``prepare``;
 every later stage calls the plan it was given and never asks which plan it is:
@@ -10,34 +14,37 @@ every later stage calls the plan it was given and never asks which plan it is:
     owner_sum    the owner's fixed-order fp32 sum    -> output, hidden_states' shape
 
 Two plans implement it:
-- ``DroplessPlan`` (dropless.py): sizes from a size exchange (one all-gather, one host read);
-- ``StaticPlan`` (static.py): sizes from the config and T alone, no host read (``sync_free``).
+- ``DroplessPlan`` (dropless/plan.py): sizes from a size exchange (one all-gather, one host read);
+- ``SyncFreePlan`` (sync_free/plan.py): sizes from the config and T alone, no host read (``sync_free``).
 A new plan (an FP8 wire format, a node-level dedup) is a third class with these methods.
 """
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 import torch
 
-if TYPE_CHECKING:
-    from ..config import DispatchConfig
-    from ..distributed.agreement import DeviceProblem, ErrorLatch
-    from ..distributed.comm import ProcessGroup
-    from ..distributed.identity import CallId, StepCounter
-    from ..ops import RowIdMap
-    from .handle import DispatchHandle, Prepared, Returned, Sent
+from ..config import DispatchConfig
+from ..distributed.agreement import DeviceProblem, ErrorLatch
+from ..distributed.comm import ProcessGroup
+from ..distributed.identity import CallId, StepCounter
+from ..ops import RowIdMap
+from .row_format import Received
 
-# (first row, rows) of each (local expert, source EP rank) block of the receiver layout: [El][P]
-SourceBlocks = tuple[tuple[tuple[int, int], ...], ...]
+# The (local expert, source EP rank) blocks of the receiver layout: host [El][P] (first row, rows)
+# (the dropless plan's), or a device int tensor [El, P] of each block's rows, the blocks tiling the
+# rows from row 0 (the sync-free plan's: never read on the host). experts.gemm takes either.
+SourceBlocks = Union[tuple[tuple[tuple[int, int], ...], ...], torch.Tensor]
 
 
 class Plan(ABC):
     """One step's plan. Implementations are frozen dataclasses with at least these fields:
 
     config (DispatchConfig), group (the EP ProcessGroup), latch (its ErrorLatch), layout (the
-    step's sizes: at least ep_size and rank; layout.Layout or static.StaticSizes), routing_map
+    step's sizes: at least ep_size and rank; dropless.layout.Layout or sync_free.sizes.SyncFreeSizes), routing_map
     ([T, E] bool, this rank's), hidden_dtype, probs_dtype (the wire dtype), owner_map (RowIdMap of
     this rank's (token, expert) pairs in the owner buffer; None at EP 1, where the expert map
     serves), call (the step's ``identity.CallId``: which record of which layer), ep_size, rank,
@@ -117,6 +124,136 @@ class Plan(ABC):
         """The owner's fixed-order weighted sum of its rows -> hidden_states' shape."""
 
     def source_blocks(self, handle: "DispatchHandle") -> Optional[SourceBlocks]:
-        """Host (first row, rows) of each (local expert, source) block; None if not on the host."""
+        """The (local expert, source) blocks of the receiver layout (``SourceBlocks``); None: none."""
         return None
 
+
+# ---- the records that pass between the stages --------------------------------------------------
+_DISPATCH_IDS = itertools.count(1)  # this process's dispatches, numbered (compared only here)
+
+
+def new_dispatch_id() -> int:
+    return next(_DISPATCH_IDS)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """After ``prepare``: x [T, H] and probs [T, E] in the wire dtype (fp32, fp64 for an fp64
+    router; autograd to the caller's), the step's plan, the caller's hidden shape ([T, H] or
+    [S, B, H]), and the caller's own (hidden, routing_map, probs) and experts_grad (a sync-free
+    send re-plans from them when a rank had more tokens than the plan). ``wire_rows``: the rows
+    as they travel when they are not x itself: [T, W], the FP8 wire rows (fp8_wire.py)."""
+
+    x: torch.Tensor
+    probs: torch.Tensor
+    plan: "Plan"
+    hidden_shape: torch.Size
+    inputs: tuple[Any, Any, Any]
+    experts_grad: Optional[bool] = None
+    wire_rows: Optional[torch.Tensor] = None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """What ``send`` moves: [T, H] (or the wire rows [T, W]), detached."""
+        return (self.x if self.wire_rows is None else self.wire_rows).detach()
+
+
+@dataclass(frozen=True)
+class Sent:
+    """After ``send``: the owner's x [T, H] and probs [T, E] (autograd), the plan that sent them
+    (a sync-free send can re-plan), what arrived (rows by source rank) and the hidden shape."""
+
+    x: torch.Tensor
+    probs: torch.Tensor
+    plan: "Plan"
+    recv: Received
+    hidden_shape: torch.Size
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What the combine (and the dispatch's backward) needs; returned by ``dispatch``. Immutable.
+
+    Attributes:
+        plan: the step's Plan.
+        expert_map: RowIdMap of the receiver layout (the rows given to the experts).
+        owner_map: RowIdMap of this rank's (token, expert) pairs in the rows that return to it
+            (at EP 1 the expert map: nothing moves).
+        probs: [T, E] fp32/fp64 (the wire dtype), with autograd to the caller's probs.
+        permuted_probs: [N] probs of the rows given to the experts (differentiable only with
+            probs_in_experts; otherwise the combine applies the probs).
+        hidden_shape: shape of the caller's hidden states ([T, H] or [S, B, H]).
+        expert_offsets: int32 [El] on the device, cumulative rows per local expert (the offsets
+            torch._grouped_mm takes: no host-to-device copy of the counts).
+        route: the plan's return route (None at EP 1: nothing moves).
+        given_rows: how many rows the experts were given, when fewer than N (``dispatch`` cuts a
+            sync-free plan's rows after the experts' blocks, which belong to no expert); the combine
+            takes those. None: all N.
+        row_grad_sink: with the FP8 wire (``config.fp8``), [N, H] zeros in the tokens' dtype whose
+            gradient is the expert rows' gradient (the rows are quantised bytes and carry none):
+            the experts' first GEMM takes it as its ``grad_sink``. None otherwise.
+        dispatch_id: this dispatch's number in this process (kept by ``dataclasses.replace``): the
+            ``Returned`` of ``return_rows`` carries it, and ``owner_sum`` refuses another's.
+
+    ``copy.copy`` and ``copy.deepcopy`` return the handle itself: it is immutable, its group
+    cannot be copied, and its probs carry the step's autograd graph, which a copy would cut.
+    """
+
+    plan: "Plan"
+    expert_map: RowIdMap
+    owner_map: RowIdMap
+    probs: torch.Tensor
+    permuted_probs: torch.Tensor
+    hidden_shape: torch.Size
+    expert_offsets: torch.Tensor
+    route: Any = None
+    given_rows: Optional[int] = None
+    row_grad_sink: Optional[torch.Tensor] = None
+    dispatch_id: int = field(default_factory=new_dispatch_id)
+
+    def __copy__(self) -> "DispatchHandle":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "DispatchHandle":
+        return self
+
+    @property
+    def rows_per_expert(self) -> torch.Tensor:
+        """int64 [El] on the device, rows per local expert block (padding included): no host read."""
+        return self.expert_map.padded_expert_rows
+
+    @property
+    def host_rows_per_expert(self) -> torch.Tensor:
+        """CPU int64 [El], rows per local expert block (padding included): the dropless plan's, or
+        for a sync-free plan read from the device now (a host sync on CUDA: only whoever asks pays)."""
+        return self.plan.host_counts(self)
+
+    @property
+    def source_blocks(self) -> Optional["SourceBlocks"]:
+        """The (local expert, source EP rank) blocks of the receiver layout: the dropless plan's host
+        ints [El][P], (first row, rows) of each block (capacity padding included; an expert's tail
+        padding after its blocks is in none); the sync-free plan's a device int64 [El, P], each
+        block's rows, the blocks tiling the rows from row 0 (its trailing rows in none; no host
+        read). A block holds that source's tokens alone, in token order."""
+        return self.plan.source_blocks(self)
+
+    @property
+    def trailing_rows(self) -> bool:
+        """Rows after the last expert's block (up to N) belong to no expert (the sync-free plan)."""
+        return self.plan.trailing_rows
+
+    @property
+    def input_replaced(self) -> bool:
+        """Sync-free at EP > 1: this rank's inputs were bad and it took part with zeros (NaN results)."""
+        return self.plan.replaced
+
+
+@dataclass(frozen=True)
+class Returned:
+    """After ``return_rows``: the owner buffer [M, H] (this rank's rows from every expert rank,
+    unreduced), the exchange's check words (int32, the max over every rank's) or None, and the
+    ``dispatch_id`` of the handle they were returned with (``owner_sum`` compares it)."""
+
+    rows: torch.Tensor
+    words: Optional[torch.Tensor] = None
+    dispatch_id: Optional[int] = None

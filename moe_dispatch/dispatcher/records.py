@@ -10,7 +10,7 @@ gloo aborts (NCCL hangs) when they differ; a rank whose x has other rows or anot
 alone or aborts the exchange. The dropless plan's forward exchange has variable sizes, so the
 record's call and its check travel first, in one fixed-size all-gather (``agree_send``), and every
 rank raises the same ValueError before any row moves. The sync-free plan's exchange has fixed
-sizes and carries the call in its status words already (static_words.py): a bad record there
+sizes and carries the call in its status words already (sync_free/words.py): a bad record there
 takes part with zeros and its check word (no host read).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from ..distributed.agreement import differ, dtype_code, dtype_name
 from ..distributed.comm import all_gather_rows, group_size_rank, read_host, to_device
 from ..distributed.identity import CallId
-from .handle import DispatchHandle, Prepared, Returned, Sent
+from .plan import DispatchHandle, Prepared, Returned, Sent
 
 # The stage that makes each record, for the error messages.
 _MADE_BY = {Prepared: "prepare()", Sent: "send()", DispatchHandle: "finish() or dispatch()",

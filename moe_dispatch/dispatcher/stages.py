@@ -9,7 +9,7 @@
 
 ``dispatch`` and ``combine`` (functional.py) are these stages in a row; Megatron's six-method
 interface (``moe_dispatch.integrations.megatron``) is these stages one per method. Each stage
-returns a frozen record (handle.py) that the next consumes; a framework that changes a tensor
+returns a frozen record (plan.py) that the next consumes; a framework that changes a tensor
 between two stages (Megatron passes its own copies on) swaps it in with ``dataclasses.replace``.
 The plan is chosen once, in ``prepare`` (``plan_type``), and every later stage calls it.
 
@@ -34,16 +34,15 @@ from ..distributed.agreement import GROUP_LATCHES, ErrorLatch, agree_config
 from ..distributed.comm import ProcessGroup
 from ..distributed.identity import StepCounter, functional_counter
 from ..ops import RowIdMap
-from .dropless import DroplessPlan
-from .handle import DispatchHandle, Prepared, Returned, Sent
-from .plan import Plan
+from .dropless.plan import DroplessPlan
+from .plan import DispatchHandle, Plan, Prepared, Returned, Sent
 from .records import expect_record, expect_rows
-from .static import StaticPlan
+from .sync_free.plan import SyncFreePlan
 
 
 def plan_type(cfg: DispatchConfig) -> type[Plan]:
     """The plan of a configuration, chosen here once per dispatch: every later stage calls it."""
-    return StaticPlan if cfg.sync_free else DroplessPlan
+    return SyncFreePlan if cfg.sync_free else DroplessPlan
 
 
 def device_of(hidden: Any) -> torch.device:
@@ -112,12 +111,12 @@ def finish(sent: Sent, expert_map: Optional[RowIdMap] = None) -> tuple[torch.Ten
 def host_tokens_per_expert(handle: DispatchHandle) -> torch.Tensor:
     """CPU int64 [El], rows per local expert block (padding included). The dropless plan has them;
     the sync-free plan reads them from the device now (a host sync on CUDA: only whoever asks pays)."""
-    return handle.host_expert_rows
+    return handle.host_rows_per_expert
 
 
 def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Tensor:
     """expert_output if it is [N, H] in the dispatch's dtype and on its device (N: the rows the
-    experts were given, ``handle.expert_rows`` when fewer). Otherwise: at EP 1 a ValueError; at
+    experts were given, ``handle.given_rows`` when fewer). Otherwise: at EP 1 a ValueError; at
     EP > 1 the plan records the error (every rank raises it at the group's next exchange) and NaN
     rows of the right shape come back, so this step's collectives still match on every rank (no
     hang) and its outputs are NaN on the owners of the rows (no silent result).
@@ -128,7 +127,7 @@ def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Ten
     plan = handle.plan
     N, H = handle.expert_map.num_out_tokens, plan.config.hidden_size
     dtype, device = plan.hidden_dtype, plan.routing_map.device
-    given = N if handle.expert_rows is None else handle.expert_rows
+    given = N if handle.given_rows is None else handle.given_rows
     ok = (isinstance(expert_output, torch.Tensor) and expert_output.shape == (given, H)
           and expert_output.dtype == dtype and expert_output.device == device)
     if ok and given < N:  # the rows after the experts' blocks belong to no expert: never read

@@ -21,8 +21,8 @@ changes with the layout, its value does not:
 
 So parameters, their gradients and the clipped norm are bitwise the same for every layout with the
 same L (world size, EP size, expert-data-parallel size, A), given that each leaf is: the layer's
-per-token contract (dropless), micro-batches of equal size, and row-stable expert GEMMs (docs/parallel.md
-has the promise and its limits).
+per-token contract (dropless, or the sync-free step within its capacity), micro-batches of equal
+size, and row-stable expert GEMMs (docs/parallel.md has the promise and its limits).
 """
 from __future__ import annotations
 
@@ -216,23 +216,10 @@ class GradientTree:
         if router.loss_group is not None or router.global_loss_group is not None:
             problems.append(f"model.{name}: a router loss group sums token counts over other ranks' tokens; "
                             "GradientTree needs each micro-batch's loss to be its own")
-        if router.ep_ranks and cfg.dispatch_config().sync_free:
-            problems.append(
-                f"model.{name}: the sync-free dispatch (ep_capacity_factor={cfg.ep_capacity_factor} at EP "
-                f"{len(router.ep_ranks)}) gives no per-source blocks (DispatchHandle.source_blocks is None), so the "
-                "experts' weight gradient cannot be split by micro-batch; use the dropless dispatch "
-                "(ep_capacity_factor=None)"
-            )
         return problems
 
     def _experts_problems(self, name: str, experts: LocalExperts) -> List[str]:
         problems = []
-        if experts.fp8 is not None and experts.fp8_wgrad:
-            problems.append(
-                f"model.{name}: fp8={experts.fp8!r} with fp8_wgrad=True: FP8 wgrad's column scales span an expert's "
-                "rows from every source, so its weight gradient cannot be split by micro-batch; use "
-                "MoEConfig(fp8_wgrad=False) (the expert weight gradients in the tokens' dtype)"
-            )
         P = dist.get_world_size(experts.ep_group)
         first = self.rank // P * P
         ranks = dist.get_process_group_ranks(self.group)
@@ -308,7 +295,7 @@ class GradientTree:
             if e.experts is not None and p.grad is not None:
                 problems.append(f"add_micro_batch: the sharded expert weight {e.name} has a .grad; under a "
                                 "GradientTree its gradient comes per source (LocalExperts.source_grads), which "
-                                "only an MoELayer's dropless dispatch gives (experts called on their own do not)")
+                                "only an MoELayer's dispatch gives (experts called on their own do not)")
                 break
         self._agree_call(problems, _ADD)
         by_dtype: Dict[torch.dtype, List[Tuple[_Entry, torch.Tensor]]] = {}

@@ -15,7 +15,7 @@ every call carries a ``CallId`` (layer, step), equal on every rank for the same 
   exchanges that succeeded. A failed one raises the same error on every rank, so the counts stay
   equal, and a layer works again after an error.
 
-The size exchange compares both (``dispatcher.layout``); the return exchanges (combine, and the
+The size exchange compares both (``dispatcher.dropless.layout``); the return exchanges (combine, and the
 backward's) carry the handle's tag in their status rows, and every receiver compares the
 senders' tags with its own (``agreement.latch_call_mismatch``; ``agreement.check_call`` first,
 on the host, under ``strict_call_order``).

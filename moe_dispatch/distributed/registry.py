@@ -15,10 +15,10 @@ and must see the same state.
 - ``LATCHES`` (distributed/agreement.py, ``GROUP_LATCHES.of``): group -> its ErrorLatch. An error
   latched by one step travels in the next size exchange on the group, whoever runs it (another
   layer, the functional API): one latch per group.
-- ``STATIC_PLANS`` (dispatcher/static.py): (group, configuration fingerprint) -> what the first
+- ``SYNC_FREE_PLANS`` (dispatcher/sync_free/plan.py): (group, configuration fingerprint) -> what the first
   sync-free step fixed (its T, dtypes, device). Layers of one configuration on one group share
   the plan, so that a rebuilt layer or the functional API sends the same fixed-size chunks.
-- ``STATIC_WORDS`` (dispatcher/static_words.py): group -> [the bad steps' check words on the
+- ``SYNC_FREE_WORDS`` (dispatcher/sync_free/words.py): group -> [the bad steps' check words on the
   device, their sizes], read by the next sync-free dispatch on the group (CPU) and by
   ``ops.check_device_errors()``, which knows no group or layer.
 
@@ -26,7 +26,7 @@ Process-wide state elsewhere, kept where it lives (a module of its own concern):
 - ops/guard.py: ``_status`` (device -> the sticky status words every kernel of ours reads: one
   per device, as kernels of any layer poison each other's outputs), ``_pending`` and
   ``_free_pinned`` (the permute checks still in flight, their pinned buffers), ``_checks`` (the
-  deferred checks other modules register: static_words' ``STATIC_WORDS`` reader).
+  deferred checks other modules register: sync_free.words' ``SYNC_FREE_WORDS`` reader).
 - ops/custom_ops.py: ``_backend``, the kernel backend forced by ``set_backend`` (or the
   MOE_DISPATCH_BACKEND environment variable).
 - checkpoint.py: ``_SHARDED``, ``_HOOKED``, ``_CHECKED`` (weak sets of the sharded expert
@@ -40,14 +40,9 @@ Process-wide state elsewhere, kept where it lives (a module of its own concern):
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Generic, Hashable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Generic, Hashable, Iterator, Optional, TypeVar
 
 from .comm import ProcessGroup, group_key, weakly_referable
-
-if TYPE_CHECKING:
-    from ..dispatcher.static import _Agreed
-    from .agreement import ErrorLatch
-    from .identity import StepCounter
 
 V = TypeVar("V")
 
@@ -106,10 +101,13 @@ class GroupTable(Generic[V]):
         return f"GroupTable({self.name!r}, {sum(len(e) for e in self._all_entries())} entries)"
 
 
+# The tables of values whose classes live above this module (identity.StepCounter,
+# agreement.ErrorLatch, the sync-free plan's record) hold Any here, so that this module imports
+# nothing above it (not even for typing); each table's one accessor, named above, returns the type.
 LAYER_IDS: GroupTable[int] = GroupTable("layer ids")
-FUNCTIONAL_STEPS: GroupTable["StepCounter"] = GroupTable("functional steps")
-LATCHES: GroupTable["ErrorLatch"] = GroupTable("error latches")
-STATIC_PLANS: GroupTable["_Agreed"] = GroupTable("sync-free plans")
-STATIC_WORDS: GroupTable[list] = GroupTable("sync-free check words")
+FUNCTIONAL_STEPS: GroupTable[Any] = GroupTable("functional steps")
+LATCHES: GroupTable[Any] = GroupTable("error latches")
+SYNC_FREE_PLANS: GroupTable[Any] = GroupTable("sync-free plans")
+SYNC_FREE_WORDS: GroupTable[list] = GroupTable("sync-free check words")
 
-TABLES = (LAYER_IDS, FUNCTIONAL_STEPS, LATCHES, STATIC_PLANS, STATIC_WORDS)
+TABLES = (LAYER_IDS, FUNCTIONAL_STEPS, LATCHES, SYNC_FREE_PLANS, SYNC_FREE_WORDS)

@@ -29,11 +29,13 @@ Interface (the one public function)::
   saved FP8 rows widened by their row scales (``ops.dequantize_rows``), then ``dw[e] = deq(x_e)^T @ dy_e``
   with fp32 accumulation and one rounding. No column quantisation of x or dy, so no second FP8
   rounding in the weight gradient.
-- ``source_blocks`` with ``sink`` (``fp8_wgrad=False`` only; GradientTree's per-source gradients): the
-  weight gradient is computed per (expert, source) block of rows, as `expert_gemm`'s
-  (`source_weight_grads` on the widened rows; fp32 accumulation, one rounding to the gradient's
-  dtype), and handed to ``sink`` as [E, P, K, M]; w gets no gradient. FP8 wgrad's column scales
-  span an expert's rows of every source, so it cannot be split by source.
+- ``source_blocks`` with ``sink`` (GradientTree's per-source gradients): the weight gradient is
+  computed per (expert, source) block of rows and handed to ``sink`` as [E, P, K, M]; w gets no
+  gradient. ``fp8_wgrad=False``: as `expert_gemm`'s (`source_weight_grads` on the widened rows; fp32
+  accumulation, one rounding to the gradient's dtype). ``fp8_wgrad=True``: FP8 wgrad with a group
+  per block instead of per expert, so the column scales span that block's rows alone (one source's:
+  finer than per expert, hence not the bits of the call without blocks) and a block's gradient is
+  a function of its rows alone.
 - ``fp8_dtype``: ``torch.float8_e4m3fn`` only (the one float8 ``torch._scaled_grouped_mm`` takes on sm90).
 - ``out_dtype``: bf16 (CUDA: the only output of the sm90 kernel); the CPU also takes fp16 and fp32.
 
@@ -219,6 +221,52 @@ def _wide_source_wgrad(x: torch.Tensor, x_scales: torch.Tensor, grad: torch.Tens
     return source_weight_grads(xd.float(), grad.float(), blocks, w_shape, None).to(grad.dtype)
 
 
+def _source_groups(blocks: SourceBlocks, device: torch.device
+                   ) -> Tuple[torch.Tensor, Optional[List[int]], Optional[torch.Tensor]]:
+    """The (expert, source) blocks as wgrad groups: (row ends [G] on ``device``, each group's rows on
+    the host for the CPU twin (None on CUDA), the index [E * P] of the blocks among the groups, or
+    None when the groups are the blocks). Device blocks tile the rows from row 0: their ends are
+    the groups' (no host read on CUDA). Host blocks with padding rows between them (an expert's
+    tail padding) get a group of their own for those rows, whose result is dropped."""
+    cuda = device.type == "cuda"
+    if isinstance(blocks, torch.Tensor):
+        flat = blocks.reshape(-1).to(torch.int64)
+        return torch.cumsum(flat, 0), None if cuda else flat.tolist(), None
+    ends, pick, cursor = [], [], 0
+    for row in blocks:
+        for first, rows in row:
+            if first > cursor:
+                ends.append(first)
+            pick.append(len(ends))
+            ends.append(first + rows)
+            cursor = first + rows
+    counts = torch.diff(torch.tensor([0, *ends])).tolist()
+    index = None if len(ends) == len(pick) else torch.tensor(pick, dtype=torch.int64, device=device)
+    return torch.tensor(ends, dtype=torch.int64).to(device), None if cuda else counts, index
+
+
+def _fp8_source_wgrad(x: torch.Tensor, x_scales: torch.Tensor, grad: torch.Tensor, blocks: SourceBlocks,
+                      w_shape: torch.Size, fp8_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 weight gradient (``fp8_wgrad=True``) per (expert, source) block -> [E, P, K, M] in
+    out_dtype: FP8 wgrad's arithmetic with a group per block instead of per expert, so each
+    block's columns are quantised over that block's rows alone (finer scales than one expert's
+    rows of every source) and block (e, s) = ``deq(xt_b) @ deq(dyt_b)^T`` is a function of its
+    rows alone, whatever other rows the call holds."""
+    E, K, M = w_shape
+    P = blocks.shape[1] if isinstance(blocks, torch.Tensor) else len(blocks[0])
+    row_ends, counts, index = _source_groups(blocks, x.device)
+    row_starts, padded_starts, padded_rows = wgrad_layout(row_ends, x.shape[0])
+    xt, sx = quantize_group_columns(x, row_starts, padded_starts, padded_rows, fp8_dtype, x_scales)
+    dyt, sdy = quantize_group_columns(grad, row_starts, padded_starts, padded_rows, fp8_dtype)
+    if x.device.type == "cuda":
+        groups = _cuda_wgrad(xt, sx, dyt, sdy, padded_starts, fast_accum=FAST_ACCUM_WGRAD)
+    else:
+        groups = _twin_wgrad(xt, sx, dyt, sdy, counts, padded_starts, out_dtype)
+    if index is not None:
+        groups = groups.index_select(0, index)
+    return groups.reshape(E, P, K, M)
+
+
 def _wide_wgrad(x: torch.Tensor, x_scales: torch.Tensor, grad: torch.Tensor, w_shape: torch.Size,
                 offsets: Optional[torch.Tensor], counts: Optional[List[int]]) -> torch.Tensor:
     """`_wide_source_wgrad` with one block an expert -> dw [E, K, M] in grad's dtype, ``dw[e] =
@@ -274,7 +322,10 @@ class _Fp8ExpertGemm(torch.autograd.Function):
             gx = _rows_mm(dyq, sdy, wq, sw, offsets, counts, out_dtype).to(ctx.rows_grad_dtype)
         if ctx.needs_input_grad[2] and ctx.per_source is not None:
             blocks, sink = ctx.per_source
-            sink(_wide_source_wgrad(x, x_scales, grad, blocks, w.shape))
+            if fp8_wgrad:
+                sink(_fp8_source_wgrad(x, x_scales, grad, blocks, w.shape, fp8_dtype, out_dtype))
+            else:
+                sink(_wide_source_wgrad(x, x_scales, grad, blocks, w.shape))
         elif ctx.needs_input_grad[2] and not fp8_wgrad:
             gw = _wide_wgrad(x, x_scales, grad, w.shape, offsets, counts).to(w.dtype)
         elif ctx.needs_input_grad[2]:
@@ -362,10 +413,9 @@ def fp8_expert_gemm(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.
         raise ValueError(f"fp8_wgrad must be a bool (True or False), got {fp8_wgrad!r}")
     per_source = None
     if source_blocks is not None:
-        if fp8_wgrad or sink is None or trailing_rows:
-            raise ValueError("source_blocks (per-source weight gradients) need fp8_wgrad=False (FP8 wgrad's column "
-                             "scales span every source's rows), a sink and a dropless dispatch (trailing_rows=False)")
-        per_source = (_check_blocks(source_blocks, tokens_per_expert, w.shape[0]), sink)
+        if sink is None:
+            raise ValueError("source_blocks (per-source weight gradients) need a sink (where they go)")
+        per_source = (_check_blocks(source_blocks, tokens_per_expert, w.shape[0], x), sink)
     _check(x, x_scales, w, tokens_per_expert, offsets, fp8_dtype, out_dtype, grad_sink)
     _check_weight_operands(weight_operands, w, fp8_dtype)
     if x.device.type == "cuda" and offsets is None:

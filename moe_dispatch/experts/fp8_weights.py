@@ -24,7 +24,7 @@ A handle is for the weights as they were when it was made. A forward refuses it 
   weights alive;
 - after any other write into either weight's bits, one autograd does not count (``dist.broadcast``
   into the weights, ``weight.data.copy_``, NCCL, a custom kernel): the handle holds a fingerprint
-  of each weight's bits (``ops.fingerprint``: exact integer sums, no BLAS), taken when it is made
+  of each weight's bits (``ops.bits_fingerprint``: exact integer sums, no BLAS), taken when it is made
   and compared on the device at every forward that uses it. Any change of one element, or a swap
   of two in the same 64 KiB, is caught with certainty; any other change is missed with a chance
   of about 2^-62. The comparison reads nothing on the host: the layer carries it in its dispatcher's
@@ -35,14 +35,15 @@ A handle is for the weights as they were when it was made. A forward refuses it 
   called directly reads the comparison on the host (on CUDA a synchronisation);
 - when either parameter was replaced, or the handle is another experts' module's.
 
-Cost of the bits check, per forward with a handle: each weight is read once (2 bytes per bf16
-element) and an int32 product is written and read back (4 + 4 bytes per 16-bit word): about 10
-bytes of memory traffic per bf16 element, 5 times the weights' own bytes. Quantising per call
-reads each weight twice and writes two FP8 copies (about 6 bytes per element): on a GPU the check
-moves more bytes than the quantisation it saves (a fused kernel would read the weights alone, 2
-bytes per element). On CPU, where the quantisation is slow, the check costs 2 to 14% of it
-(per bf16 weight, on a shared 2-core CPU: [8, 256, 512] 12 ms against 0.55 s; [8, 1024, 2048]
-0.24 s against 1.7 s).
+Cost of the bits check, per forward with a handle: on CUDA one fused Triton kernel per weight
+(``ops.kernels.fingerprint``) reads each weight once, 2 bytes per bf16 element (the floor), and
+writes 16 bytes per program; the comparison is a few kernels on 2-element tensors. Quantising per
+call reads each weight twice and writes two FP8 copies (about 6 bytes per element), so the check
+moves a third of the bytes the handle saves (``scripts/measure/fingerprint.py`` times both at the
+FP8 bench's shape). On CPU the torch twin (``ops.fingerprint``) computes the same value with an
+int32 temporary (about 10 bytes of traffic per bf16 element); there, where the quantisation is
+slow, it costs 2 to 14% of it (per bf16 weight, on a shared 2-core CPU: [8, 256, 512] 12 ms
+against 0.55 s; [8, 1024, 2048] 0.24 s against 1.7 s).
 
 A captured CUDA graph reads the handle's tensors as they were at capture, and the host checks do
 not run at a replay; the bits comparison is device work, captured with a sync-free step.
@@ -69,7 +70,7 @@ from ..distributed.agreement import (
     DeviceProblem,
     InputProblem,
 )
-from ..ops.fingerprint import bits_fingerprint
+from ..ops import bits_fingerprint
 from .fp8 import quantize_weight
 
 _steps = 0  # optimizer steps begun in this process since the first handle was made
@@ -125,7 +126,7 @@ class WeightStamp:
     storages: Tuple[_StorageRef, ...]
     data_ptrs: Tuple[int, ...]
     optimizer_steps: int
-    bits: Optional[Tuple[torch.Tensor, ...]] = None  # int64 [2] each (ops.fingerprint)
+    bits: Optional[Tuple[torch.Tensor, ...]] = None  # int64 [2] each (ops.bits_fingerprint)
 
 
 @torch.no_grad()
@@ -159,7 +160,7 @@ def weights_problem(stamp: WeightStamp, weights: Sequence[torch.Tensor]) -> Opti
 def weights_bits_problem(stamp: WeightStamp, weights: Sequence[torch.Tensor]) -> DeviceProblem:
     """Whether a weight's bits differ from the stamp's fingerprint (``stamp_weights(bits=True)``),
     found on the device without a host read: code FP8_WEIGHTS_BITS_CHANGED (0: none), expected
-    the first such weight's 1-based position. Reads each weight once (ops.fingerprint)."""
+    the first such weight's 1-based position. Reads each weight once (ops.bits_fingerprint)."""
     if stamp.bits is None:
         raise ValueError("weights_bits_problem: the stamp holds no fingerprint (stamp_weights(..., bits=True))")
     which = None

@@ -32,7 +32,7 @@ Empty experts get exact zeros.
 
 from __future__ import annotations
 
-from typing import Callable, List, Literal, Optional, Sequence, Tuple
+from typing import Callable, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -40,8 +40,11 @@ from ..numerics.autograd import refuse_double_backward
 from ..numerics.fixed_order import ordered_mm
 
 GemmStrategy = Literal["grouped", "ordered", "tiled", "loop"]
-# [E][P]: (first row, rows) of each (local expert, source EP rank) block (``DispatchHandle.source_blocks``).
-SourceBlocks = Sequence[Sequence[Tuple[int, int]]]
+# The (local expert, source EP rank) blocks of the rows (``DispatchHandle.source_blocks``): host
+# [E][P] (first row, rows) pairs (the dropless plan's), or an int tensor [E, P] on the rows' device,
+# each block's rows, the blocks tiling the rows from row 0 on, expert-major and source-minor, and the
+# rows after the last block in none (the sync-free plan's: its counts are never read on the host).
+SourceBlocks = Union[Sequence[Sequence[Tuple[int, int]]], torch.Tensor]
 
 # Rows per GEMM call of "tiled": larger tiles keep the GPU busier (BENCHMARKS.md "Experts").
 DEFAULT_ROW_TILE = 256
@@ -240,11 +243,21 @@ class _PerSourceMM(torch.autograd.Function):
 def source_weight_grads(x: torch.Tensor, grad: torch.Tensor, blocks: SourceBlocks, w_shape: torch.Size,
                         how: "str | int | None") -> torch.Tensor:
     """x [N, K], grad [N, M] -> [E, P, K, M]: ``x_b^T @ grad_b`` for each (expert e, source s) block
-    b = blocks[e][s]; rows in no block (padding after an expert's blocks) add nothing. ``how``:
-    "grouped" (one torch._grouped_mm, a group per block: each group's result is its rows' alone),
-    None (`ordered_mm` per block) or a row tile (torch.mm per block, the loop paths). Expert-major
-    like the rows, so the grouped result is the output itself when no padding rows need a group."""
+    b = blocks[e][s]; rows in no block (padding after an expert's blocks, a sync-free buffer's
+    trailing rows) add nothing. ``how``: "grouped" (one torch._grouped_mm, a group per block: each
+    group's result is its rows' alone), None (`ordered_mm` per block) or a row tile (torch.mm per
+    block, the loop paths). Expert-major like the rows, so the grouped result is the output itself
+    when no padding rows need a group. Device ``blocks`` (the sync-free plan's): "grouped" takes
+    their cumulative ends on the device (no host read); the other paths read them (on CUDA a host
+    sync, as those paths' counts are)."""
     E, K, M = w_shape
+    if isinstance(blocks, torch.Tensor):
+        if how == "grouped" and x.shape[0] > 0:
+            P = blocks.shape[1]
+            # the blocks tile the rows from row 0: their ends are the groups' (the trailing rows in none)
+            offs = torch.cumsum(blocks.reshape(-1).to(torch.int64), 0).to(torch.int32)
+            return torch._grouped_mm(x.t(), grad, offs=offs).view(E, P, K, M)
+        blocks = host_source_blocks(blocks)
     P = len(blocks[0]) if E else 0
     if how != "grouped" or x.shape[0] == 0:
         out = x.new_zeros(E, P, K, M)
@@ -273,9 +286,30 @@ def source_weight_grads(x: torch.Tensor, grad: torch.Tensor, blocks: SourceBlock
     return groups.index_select(0, index).view(E, P, K, M)
 
 
-def _check_blocks(blocks: SourceBlocks, tokens_per_expert: torch.Tensor, num_experts: int) -> SourceBlocks:
+def host_source_blocks(blocks: torch.Tensor) -> List[List[Tuple[int, int]]]:
+    """Device blocks (int [E, P], each block's rows, tiling the rows from row 0) as host [E][P]
+    (first row, rows) pairs: a host read (on CUDA a synchronisation)."""
+    out, cursor = [], 0
+    for row in blocks.tolist():
+        out.append([])
+        for rows in row:
+            out[-1].append((cursor, int(rows)))
+            cursor += int(rows)
+    return out
+
+
+def _check_blocks(blocks: SourceBlocks, tokens_per_expert: torch.Tensor, num_experts: int,
+                  x: Optional[torch.Tensor] = None) -> SourceBlocks:
     """ValueError unless ``blocks`` is [E][P] of (first row, rows) tiling each expert's rows from its
-    first row on, in order (host counts only; device counts are not read)."""
+    first row on, in order (host counts only; device counts are not read); device blocks: an
+    integer tensor [E, P] on x's device (its values are not read)."""
+    if isinstance(blocks, torch.Tensor):
+        device = x.device if x is not None else blocks.device
+        if blocks.dim() != 2 or blocks.shape[0] != num_experts or blocks.shape[1] == 0 or \
+                blocks.is_floating_point() or blocks.device != device:
+            raise ValueError(f"source_blocks as a tensor must be integer [{num_experts}, P] (rows of each block) on "
+                             f"{device}, got {blocks.dtype} {list(blocks.shape)} on {blocks.device}")
+        return blocks
     widths = {len(row) for row in blocks}
     if len(blocks) != num_experts or len(widths) != 1 or 0 in widths:
         raise ValueError(f"source_blocks must be [{num_experts}][P] (first row, rows) pairs, got "
@@ -319,16 +353,17 @@ def expert_gemm(
     ``row_tile`` (``"tiled"`` only): rows per GEMM call, 0 means ``DEFAULT_ROW_TILE``.
     ``offsets``: optional int32 [E] on x's device, the cumulative sum of tokens_per_expert (what
     ``"grouped"`` needs; the dispatcher's ``handle.expert_offsets``): saves a host-to-device copy.
-    ``source_blocks`` ([E][P] (first row, rows), see `source_weight_grads`) with ``sink``: the weight
-    gradient is computed per (expert, source) block and passed to ``sink`` as [E, P, K, M] (w itself
-    gets no gradient); the forward and the input gradient are unchanged.
+    ``source_blocks`` (``SourceBlocks``: host [E][P] (first row, rows), or device [E, P] rows with
+    ``trailing_rows``, see `source_weight_grads`) with ``sink``: the weight gradient is computed per
+    (expert, source) block and passed to ``sink`` as [E, P, K, M] (w itself gets no gradient); the
+    forward and the input gradient are unchanged.
     """
     x = _dense(x)
     per_source = None
     if source_blocks is not None:
-        if sink is None or trailing_rows:
-            raise ValueError("source_blocks needs a sink and a dropless dispatch (trailing_rows=False)")
-        per_source = (_check_blocks(source_blocks, tokens_per_expert, w.shape[0]), sink)
+        if sink is None:
+            raise ValueError("source_blocks needs a sink (where the per-source weight gradients go)")
+        per_source = (_check_blocks(source_blocks, tokens_per_expert, w.shape[0], x), sink)
     if strategy == "grouped":
         return _grouped(x, w, tokens_per_expert, offsets, trailing_rows, per_source)
     tiles = {"ordered": None, "loop": 0, "tiled": row_tile or DEFAULT_ROW_TILE}

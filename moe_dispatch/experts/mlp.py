@@ -204,17 +204,18 @@ class LocalExperts(nn.Module):
         optional int32 [E_local] on the tokens' device, cumsum(tokens_per_expert) (e.g. the
         dispatcher's ``handle.expert_offsets``), so that grouped GEMMs copy nothing to the device.
         ``trailing_rows`` (a sync-free dispatch, ``handle.trailing_rows``): tokens_per_expert may
-        sum to less than N and be a device tensor (``handle.device_expert_rows``); see ``expert_gemm``.
+        sum to less than N and be a device tensor (``handle.rows_per_expert``); see ``expert_gemm``.
 
         With ``config.probs_in_experts`` and probs given, the activation is multiplied by each
         row's prob before fc2 (in float32 at least, rounded once), as Megatron's experts do;
         otherwise probs are ignored (the combine applies them).
 
-        ``source_blocks`` ([E_local][P] (first row, rows) of each (local expert, source) block, the
-        dispatcher's ``handle.source_blocks``), only while ``source_grads`` is set: each weight's
+        ``source_blocks`` (the (local expert, source) blocks, the dispatcher's ``handle.source_blocks``:
+        host [E_local][P] (first row, rows), or a sync-free plan's device rows [E_local, P], see
+        ``gemm.SourceBlocks``), only while ``source_grads`` is set: each weight's
         gradient is computed per block and appended to ``source_grads[name]`` as [E_local, P, ...]
         in the weight's dtype; ``.grad`` is left alone. Output and input gradient are unchanged.
-        With FP8 only at ``config.fp8_wgrad=False`` (weight gradients in the output dtype).
+        With FP8 wgrad (``config.fp8_wgrad``) the column scales are per (expert, source) block.
 
         FP8 (``config.fp8``): permuted_tokens are fp8 rows [N, H] with ``row_scales`` [N] fp32 (the
         dispatcher's wire rows, unpacked), ``row_grad_sink`` [N, H] the tensor their gradient goes
@@ -226,7 +227,7 @@ class LocalExperts(nn.Module):
         ``fp8_weights_checked=True``: the caller has checked the handle, bits included (MoELayer does,
         carrying the result in its dispatcher's exchanges), and the experts do not check it again.
         """
-        if self.fp8 is not None:  # source_blocks with FP8 wgrad: fp8_expert_gemm's ValueError
+        if self.fp8 is not None:
             return self._forward_fp8(permuted_tokens, tokens_per_expert, permuted_probs, offsets, row_scales,
                                      row_grad_sink, trailing_rows, fp8_weights, source_blocks, fp8_weights_checked)
         if fp8_weights is not None:

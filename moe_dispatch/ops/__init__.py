@@ -1,7 +1,7 @@
 """Permutation ops: Triton kernels on CUDA and their pure-torch twins on CPU."""
-from .custom_ops import set_backend
+from .custom_ops import bits_fingerprint, set_backend
 from .permutation import RowIdMap, check_device_errors, expert_row_counts, permute, sort_chunks, unpermute
 from .quantize import dequantize_rows, quantize_group_columns, quantize_rows
 
-__all__ = ["RowIdMap", "check_device_errors", "dequantize_rows", "expert_row_counts", "permute",
+__all__ = ["RowIdMap", "bits_fingerprint", "check_device_errors", "dequantize_rows", "expert_row_counts", "permute",
            "quantize_group_columns", "quantize_rows", "set_backend", "sort_chunks", "unpermute"]

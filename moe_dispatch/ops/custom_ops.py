@@ -2,7 +2,7 @@
 
 Each op takes tensors and ints only and has a fake implementation for torch.compile; the ones with
 a backward register it here. ``_impl`` picks the backend per call: the Triton kernels
-(triton_kernels.py) for CUDA tensors, the pure-torch twin (torch_twin.py) for CPU tensors, or one
+(kernels/) for CUDA tensors, the pure-torch twin (torch_twin.py) for CPU tensors, or one
 forced by ``set_backend``. Arguments added after an op's first release come last, with defaults,
 so calls written against the older schema keep working.
 """
@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..numerics.autograd import refuse_double_backward
-from . import guard, torch_twin
+from . import fingerprint, guard, torch_twin
 
 _BACKENDS = ("auto", "torch", "triton")
 _backend = os.environ.get("MOE_DISPATCH_BACKEND", "auto")
@@ -34,12 +34,15 @@ def set_backend(name: str) -> Iterator[None]:
         _backend = previous
 
 
+def _uses_triton(x: torch.Tensor) -> bool:
+    return _backend == "triton" or (_backend == "auto" and x.is_cuda)
+
+
 def _impl(x: torch.Tensor):
-    use_triton = _backend == "triton" or (_backend == "auto" and x.is_cuda)
-    if not use_triton:
+    if not _uses_triton(x):
         return torch_twin
-    from . import triton_kernels  # imported lazily: CPU-only users need no Triton
-    return triton_kernels
+    from . import kernels  # imported lazily: CPU-only users need no Triton
+    return kernels
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,6 +194,24 @@ def _gather_backward(ctx, grad):
 _gather_rows_op.register_autograd(_gather_backward, setup_context=_gather_setup)
 
 
+@torch.library.custom_op("moe_dispatch::bits_fingerprint", mutates_args=())
+def _bits_fingerprint_op(t: torch.Tensor) -> torch.Tensor:
+    return _fingerprint_impl(t).bits_fingerprint(t)
+
+
+@_bits_fingerprint_op.register_fake
+def _(t):
+    return t.new_empty((2,), dtype=torch.int64)
+
+
+def _fingerprint_impl(t: torch.Tensor):
+    """fingerprint.py (the torch twin) or kernels/fingerprint.py (Triton), as ``_impl`` picks."""
+    if not _uses_triton(t):
+        return fingerprint
+    from .kernels import fingerprint as fingerprint_kernel  # imported lazily: CPU-only users need no Triton
+    return fingerprint_kernel
+
+
 # --------------------------------------------------------------------------------------------
 # Callers go through these: the registered op under torch.compile or when autograd needs its
 # backward; otherwise the backend function directly (the op wrapper's host time per call is
@@ -247,3 +268,17 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse_index: torch.Tenso
     if _direct(x):
         return _impl(x).gather_rows(x, index)
     return _gather_rows_op(x, index, inverse_index)
+
+
+def bits_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """int64 [2] on t's device: the fingerprint of t's bits (``moe_dispatch.ops.fingerprint``'s
+    definition; equal bits, dtype size and element count give equal values on any device and
+    backend). t: any shape, strides and dtype of 1, 2, 4 or 8 bytes; never differentiable."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"bits_fingerprint: t must be a torch.Tensor, got {type(t).__name__}")
+    if t.element_size() not in (1, 2, 4, 8):
+        raise TypeError(f"bits_fingerprint: t's elements must take 1, 2, 4 or 8 bytes, got {t.dtype}")
+    t = t.detach()
+    if _direct():
+        return _fingerprint_impl(t).bits_fingerprint(t)
+    return _bits_fingerprint_op(t)

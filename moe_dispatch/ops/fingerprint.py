@@ -16,10 +16,14 @@ Any other change leaves a hash as it was only if the change satisfies a modular 
 positions, about 2^-31 for each hash for changes unrelated to the positions, about 2^-62 for both.
 It is not a cryptographic hash: it guards against accidents, not an adversary.
 
-Cost: t is read once; the product runs in blocks of at most 2^24 words into an int32 temporary
-(64 MB), written and read once: about 2 + 4 + 4 = 10 bytes of memory traffic per 16-bit word, or
-5 times t's own bytes (a fused kernel would read t alone). The per-chunk tail works on n / 2^15
-values. Capture-safe (no host read, no host-to-device copy) once the tables of a size exist.
+This module is the torch twin: the definition in torch ops, run on CPU. On CUDA the Triton
+kernel (kernels/fingerprint.py) computes the same value, bitwise, reading t once (2 bytes per
+16-bit word, the floor). Callers use ``moe_dispatch.ops.bits_fingerprint`` (custom_ops.py), which
+picks between the two as the other ops do. The twin's cost: t is read once; the product runs in
+blocks of at most 2^24 words into an int32 temporary (64 MB), written and read once: about
+2 + 4 + 4 = 10 bytes of memory traffic per 16-bit word. The per-chunk tail works on n / 2^15
+values. Both are capture-safe (no host read, no host-to-device copy) once the tables of a size
+exist.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ expert id) into an fp32 (fp64 for fp64 probabilities) accumulator, never scatter
 Float8 rows (float8_e4m3fn, float8_e5m2) are copied as bytes and computed on in fp32; a result
 rounded to float8 is first saturated to the format's largest finite value (NaN stays NaN), then
 rounded to nearest even by torch's cast (``round_to``); the kernels give the same bytes
-(triton_kernels._round_out).
+(kernels/float8.py, round_out).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from . import guard
 NUMERICS: dict = {"unpermute_fma": False}
 
 # One H-block size per H, so the order of the H reduction is a function of H alone; the kernels
-# (triton_kernels.py) use the same constant. Defined here so the CPU path needs no Triton.
+# (kernels/) use the same constant. Defined here so the CPU path needs no Triton.
 MAX_BLOCK_H = 1024
 
 

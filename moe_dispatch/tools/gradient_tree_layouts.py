@@ -32,6 +32,9 @@ STEPS = 3
 CONFIG = MoEConfig(hidden_size=H, num_experts=4, topk=2, ffn_hidden_size=16, shared_expert_ffn_hidden_size=16,
                    aux_loss_coeff=1e-2, z_loss_coeff=1e-3)
 LAYOUTS = ((4, 4, 1), (4, 2, 1), (4, 1, 1), (2, 2, 2), (2, 1, 2), (1, 1, 4))
+# The sync-free step's ep_capacity_factor: f >= P at every EP size P <= 4 caps no row (SyncFreeSizes),
+# so every layout's step is the dropless one's, rows and sums, with padding and trailing rows.
+SYNC_FREE_FACTOR = 4.0
 
 
 class Net(nn.Module):
@@ -124,19 +127,27 @@ def rank_layouts(rank: int) -> List[Layout]:
     return [*LAYOUTS[:3], LAYOUTS[3] if rank < 2 else LAYOUTS[4], *([LAYOUTS[5]] if rank == 0 else [])]
 
 
-def layout_config(dtype: torch.dtype = torch.float32, fp8: bool = False) -> MoEConfig:
-    """CONFIG with activations in ``dtype``; ``fp8``: the MoE layers in FP8 with their expert weight
-    gradients in the tokens' dtype (``fp8="e4m3", fp8_wgrad=False``)."""
-    return CONFIG.replace(params_dtype=dtype, **(dict(fp8="e4m3", fp8_wgrad=False) if fp8 else {}))
+def layout_config(dtype: torch.dtype = torch.float32, fp8: bool = False, sync_free: bool = False,
+                  fp8_wgrad: bool = False) -> MoEConfig:
+    """CONFIG with activations in ``dtype``; ``fp8``: the MoE layers in FP8 (``fp8="e4m3"``), their
+    expert weight gradients in FP8 with ``fp8_wgrad``, else in the tokens' dtype (``fp8_wgrad=False``);
+    ``sync_free``: the sync-free step at EP > 1 (``ep_capacity_factor=SYNC_FREE_FACTOR``; EP 1 is
+    sync-free anyway)."""
+    fields: dict = dict(fp8="e4m3", fp8_wgrad=fp8_wgrad) if fp8 else {}
+    if sync_free:
+        fields["ep_capacity_factor"] = SYNC_FREE_FACTOR
+    return CONFIG.replace(params_dtype=dtype, **fields)
 
 
 def layouts_worker(rank: int, world_size: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                   fp8: bool = False, groups: Optional[Groups] = None) -> dict:
+                   fp8: bool = False, groups: Optional[Groups] = None, sync_free: bool = False,
+                   fp8_wgrad: bool = False) -> dict:
     """Rank ``rank`` of 4 trains each of its layouts (``rank_layouts``) with a GradientTree:
     ``{"tree": {layout: train's result}, "initial": {layout: the parameters before training}}``.
-    ``groups``: the Groups to use (built here if None; new_group is collective)."""
+    ``groups``: the Groups to use (built here if None; new_group is collective); ``fp8``,
+    ``sync_free``, ``fp8_wgrad``: as `layout_config`'s."""
     groups = Groups(rank) if groups is None else groups
-    config = layout_config(dtype, fp8)
+    config = layout_config(dtype, fp8, sync_free, fp8_wgrad)
     out: dict = {"tree": {}, "initial": {}}
     for layout in rank_layouts(rank):
         out["tree"][layout] = train(config, groups, rank, layout, device)
@@ -150,7 +161,8 @@ def assemble(results: List[dict], mode: str) -> Dict[tuple, dict]:
     for rank, out in enumerate(results):
         for layout, got in out[mode].items():
             mine = merged.setdefault(layout, {})
-            flat = got if mode != "tree" else {**got["params"], **{f"loss {i}": v for i, v in enumerate(got["losses"])},
+            trained = isinstance(got, dict) and "params" in got  # train's result, else a flat dict
+            flat = got if not trained else {**got["params"], **{f"loss {i}": v for i, v in enumerate(got["losses"])},
                                                 **{f"norm {i}": v for i, v in enumerate(got["norms"])}}
             for key, value in flat.items():
                 if key in mine:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_dispatch.ops import triton_kernels as KT
+from moe_dispatch.ops import kernels as KT
 from moe_dispatch.tools.benchmarks import copy_bandwidth, routing
 from moe_dispatch.tools.profiling import graph_median_ms
 

@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moe_dispatch.ops import triton_kernels as K
+from moe_dispatch.ops.kernels import quantize as K
 
 E4M3 = 448.0
 REGISTERS_PER_SM, THREADS_PER_SM, PROGRAMS_PER_SM = 65536, 2048, 32

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from moe_dispatch.ops import guard, permute
-from moe_dispatch.ops import triton_kernels as KT
+from moe_dispatch.ops.kernels import permute as KT
 from moe_dispatch.ops.torch_twin import block_h
 from moe_dispatch.tools.benchmarks import copy_bandwidth, routing
 from moe_dispatch.tools.profiling import graph_median_ms

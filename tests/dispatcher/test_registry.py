@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 
-from moe_dispatch.dispatcher import AllToAllDispatcher, dispatch, static, static_words
+from moe_dispatch.dispatcher import AllToAllDispatcher, dispatch
+from moe_dispatch.dispatcher.sync_free import plan as sync_free_plan
+from moe_dispatch.dispatcher.sync_free import words as sync_free_words
 from moe_dispatch.distributed import agreement, identity, registry
 
 from .helpers import batch, config
@@ -29,10 +31,10 @@ def test_each_table_is_the_one_its_users_share():
 
 def test_the_users_hold_no_table_of_their_own():
     """Every GroupTable is registry's, and the tables that lived in these modules are gone."""
-    for module in (static, static_words, agreement, identity):
+    for module in (sync_free_plan, sync_free_words, agreement, identity):
         for name, value in vars(module).items():
             assert not isinstance(value, registry.GroupTable) or value in registry.TABLES, (module.__name__, name)
-    for module, name in ((static, "_AGREED"), (static_words, "_LATCHED"), (identity, "_BUILT"),
+    for module, name in ((sync_free_plan, "_AGREED"), (sync_free_words, "_LATCHED"), (identity, "_BUILT"),
                          (identity, "_FUNCTIONAL")):
         assert not hasattr(module, name), (module.__name__, name)
     for table in registry.TABLES:

@@ -165,7 +165,7 @@ def test_megatron_steps_need_preprocess_first():
 def test_handle_reuse_skips_the_exchange_and_is_bitwise(monkeypatch, probs_in_experts):
     """dispatch(handle=previous) (activation recomputation): no size exchange, no new row maps,
     and rows, outputs and every gradient bitwise equal to the fresh dispatch's."""
-    from moe_dispatch.dispatcher import dropless
+    from moe_dispatch.dispatcher.dropless import plan as dropless
 
     d = data_with_edge_cases(torch.bfloat16)
     cfg = config(probs_in_experts=probs_in_experts, pad_multiple=4)

@@ -106,9 +106,7 @@ def refusal_worker(rank: int, world_size: int) -> Dict[str, object]:
     case("order", lambda g: outcome(lambda: GradientTree(Tiny(("second", "first") if rank == one else
                                                               ("first", "second")), 1, g)))
     case("micro_batches", lambda g: outcome(lambda: GradientTree(Tiny(), 3 if rank == one else 1, g)))
-    for name, setting in (("fp8_wgrad", dict(fp8="e4m3")), ("global_aux_loss",
-                                                             dict(load_balancing_type="global_aux_loss")),
-                          ("ep_capacity_factor", dict(ep_capacity_factor=2.0))):
+    for name, setting in (("global_aux_loss", dict(load_balancing_type="global_aux_loss")),):
         case(name, lambda g, setting=setting: outcome(lambda: GradientTree(
             Net(CONFIG.replace(**(setting if rank == one else {})), g, "cpu"), 1, g)))
 

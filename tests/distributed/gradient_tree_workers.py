@@ -52,26 +52,32 @@ def _refusals(rank: int, groups: Groups, device: str) -> Dict[str, Optional[str]
                                                                    groups.world))
     out["global_aux_loss"] = value_error_of(lambda: GradientTree(
         Net(CONFIG.replace(load_balancing_type="global_aux_loss"), groups.pair, device), 1, groups.world))
-    out["sync_free"] = value_error_of(lambda: GradientTree(
-        Net(CONFIG.replace(ep_capacity_factor=2.0), groups.pair, device), 1, groups.world))
     out["micro_batches"] = value_error_of(lambda: GradientTree(Net(CONFIG, groups.pair, device), 3, groups.world))
     out["micro_batches differ"] = value_error_of(lambda: GradientTree(Net(CONFIG, groups.pair, device),
                                                                       2 if rank == 0 else 1, groups.world))
-    out["fp8_wgrad"] = value_error_of(lambda: GradientTree(Net(CONFIG.replace(fp8="e4m3"), groups.pair, device), 1,
-                                                           groups.world))
     three = dist.new_group([0, 1, 2])
     if rank < 3:
         out["group of 3"] = value_error_of(lambda: GradientTree(Net(CONFIG, groups.single, device), 1, three))
     return out
 
 
+# Runs of the six layouts, by name: the layout_config fields each sets.
+VARIANTS = {"tree": {}, "sync-free tree": dict(sync_free=True), "fp8 wgrad tree": dict(fp8_wgrad=True),
+            "fp8 wgrad sync-free tree": dict(fp8_wgrad=True, sync_free=True)}
+
+
 def layouts_worker(rank: int, world_size: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                   with_today: bool = True, fp8: bool = False) -> dict:
-    """The package's layouts_worker (``fp8``: the MoE layers in FP8 with their expert weight gradients
-    in the tokens' dtype, ``fp8="e4m3", fp8_wgrad=False``, the tree only), and with ``with_today``
-    each layout's gradients with today's reducers; on CPU, the refusals."""
+                   with_today: bool = True, fp8: bool = False, variants: Tuple[str, ...] = ("tree",)) -> dict:
+    """The package's layouts_worker for each of ``variants`` (VARIANTS' names: out[name], in one
+    spawn; ``fp8``: the MoE layers in FP8, their expert weight gradients in the tokens' dtype unless
+    the variant says fp8 wgrad; "initial" is the first variant's), and with ``with_today`` each
+    layout's gradients with today's reducers; on CPU, the refusals."""
     groups = Groups(rank)
-    out = layouts.layouts_worker(rank, world_size, device, dtype, fp8, groups)
+    out: dict = {}
+    for name in variants:
+        run = layouts.layouts_worker(rank, world_size, device, dtype, fp8, groups, **VARIANTS[name])
+        out[name] = run["tree"]
+        out.setdefault("initial", run["initial"])
     config = layouts.layout_config(dtype, fp8)
     out["today"] = {layout: today(config, groups, rank, layout, device)
                     for layout in rank_layouts(rank)} if with_today else {}

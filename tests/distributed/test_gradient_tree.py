@@ -17,12 +17,12 @@ from moe_dispatch.parallel import GradientTree
 from tests.dispatcher.harness import run_ranks, value_error_of
 
 from .gradient_tree_refusal_workers import refusal_worker
-from .gradient_tree_workers import LAYOUTS, assemble, held_bytes_worker, layouts_worker
+from .gradient_tree_workers import LAYOUTS, VARIANTS, assemble, held_bytes_worker, layouts_worker
 
 
 @pytest.fixture(scope="module")
 def cpu_results():
-    return run_ranks(layouts_worker, 4, timeout=300)
+    return run_ranks(layouts_worker, 4, "cpu", torch.float32, True, False, ("tree", "sync-free tree"), timeout=300)
 
 
 def _check_bitwise(merged: dict) -> None:
@@ -45,6 +45,25 @@ def test_layouts_bitwise_with_gradient_tree(cpu_results):
     assert all(float(ref[f"norm {i}"]) > 1.0 for i in range(3))
     moved = assemble(cpu_results, "initial")[LAYOUTS[0]]
     assert all(not torch.equal(moved[k], ref[k]) for k in moved), "a parameter did not train"
+
+
+def _check_variants(results: list, base: str = "tree", *others: str) -> None:
+    """Each of ``others`` (e.g. the sync-free step at EP > 1: ep_capacity_factor, its blocks of each
+    (expert, source) on the device, its padding and trailing rows in none): bitwise across the six
+    layouts, and bitwise the ``base`` runs (it moves the same rows in the same order while nothing
+    is capped)."""
+    reference = assemble(results, base)
+    for name in others:
+        merged = assemble(results, name)
+        _check_bitwise(merged)
+        for layout in LAYOUTS:
+            differ = [k for k in reference[layout] if not torch.equal(merged[layout][k], reference[layout][k])]
+            assert not differ, (name, layout, differ[:8])
+
+
+def test_layouts_bitwise_with_gradient_tree_sync_free(cpu_results):
+    """Issue 50, item 4: GradientTree refused the sync-free step at EP > 1 (no per-source blocks)."""
+    _check_variants(cpu_results, "tree", "sync-free tree")
 
 
 def test_partials_do_not_grow_with_ep_size():
@@ -70,10 +89,8 @@ def test_refusals_name_the_argument(cpu_results):
         errors = out["refusals"]
         assert "contiguous blocks" in errors["strided EP groups"], (rank, errors)
         assert "global_aux_loss" in errors["global_aux_loss"] and "aux_loss" in errors["global_aux_loss"], rank
-        assert "sync-free" in errors["sync_free"] and "source_blocks" in errors["sync_free"], rank
         assert errors["micro_batches"].startswith("micro_batches must be a power of two"), rank
         assert "micro_batches differs across group: [2, 1, 1, 1]" in errors["micro_batches differ"], (rank, errors)
-        assert "fp8_wgrad=True" in errors["fp8_wgrad"] and "fp8_wgrad=False" in errors["fp8_wgrad"], (rank, errors)
         if rank < 3:
             assert errors["group of 3"].startswith("group: its size must be a power of two"), rank
 
@@ -104,33 +121,47 @@ def test_single_process_misuse():
     assert "zero_grad" in value_error_of(tree.add_micro_batch)
 
 
-def test_layouts_bitwise_fp8_without_fp8_wgrad():
-    """The same six layouts with the MoE layers in FP8 (fp8="e4m3", fp8_wgrad=False: the expert
-    weight gradients per (expert, source) block from the widened FP8 rows), CPU: bitwise."""
-    results = run_ranks(layouts_worker, 4, "cpu", torch.float32, False, True, timeout=300)
+def test_layouts_bitwise_fp8():
+    """The same six layouts with the MoE layers in FP8, CPU, one spawn: fp8_wgrad=False (the expert
+    weight gradients per (expert, source) block from the widened FP8 rows) and, issue 50 item 3,
+    fp8_wgrad=True (FP8 wgrad with column scales per (expert, source) block), each dropless and
+    with the sync-free step at EP > 1 (bitwise the dropless run): bitwise across the layouts."""
+    results = run_ranks(layouts_worker, 4, "cpu", torch.float32, False, True, tuple(VARIANTS), timeout=300)
     merged = assemble(results, "tree")
     _check_bitwise(merged)
+    _check_variants(results, "tree", "sync-free tree")
+    _check_bitwise(assemble(results, "fp8 wgrad tree"))
+    _check_variants(results, "fp8 wgrad tree", "fp8 wgrad sync-free tree")
     moved = assemble(results, "initial")[LAYOUTS[0]]
     assert all(not torch.equal(moved[k], merged[LAYOUTS[0]][k]) for k in moved), "a parameter did not train"
+    wgrad = assemble(results, "fp8 wgrad tree")[LAYOUTS[0]]  # another weight gradient: other weights
+    assert any(not torch.equal(wgrad[k], merged[LAYOUTS[0]][k]) for k in wgrad if "experts.weight" in k)
 
 
 @pytest.mark.gpu
 def test_layouts_bitwise_on_one_gpu_bf16():
     """The same six layouts on one GPU (4 gloo ranks sharing it), bf16: torch._grouped_mm with a
-    group per (expert, source) for the experts' weight gradient."""
+    group per (expert, source) for the experts' weight gradient; dropless and sync-free (device
+    blocks: no host read)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    results = run_ranks(layouts_worker, 4, "cuda", torch.bfloat16, False, timeout=600)
+    results = run_ranks(layouts_worker, 4, "cuda", torch.bfloat16, False, False, ("tree", "sync-free tree"),
+                        timeout=600)
     _check_bitwise(assemble(results, "tree"))
+    _check_variants(results, "tree", "sync-free tree")
 
 
 @pytest.mark.gpu
-def test_layouts_bitwise_on_one_gpu_fp8_without_fp8_wgrad():
-    """The same on one GPU in FP8 with fp8_wgrad=False (bf16 grouped GEMMs per (expert, source))."""
+def test_layouts_bitwise_on_one_gpu_fp8():
+    """The same on one GPU in FP8: fp8_wgrad=False (bf16 grouped GEMMs per (expert, source)) and
+    fp8_wgrad=True (the FP8 wgrad kernel with a group per (expert, source)), dropless and sync-free."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    results = run_ranks(layouts_worker, 4, "cuda", torch.bfloat16, False, True, timeout=600)
+    results = run_ranks(layouts_worker, 4, "cuda", torch.bfloat16, False, True, tuple(VARIANTS), timeout=600)
     _check_bitwise(assemble(results, "tree"))
+    _check_variants(results, "tree", "sync-free tree")
+    _check_bitwise(assemble(results, "fp8 wgrad tree"))
+    _check_variants(results, "fp8 wgrad tree", "fp8 wgrad sync-free tree")
 
 
 # ---- misuse on 2 ranks: the same ValueError on every rank, never a silent wrong, a hang or an abort ----
@@ -173,7 +204,7 @@ def test_parameter_order_must_agree(refusals):
     _alike([r["order"] for r in refusals], "group rank 1", "second.weight", "first.weight", "#0")
 
 
-@pytest.mark.parametrize("case", ["micro_batches", "fp8_wgrad", "global_aux_loss", "ep_capacity_factor"])
+@pytest.mark.parametrize("case", ["micro_batches", "global_aux_loss"])
 def test_refusal_on_one_rank_raises_on_every_rank(refusals, case):
     """Issue 46, item 8: a refusal true on rank 1 only raised there; rank 0 waited in the agreement."""
     _alike([r[case] for r in refusals], "group rank 1", case)

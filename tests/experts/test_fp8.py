@@ -154,10 +154,12 @@ def test_wide_wgrad(out_dtype):
     assert max(errors["wide"]) < min(errors["fp8"])
 
 
-def test_per_source_weight_gradients():
-    """source_blocks with fp8_wgrad=False (GradientTree): each (expert, source) block's weight
-    gradient is bitwise the fp8_wgrad=False gradient of that source's rows alone; the output and
-    input gradient are unchanged; w gets no gradient. With FP8 wgrad, or no sink: refused."""
+@pytest.mark.parametrize("fp8_wgrad", [False, True])
+def test_per_source_weight_gradients(fp8_wgrad):
+    """source_blocks (GradientTree): each (expert, source) block's weight gradient is bitwise the
+    gradient of that source's rows alone (fp8_wgrad=True, issue 50 item 3: the column scales per
+    block); the output and input gradient are unchanged; w gets no gradient. The sync-free plan's
+    device blocks ([E, P] rows) with trailing junk rows give the same bits. No sink: refused."""
     k, m = 32, 16
     w = _weights(2, k, m)
     # two sources (a micro-batch each), expert-major: expert 0 gets 3 + 5 rows, expert 1 gets 0 + 4
@@ -173,18 +175,24 @@ def test_per_source_weight_gradients():
     got = []
     sink = torch.zeros((), dtype=x.dtype).expand(x.shape).requires_grad_()
     wl = w.detach().clone().requires_grad_()
-    out = fp8_expert_gemm(q, scales, wl, torch.tensor([8, 4]), grad_sink=sink, fp8_wgrad=False,
+    out = fp8_expert_gemm(q, scales, wl, torch.tensor([8, 4]), grad_sink=sink, fp8_wgrad=fp8_wgrad,
                           source_blocks=blocks, sink=got.append)
     out.backward(g)
     assert wl.grad is None and len(got) == 1 and got[0].shape == (2, 2, k, m)
-    ref = _run(x, w, [8, 4], g, prequant=True, fp8_wgrad=False)
+    ref = _run(x, w, [8, 4], g, prequant=True, fp8_wgrad=fp8_wgrad)
     assert torch.equal(out, ref[0]) and torch.equal(sink.grad, ref[1])
     for s in range(2):  # each source alone
-        alone = _run(x_src[s], w, per_source[s], g_src[s], prequant=True, fp8_wgrad=False)
+        alone = _run(x_src[s], w, per_source[s], g_src[s], prequant=True, fp8_wgrad=fp8_wgrad)
         for e in range(2):
             assert torch.equal(got[0][e, s], alone[2][e]), (e, s)
-    with pytest.raises(ValueError, match="fp8_wgrad=False"):
-        fp8_expert_gemm(q, scales, wl, torch.tensor([8, 4]), grad_sink=sink, source_blocks=blocks, sink=got.append)
+    # device blocks and 3 trailing rows of junk (a sync-free buffer)
+    qt, st = torch.cat([q, q[:3]]), torch.cat([scales, torch.full((3,), 1e6)])
+    gt = torch.cat([g, torch.full((3, m), 1e4)])
+    sink_t = torch.zeros((), dtype=x.dtype).expand(qt.shape).requires_grad_()
+    device_blocks = torch.tensor([[3, 5], [0, 4]])
+    fp8_expert_gemm(qt, st, wl, torch.tensor([8, 4]), grad_sink=sink_t, trailing_rows=True, fp8_wgrad=fp8_wgrad,
+                    source_blocks=device_blocks, sink=got.append).backward(gt)
+    assert torch.equal(got[1], got[0])
     with pytest.raises(ValueError, match="a sink"):
         fp8_expert_gemm(q, scales, wl, torch.tensor([8, 4]), grad_sink=sink, fp8_wgrad=False, source_blocks=blocks)
 

@@ -61,6 +61,40 @@ def test_block_gradient_is_its_rows_alone(strategy, counts, blocks):
     torch.testing.assert_close(per_source.sum(1), padded, rtol=1e-5, atol=1e-5)
 
 
+def _run_on(strategy, x, w, dy, counts, blocks, trailing):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    got = []
+    counts = torch.tensor(counts, device=x.device)
+    y = expert_gemm(x, w, counts, strategy, 4, trailing_rows=trailing, source_blocks=blocks, sink=got.append)
+    y.backward(dy)
+    return got[0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_device_blocks_with_trailing_rows(device):
+    """Issue 50, item 4: the sync-free plan's blocks, an int tensor [E, P] of rows on the device
+    tiling the rows from 0, with trailing rows (junk, here huge) after them: each block's gradient
+    is bitwise the host blocks' of the same rows without the trailing rows (grouped: the device
+    ends are its groups, no host read; the loop paths read them)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    counts, blocks = TIGHT
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(1)
+    n = sum(counts)
+    x, dy, w = torch.randn(n + 3, K, generator=g), torch.randn(n + 3, M, generator=g), torch.randn(3, K, M, generator=g)
+    x[n:], dy[n:] = 1e30, -1e30
+    x, dy, w = (t.to(device, dtype) for t in (x, dy, w))
+    rows = torch.tensor([[r for _, r in row] for row in blocks], device=device)
+    strategies = ["grouped"] if device == "cuda" else _strategies()
+    for strategy in strategies:
+        got = _run_on(strategy, x, w, dy, counts, rows, True)
+        ref = _run_on(strategy, x[:n], w, dy[:n], counts, blocks, False)
+        assert torch.equal(got, ref), strategy
+    assert "integer [3, P]" in value_error_of(lambda: expert_gemm(x, w, torch.tensor(counts), "ordered",
+                                                                  source_blocks=rows[:2], sink=print))
+
+
 def test_bad_blocks_are_refused():
     x, w = torch.randn(13, K), torch.randn(3, K, M)
     counts = torch.tensor(COUNTS)

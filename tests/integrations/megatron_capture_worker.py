@@ -26,7 +26,7 @@ def _note_counts(experts, args) -> None:
     """Forward pre-hook: whether tokens_per_expert is the handle's device counts (sync-free)."""
     _, tokens_per_expert, _ = args
     handle = experts._moe_dispatch_dispatcher.handle
-    experts.device_counts = tokens_per_expert is handle.device_expert_rows
+    experts.device_counts = tokens_per_expert is handle.rows_per_expert
 
 
 def sync_free_worker(rank: int, world_size: int) -> dict:

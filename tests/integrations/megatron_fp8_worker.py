@@ -89,7 +89,8 @@ def _expert_grads(layer) -> list[torch.Tensor]:
 def quantised_once(kind: str, dtype: torch.dtype, pg, x: torch.Tensor, dy: torch.Tensor) -> dict:
     """``install(fp8=..., quantize_weights_once=True)`` beside per-forward quantisation, same weights:
     two micro-batches accumulating, an optimizer step (SGD on both), a third micro-batch, an
-    in-place weight change (copy_ on both), a fourth. Per phase: the outputs, input gradients and
+    in-place weight change (copy_ on both), a fourth, a write autograd does not count
+    (``p.data.copy_`` on both: no version moves), a fifth. Per phase: the outputs, input gradients and
     accumulated expert weight gradients bitwise alike, and how many times the kept layer quantised
     a weight (``quantize_weight`` calls)."""
     import moe_dispatch.experts as F  # the face the adapter imports quantize_weight from, at each call
@@ -111,7 +112,8 @@ def quantised_once(kind: str, dtype: torch.dtype, pg, x: torch.Tensor, dy: torch
     try:
         for phase, batches in (("micro-batches 1 and 2", (slice(0, half), slice(half, None))),
                                ("after an optimizer step", (slice(0, half),)),
-                               ("after copy_ into a weight", (slice(half, None),))):
+                               ("after copy_ into a weight", (slice(half, None),)),
+                               ("after p.data.copy_ into a weight", (slice(0, half),))):
             if phase == "after an optimizer step":
                 for opt in optimizers:
                     opt.step()
@@ -121,6 +123,11 @@ def quantised_once(kind: str, dtype: torch.dtype, pg, x: torch.Tensor, dy: torch
                     m.zero_grad(set_to_none=True)
                     with torch.no_grad():
                         m.experts.local_experts[1].linear_fc2.weight.mul_(0.5)
+            if phase == "after p.data.copy_ into a weight":
+                for m in (once, per_call):
+                    m.zero_grad(set_to_none=True)
+                    w = m.experts.local_experts[0].linear_fc1.weight
+                    w.data.copy_(w.detach() * -0.75)
             before = len(calls)
             same = True
             for rows in batches:

@@ -10,7 +10,7 @@ import torch
 
 from moe_dispatch import MoEConfig, MoELayer, dispatch, permute, sort_chunks, unpermute
 from moe_dispatch.config import DISPATCHER_KINDS
-from moe_dispatch.dispatcher.exchange import ReturnRoute, return_rows
+from moe_dispatch.dispatcher.dropless.exchange import ReturnRoute, ToOwners
 from moe_dispatch.distributed.agreement import ErrorLatch
 from moe_dispatch.distributed.identity import FUNCTIONAL_LAYER, CallId
 from moe_dispatch.experts.activations import activate, scale_rows
@@ -87,14 +87,14 @@ def _expand():
     return rows, (x,)
 
 
-def _return_rows():
+def _to_owners():
     # One rank's route (nothing crosses the wire): the function itself, without a process group.
     rows = _leaf(6, 8)
     index, none = torch.tensor([5, 4, 3, 2, 1, 0]), torch.zeros(0, dtype=torch.int64)
     route = ReturnRoute(index=index, gather=index, n_self=6, send_splits=(0,), recv_splits=(0,), num_rows=6,
                         send_status=none, recv_status=none, group=None, latch=ErrorLatch(),
                         call=CallId(FUNCTIONAL_LAYER, 0), strict=False)
-    return return_rows(rows, route), (rows,)
+    return ToOwners.apply(rows, route, None), (rows,)
 
 
 PATHS = {
@@ -103,7 +103,7 @@ PATHS = {
     "_GroupedMM": _gemm("grouped"),
     "moe_dispatch::permute_rows": _permute, "moe_dispatch::unpermute_rows": _unpermute,
     "moe_dispatch::gather_rows": _gather,
-    "Expand": _expand, "_ReturnRows": _return_rows,
+    "Expand": _expand, "dropless.ToOwners": _to_owners,
 }
 
 

@@ -14,7 +14,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moe_dispatch.ops import triton_kernels as K  # noqa: E402
+from moe_dispatch.ops.kernels import fingerprint as FK  # noqa: E402
+from moe_dispatch.ops.kernels import permute as K  # noqa: E402
+from moe_dispatch.ops.kernels import quantize as KQ  # noqa: E402
 
 POINTERS = {
     "map_ptr": "*u8", "probs_ptr": "*fp32", "tokens_ptr": "*bf16", "slots_ptr": "*i32", "stats_ptr": "*i64",
@@ -22,9 +24,9 @@ POINTERS = {
     "out_probs_ptr": "*fp32", "grad_ptr": "*bf16", "grad_probs_ptr": "*fp32", "grad_tokens_ptr": "*bf16",
     "grad_token_probs_ptr": "*fp32", "rows_ptr": "*bf16", "grad_rows_ptr": "*bf16", "partial_ptr": "*fp32",
     "x_ptr": "*bf16", "index_ptr": "*i64", "scales_ptr": "*fp32", "out_scales_ptr": "*fp32", "q_ptr": "*u8",
-    "covered_ptr": "*i8",
+    "covered_ptr": "*i8", "weights_ptr": "*i32", "table_ptr": "*i64",
 }
-WIDE = {"given_hash": "i64"}
+WIDE = {"given_hash": "i64", "numel": "i64", "stride0": "i64", "stride1": "i64", "stride2": "i64"}
 E4M3, E5M2 = 448.0, 57344.0  # the float8 formats' largest values: the kernels' OUT_FP8_MAX / FP8_MAX
 
 
@@ -72,8 +74,15 @@ def variants():
         yield K._zero_uncovered_rows_kernel, dict(BLOCK_R=64, BLOCK_W=256), {"out_ptr": out}
     yield K._gather_rows_kernel, dict(BLOCK_H=1024, TOKEN_MAJOR=False), {}
     for fp8, x, one_pass, stages in ((E4M3, "*bf16", True, 1), (E5M2, "*fp32", False, 1), (E4M3, "*bf16", True, 3)):
-        yield K._quantize_rows_kernel, dict(FP8_MAX=fp8, AMAX_FLOOR=2.0 ** -64, BLOCK_T=2, BLOCK_H=4096,
+        yield KQ._quantize_rows_kernel, dict(FP8_MAX=fp8, AMAX_FLOOR=2.0 ** -64, BLOCK_T=2, BLOCK_H=4096,
                                             ONE_PASS=one_pass, STAGES=stages), {"x_ptr": x}
+
+    # the bits fingerprint: 1-, 2-, 4- and 8-byte elements, contiguous and strided
+    for ty, words, bits in (("*u8", 1, 8), ("*i16", 1, 16), ("*i32", 2, 32), ("*i64", 4, 64)):
+        for contiguous in (True, False):
+            yield FK._fingerprint_kernel, dict(WORDS=words, ELEMENT_BITS=bits, CONTIGUOUS=contiguous,
+                                               CHUNK_ELEMENTS=(1 << 15) // words, BLOCK=FK.BLOCK,
+                                               PRIME=(1 << 31) - 1), {"x_ptr": ty, "partial_ptr": "*i64"}
 
 
 def main() -> int:

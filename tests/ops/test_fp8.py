@@ -139,7 +139,7 @@ def test_triton_interpreter_matches_torch_twin(monkeypatch, dtype, out_dtype, pe
     with integer arithmetic, so its truncating casts never decide a float8 value (a bf16 output:
     within one ulp, the interpreter truncates there). The probs gradient's in-chunk sum order
     differs (within rounding)."""
-    from moe_dispatch.ops import triton_kernels as K
+    from moe_dispatch.ops import kernels as K
 
     monkeypatch.setitem(K.LAUNCH, "unpermute_bwd_per_token", per_token)
     want = out_dtype or dtype
@@ -261,7 +261,7 @@ def test_quantize_kernel_matches_twin_bitwise(monkeypatch, fp8, elements, progra
     program a row of 200 takes the kernel's two-pass route; "strided": 2 programs (the interpreter
     counts one SM) loop over the row blocks. A row's result never depends on the other rows of its
     batch."""
-    from moe_dispatch.ops import triton_kernels as K
+    from moe_dispatch.ops import kernels as K
 
     monkeypatch.setitem(K.LAUNCH, "quantize_elements", elements)
     monkeypatch.setitem(K.LAUNCH, "quantize_programs_per_sm", programs_per_sm)
@@ -320,7 +320,7 @@ def test_dequantize_kernel_matches_twin_bitwise(monkeypatch, fp8, out_dtype):
     """The interpreted kernel against the twin, bitwise, on rows read in place with a row stride
     above H (the FP8 wire's layout), blocks that leave ragged edges in both dimensions, float8
     NaN and inf bytes, and a NaN scale; rows alone give the bits they get in the batch."""
-    from moe_dispatch.ops import triton_kernels as K
+    from moe_dispatch.ops import kernels as K
 
     monkeypatch.setitem(K.LAUNCH, "dequantize_block_t", 4)
     monkeypatch.setitem(K.LAUNCH, "dequantize_block_h", 64)

@@ -1,7 +1,7 @@
 """launch_settings: LAUNCH overrides that hold inside the block and are undone after it."""
 import pytest
 
-from moe_dispatch.ops import triton_kernels as K
+from moe_dispatch.ops import kernels as K
 
 
 def test_overrides_inside_and_restores_after():

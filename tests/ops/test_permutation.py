@@ -16,7 +16,7 @@ def garbage_buffers(monkeypatch, request):
     """The Triton launchers' output buffers start as all-ones bytes (NaN in every float dtype), so a
     row the kernels leave unwritten, or a pad row left unzeroed, cannot pass as zeros by chance; with
     both ways of zeroing (the whole buffer first, or only the rows no slot points at)."""
-    from moe_dispatch.ops import triton_kernels as K
+    from moe_dispatch.ops.kernels import permute as K
 
     monkeypatch.setitem(K.LAUNCH, "zero_only_uncovered", request.param)
 
@@ -175,7 +175,7 @@ def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_pe
     unrolled step of the summing kernels, the block size of the kernels whose sums run per element,
     and the alternative route: the unpermute backward per token) are free to tune: the interpreted
     kernels give the same bits with any of them."""
-    from moe_dispatch.ops import triton_kernels as K
+    from moe_dispatch.ops.kernels import permute as K
 
     routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(23, 8, 3, 40, torch.float32,
                                                                        torch.float32, seed=6)
@@ -219,7 +219,7 @@ def test_triton_interpreter_matches_torch_twin(monkeypatch, garbage_buffers, dty
     N = int(padded.sum())
     y, g_perm, g_perm_probs = y[:N], g_perm[:N], g_perm_probs[:N]
     if routes:
-        from moe_dispatch.ops import triton_kernels as K
+        from moe_dispatch.ops.kernels import permute as K
         monkeypatch.setitem(K.LAUNCH, "unpermute_bwd_per_token", True)
         monkeypatch.setitem(K.LAUNCH, "map_chunks", 3)
     a, b = _both_backends(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs, pad_multiple=pad_multiple)
@@ -559,7 +559,7 @@ def test_cuda_alternative_routes_are_bitwise_equal(monkeypatch, T, E, K, H):
     """LAUNCH's alternative route on CUDA (the unpermute backward per token) gives the default
     route's bits, with and without counts, whatever the map's chunking, the slots per step and the
     probs-gradient kernel's warps."""
-    from moe_dispatch.ops import triton_kernels as KT
+    from moe_dispatch.ops.kernels import permute as KT
 
     routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(T, E, K, H, torch.bfloat16, seed=8,
                                                                        pad_multiple=8)

@@ -107,7 +107,7 @@ def _kernel(*args):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("splits", [1, 3, "tiles"], ids=["one_slice", "three_slices", "tiles"])
 def test_kernel_twin_and_old_algorithm_bitwise(monkeypatch, fp8, dtype, splits):
-    from moe_dispatch.ops import triton_kernels as K
+    from moe_dispatch.ops.kernels import quantize as K
 
     # Small blocks: several column blocks, several row steps per expert, and partial ones; with three
     # slices an expert's rows (and its padded width) are split over three programs, some empty; the
@@ -129,7 +129,7 @@ def test_row_scales(monkeypatch, x_dtype, splits):
     forward rows), bitwise as if that product had been materialised first; a NaN scale or a float8
     NaN makes its columns non-finite (with two slices, also when the NaN lies in another slice than
     the column's other rows)."""
-    from moe_dispatch.ops import triton_kernels as K
+    from moe_dispatch.ops.kernels import quantize as K
 
     _route(monkeypatch, K, splits)
     counts = [5, 17, 0, 20]
@@ -235,7 +235,7 @@ def test_bad_input_names_the_argument(change, exc, match):
 @pytest.mark.parametrize("tiles", [False, True], ids=["per_expert", "tiles"])
 def test_cuda_kernel_matches_twin_bitwise(monkeypatch, fp8, dtype, tiles):
     """The compiled kernel (its float8 casts are the hardware's) against the CPU twin, both routes."""
-    from moe_dispatch.ops import triton_kernels as K
+    from moe_dispatch.ops.kernels import quantize as K
 
     monkeypatch.setitem(K.LAUNCH, "group_columns_tiles", tiles)
     gen = torch.Generator().manual_seed(11)
@@ -258,7 +258,7 @@ def test_cuda_kernel_matches_twin_bitwise(monkeypatch, fp8, dtype, tiles):
 _COMPILE = """
 import sys
 from tests.ops import compile_sm90 as C
-from moe_dispatch.ops import triton_kernels as K
+from moe_dispatch.ops.kernels import quantize as K
 
 
 def variants():

@@ -32,7 +32,6 @@ from ...dispatcher import (
     check_expert_output,
     device_of,
     finish,
-    host_tokens_per_expert,
     owner_sum,
     prepare,
     return_rows,
@@ -125,8 +124,8 @@ class MegatronTokenDispatcher:
         recv = dataclasses.replace(sent.recv, hidden=hidden_states, probs=probs)
         rows, handle = finish(dataclasses.replace(sent, recv=recv))
         self._step = _Dispatched(handle)
-        counts = handle.device_expert_rows if handle.trailing_rows else host_tokens_per_expert(handle)
-        return rows, counts, handle.permuted_probs
+        rows_per_expert = handle.rows_per_expert if handle.trailing_rows else handle.host_rows_per_expert
+        return rows, rows_per_expert, handle.permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Expert output [N, H] -> the same rows, checked (see ``check_expert_output``)."""
@@ -183,7 +182,7 @@ def dispatcher_from_megatron(config: Any, pg_collection: Any, *, probs_in_expert
             ``install`` sets up), so the combine weights the rows in its fp32 sum.
         pg_collection: Megatron's ProcessGroupCollection (``.ep``; ``.expt_tp`` and ``.tp_ep``
             are checked when present, see ``check_groups``).
-        sync_free: the sync-free dispatch (dispatcher/static.py: no host read per step), for
+        sync_free: the sync-free dispatch (dispatcher/sync_free/: no host read per step), for
             experts that take device counts (``make_row_stable``'s; install() decides, see
             ``sync_free_obstacle``): EP size 1, no capacity padding, at most topk experts per token.
 

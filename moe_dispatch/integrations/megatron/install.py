@@ -140,7 +140,9 @@ def install(moe_layer: Any, pg_collection: Optional[Any] = None, *, row_stable_g
     (``load_state_dict``, ``copy_``) or new storage for one: what TransformerEngine does across
     micro-batches with ``is_first_microbatch``, which Megatron signals only under its own FP8. Results
     are bitwise those of per-forward quantisation. It costs memory: the operands take as many bytes as
-    the bf16 weights. Not seen: a write into the weights through ``.data`` outside an optimizer step.
+    the bf16 weights. A write autograd does not count (``dist.broadcast``, ``p.data.copy_``) is
+    seen by a fingerprint of the weights' bits compared at each such forward and read on the host
+    (on CUDA one synchronisation per forward), then quantised again.
     Inside a CUDA-graph capture the experts quantise per forward (the graph re-reads the weights at
     each replay) and keep nothing.
     ``moe_permute_fusion`` and ``moe_router_fusion`` are accepted: our dispatcher replaces the

@@ -91,7 +91,7 @@ def make_row_stable(moe_layer: Any, quantize_weights_once: bool = False) -> Any:
     experts.forward = types.MethodType(experts_forward, experts)
     experts._moe_dispatch_dispatcher = moe_layer.token_dispatcher
     experts._moe_dispatch_quantize_weights_once = quantize_weights_once
-    experts._moe_dispatch_fp8_weights = None  # (WeightStamp, operands) with quantize_weights_once
+    experts._moe_dispatch_fp8_weights = None  # (WeightStamp, fingerprints, operands): quantize_weights_once
     moe_layer._moe_dispatch_row_stable = True
     return moe_layer
 
@@ -142,21 +142,33 @@ def _fp8_experts(experts: Any, rows: "torch.Tensor", tokens_per_expert: "torch.T
 def _weights_quantised_once(experts: Any, weights: list, w1: "torch.Tensor", w2: "torch.Tensor",
                             fp8_dtype: "torch.dtype") -> Optional[tuple]:
     """The FP8 operands of w1 and w2 (``quantize_weight``'s) kept on ``experts`` while ``weights``
-    (the Parameters they stack) have not changed (``weights_problem``), else quantised again and
-    kept; None inside a CUDA-graph capture (the forward then quantises per call, in the graph)."""
+    (the Parameters they stack) have not changed, else quantised again and kept; None inside a
+    CUDA-graph capture (the forward then quantises per call, in the graph). Changed: what
+    ``weights_problem`` sees on the host (an optimizer step, a change autograd counts, new
+    storage), or bits that differ from the fingerprint taken when the operands were made (a write
+    autograd does not count: ``dist.broadcast``, ``p.data.copy_``), compared on the device and read
+    on the host here (on CUDA one synchronisation per forward that keeps them)."""
     import torch
 
     from ...experts import quantize_weight, stamp_weights, weights_problem
+    from ...ops import bits_fingerprint
 
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
+    # the stacked [El, out, in] weights the operands are made from (contiguous when stacked in place)
+    sources = (w1.transpose(1, 2), w2.transpose(1, 2))
     kept = experts._moe_dispatch_fp8_weights
     if kept is not None and weights_problem(kept[0], weights) is None:
-        return kept[1]
+        stamp, bits, operands = kept
+        with torch.no_grad():
+            differ = torch.stack([(bits_fingerprint(s) != b).any() for s, b in zip(sources, bits)]).any()
+        if not bool(differ):
+            return operands
     stamp = stamp_weights(weights)  # before quantising: what the operands are made from
     with torch.no_grad():
+        bits = tuple(bits_fingerprint(s) for s in sources)
         operands = (quantize_weight(w1, fp8_dtype), quantize_weight(w2, fp8_dtype))
-    experts._moe_dispatch_fp8_weights = (stamp, operands)
+    experts._moe_dispatch_fp8_weights = (stamp, bits, operands)
     return operands
 
 
@@ -173,12 +185,11 @@ def _expert_offsets(experts: Any, tokens_per_expert: "torch.Tensor") -> tuple[Op
     ``trailing_rows``) when tokens_per_expert is this step's own (the plan's CPU counts, or a
     sync-free step's device counts), so grouped_mm copies and reads nothing on the host; else
     (None, False)."""
-    from ...dispatcher import host_tokens_per_expert
     from .dispatcher import MegatronTokenDispatcher
 
     dispatcher = getattr(experts, "_moe_dispatch_dispatcher", None)
     handle = dispatcher.handle if isinstance(dispatcher, MegatronTokenDispatcher) else None
-    if handle is not None and (handle.device_expert_rows is tokens_per_expert
-                               or (not handle.trailing_rows and host_tokens_per_expert(handle) is tokens_per_expert)):
+    if handle is not None and (handle.rows_per_expert is tokens_per_expert
+                               or (not handle.trailing_rows and handle.host_rows_per_expert is tokens_per_expert)):
         return handle.expert_offsets, handle.trailing_rows
     return None, False

@@ -8,14 +8,17 @@ clipping at 1.0 on L = N micro-batches per step (N: the check's ranks), on these
   reference  (N, 1, 1)      every rank holds every expert;
   EP N       (N, N, 1)      the experts sharded over all ranks;
   half       (N/2, N/2, 2)  ranks 0..N/2-1 only, two micro-batches each (N >= 2; the other ranks
-                            sit it out, and join the check's collectives around it).
+                            sit it out, and join the check's collectives around it);
+
+and EP N and half again with the sync-free step at EP > 1 (``ep_capacity_factor`` = N, which caps
+no row: the reference's EP 1 step is sync-free already).
 
 Every parameter and each step's clipped gradient (the routed experts by global expert id), each
 step's loss (the tree's global mean) and each step's clipped norm must be bitwise those of the
 reference on the same rank, and the reference the same on every rank. The limits are
-GradientTree's: power-of-two sizes, the dropless dispatch, micro-batches of equal size
-(docs/parallel.md); ``--fp8`` runs only with ``--no-fp8-wgrad`` (FP8 wgrad's column scales span
-every source's rows, so it gives no per-source weight gradients) and is skipped without it.
+GradientTree's: power-of-two sizes, the dropless dispatch or the sync-free step within its
+capacity, micro-batches of equal size (docs/parallel.md). ``--fp8`` runs with FP8 wgrad (its
+column scales then per (expert, source) block) and with ``--no-fp8-wgrad``.
 """
 from __future__ import annotations
 
@@ -34,26 +37,29 @@ LABEL = "layouts: "
 STEPS = 3
 CLASSES = 16
 Layout = Tuple[int, int, int]  # (world W, EP size, micro-batches per rank A)
+SYNC_FREE = " sync-free"  # a row's layout with the sync-free step at EP > 1
 
 # Under the table when the layouts rows ran (report.py).
 LEGEND = """\
 The layouts rows: a small model (a dense layer, an MoELayer with a shared expert and aux loss, a
 dense head; AdamW with weight decay, clipping at 1.0) trains for %d steps with GradientTree on
 L = {ranks} micro-batches of {tokens} tokens per step ({dtype} activations, fp32 weights) on each
-layout (world, EP size, A micro-batches per rank); every parameter and clipped gradient (experts
-by global id), each step's loss and clipped norm must be the (world {ranks}, EP 1, A 1) run's, bitwise.""" % STEPS
+layout (world, EP size, A micro-batches per rank; "sync-free": the sync-free step at EP > 1,
+ep_capacity_factor={ranks}); every parameter and clipped gradient (experts by global id), each step's
+loss and clipped norm must be the (world {ranks}, EP 1, A 1) run's, bitwise.""" % STEPS
 
 
 class _Model(nn.Module):
     """x [T, H] -> logits [T, CLASSES]: dense (tanh), MoELayer with a residual, dense head. The
     dense weights are fp32 masters used in the activations' dtype, as the MoELayer's experts are."""
 
-    def __init__(self, args: argparse.Namespace, ep_group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(self, args: argparse.Namespace, ep_group: dist.ProcessGroup, device: torch.device,
+                 ep_capacity_factor: Optional[float] = None) -> None:
         from ...layer import MoELayer
 
         super().__init__()
         config = base_config(args, dispatcher=_dispatcher(args), shared_expert_ffn_hidden_size=args.ffn,
-                             aux_loss_coeff=1e-2)
+                             aux_loss_coeff=1e-2, ep_capacity_factor=ep_capacity_factor)
         self.embed = nn.Linear(args.hidden, args.hidden)
         self.moe = MoELayer(config, ep_group, layer_index=0)
         self.head = nn.Linear(args.hidden, CLASSES)
@@ -84,15 +90,16 @@ def _micro_batch(args: argparse.Namespace, step: int, index: int,
 
 
 def train(args: argparse.Namespace, device: torch.device, layout: Layout, data: dist.ProcessGroup,
-          ep_group: dist.ProcessGroup) -> Dict[str, torch.Tensor]:
+          ep_group: dist.ProcessGroup, sync_free: bool = False) -> Dict[str, torch.Tensor]:
     """STEPS optimizer steps of the model on one layout with a GradientTree over ``data``; returns
     its parameters (``by_global_id``) and each step's loss, clipped norm and clipped gradients.
-    Collective over ``data``."""
+    ``sync_free``: the sync-free step at EP > 1, with ep_capacity_factor = the check's ranks (>= the
+    EP size: no row is capped). Collective over ``data``."""
     from ...parallel import GradientTree
     from ..gradient_tree_layouts import by_global_id
 
     _, _, A = layout
-    model = _Model(args, ep_group, device)
+    model = _Model(args, ep_group, device, float(dist.get_world_size()) if sync_free else None)
     tree = GradientTree(model, micro_batches=A, group=data)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     out: Dict[str, torch.Tensor] = {}
@@ -139,9 +146,6 @@ def _skip(args: argparse.Namespace, world: int) -> Optional[str]:
         return "one rank: L = 1 micro-batch has only one layout"
     if world & (world - 1):
         return f"{world} ranks: GradientTree needs a power of two"
-    if args.fp8 is not None and not args.no_fp8_wgrad:
-        return ("fp8 with FP8 wgrad: its experts give no per-source weight gradients, which GradientTree needs "
-                "(--no-fp8-wgrad gives them)")
     return None
 
 
@@ -161,9 +165,10 @@ def layout_rows(args: argparse.Namespace, device: torch.device) -> List[Result]:
     rank calls it, alike."""
     world = dist.get_world_size()
     reference: Layout = (world, 1, 1)
-    layouts: List[Layout] = [(world, world, 1), (world // 2, world // 2, 2)]
-    checks = [f"{LABEL}{STEPS} training steps, {_name(lay)}{_on_ranks(lay[0], world)} vs {_name(reference)}, "
-              f"{_dispatcher(args)}" for lay in layouts]
+    runs: List[Tuple[Layout, bool]] = [((world, world, 1), False), ((world // 2, world // 2, 2), False),
+                                       ((world, world, 1), True), ((world // 2, world // 2, 2), True)]
+    checks = [f"{LABEL}{STEPS} training steps, {_name(lay)}{SYNC_FREE if sync_free else ''}{_on_ranks(lay[0], world)} "
+              f"vs {_name(reference)}, {_dispatcher(args)}" for lay, sync_free in runs]
     if why := _skip(args, world):  # one row: the layouts' names may mean nothing here (world 1)
         return [Result(f"{LABEL}a GradientTree training run across layouts with L={world}", 0.0, True, skipped=why)]
     rank, half = dist.get_rank(), world // 2
@@ -173,13 +178,13 @@ def layout_rows(args: argparse.Namespace, device: torch.device) -> List[Result]:
     groups = {world: dist.group.WORLD, 1: single, half: halves[rank // half]}
 
     progress(rank, f"{LABEL}{STEPS} training steps on {_name(reference)}, "
-                   + ", ".join(_name(lay) for lay in layouts))
+                   + ", ".join(_name(lay) + (SYNC_FREE if sync_free else "") for lay, sync_free in runs))
     ref = train(args, device, reference, groups[world], groups[1])
     worst, same = _same_everywhere(ref, device)
     results = []
-    for (W, ep, A), check in zip(layouts, checks):
+    for ((W, ep, A), sync_free), check in zip(runs, checks):
         diff, ok = 0.0, True
         if rank < W:  # the half layout's other ranks sit it out
-            diff, ok = _compare(train(args, device, (W, ep, A), groups[W], groups[ep]), ref)
+            diff, ok = _compare(train(args, device, (W, ep, A), groups[W], groups[ep], sync_free), ref)
         results.append(Result(check, max(diff, worst), ok and same))
     return gather_results(results, device)

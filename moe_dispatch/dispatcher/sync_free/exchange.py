@@ -1,22 +1,25 @@
 """The sync-free step's exchanges (EP > 1), every chunk of a fixed size with its status rows
-(static_words.py): the forward exchange of the tokens, and the return route of the receiver
-layout's rows back to their owners with its mirror in the backward. static.py plans the step."""
+(words.py): the forward exchange of the tokens, and the return route of the receiver
+layout's rows back to their owners with its mirror in the backward. plan.py plans the step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
 
-from ..distributed.agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, check_call
-from ..distributed.comm import ProcessGroup, all_gather_rows, all_to_all_rows
-from ..distributed.identity import CallId
-from ..numerics.autograd import refuse_double_backward
-from ..ops import RowIdMap
-from ..ops.permutation import make_slots
-from .exchange import Received, RowFormat
-from .expand import SendBack
-from .static_words import (
+from ...config import DispatchConfig
+from ...distributed.agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, check_call
+from ...distributed.comm import ProcessGroup, all_gather_rows, all_to_all_rows
+from ...distributed.identity import CallId
+from ...numerics.autograd import refuse_double_backward
+from ...ops import RowIdMap
+from ...ops.permutation import make_slots
+from ..expand import SendBack
+from ..row_format import Received, RowFormat
+from ..status_rows import read_status, write_status
+from .sizes import SyncFreeSizes
+from .words import (
     DISPATCH_CODE,
     ORDER_CODE,
     W_CALL,
@@ -26,17 +29,26 @@ from .static_words import (
     latch_words,
     num_words,
     poison,
-    read_status,
     words_rows,
-    write_status,
 )
 
-if TYPE_CHECKING:
-    from .static import StaticPlan, StaticSizes
+
+class SyncFreeStep(Protocol):
+    """What these exchanges read of a sync-free step's plan (plan.SyncFreePlan is one): defined here,
+    so that the plan imports its exchanges and not the other way round."""
+
+    config: DispatchConfig
+    group: ProcessGroup
+    call: CallId
+    layout: SyncFreeSizes
+    routing_map: torch.Tensor  # [T, E] bool, this rank's
+    slots: torch.Tensor  # make_slots of routing_map, and its counts (the EP-1 expert map)
+    counts: torch.Tensor
+    words: torch.Tensor  # int32 [NUM_WORDS], this rank's check words
 
 
 @dataclass(frozen=True)
-class StaticRoute:
+class SyncFreeRoute:
     """Receiver-layout rows -> their owners, in fixed chunks (EP > 1).
 
     Attributes:
@@ -48,6 +60,8 @@ class StaticRoute:
         words: int32 [num_words(P)], this rank's words with everything it received (sent back), and
             the handle's call in the W_CALL slots (every return exchange compares it).
         call, strict: for ``strict_call_order``'s host-side ``agreement.check_call``.
+        source_rows: int64 [El, P] on the device, the rows of each (local expert, source rank) block
+            of the receiver layout, cut so that the blocks end by row N (``DispatchHandle.source_blocks``).
     """
 
     index: torch.Tensor
@@ -59,6 +73,7 @@ class StaticRoute:
     group: ProcessGroup
     call: CallId
     strict: bool
+    source_rows: Optional[torch.Tensor] = None
 
     def check_call_strict(self, code: int, device: torch.device) -> None:
         """strict_call_order: raise on every rank before a return exchange of another call's rows
@@ -68,7 +83,7 @@ class StaticRoute:
 
 
 @torch.no_grad()
-def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: StaticPlan) -> Received:
+def send_tokens(x: torch.Tensor, probs: torch.Tensor, plan: SyncFreeStep) -> Received:
     """x [T, H], probs [T, E] (wire dtype) -> every source's rows for this rank's experts, in
     source rank order, each source's chunk padded to its capacity (padding routes nowhere); the
     routing is a contiguous copy; ``words``: the max of every source's words."""
@@ -127,8 +142,8 @@ def _fitting(counts: torch.Tensor, num_rows: int) -> torch.Tensor:
     return ends - torch.cat([ends.new_zeros(1), ends[:-1]])
 
 
-def expert_map_and_route(plan: StaticPlan, recv: Received, hidden_size: int,
-                         hidden_itemsize: int) -> tuple[RowIdMap, Optional[StaticRoute]]:
+def expert_map_and_route(plan: SyncFreeStep, recv: Received, hidden_size: int,
+                         hidden_itemsize: int) -> tuple[RowIdMap, Optional[SyncFreeRoute]]:
     """The receiver layout's RowIdMap (padded_expert_rows: the blocks' rows, cut to N) and,
     at EP > 1, the return route."""
     sizes = plan.layout
@@ -160,13 +175,13 @@ def expert_map_and_route(plan: StaticPlan, recv: Received, hidden_size: int,
     words[W_RECV] = torch.maximum(words[W_RECV], counts.sum().to(torch.int32))
     words[W_RETURN] = torch.maximum(words[W_RETURN], cnt.sum(1).max().to(torch.int32))
     words[W_CALL:W_CALL + 4] = plan.words[W_CALL:W_CALL + 4]
-    route = StaticRoute(index=index, gather=index.clamp(max=N - 1), chunk=chunk, valid=valid, num_rows=N,
+    route = SyncFreeRoute(index=index, gather=index.clamp(max=N - 1), chunk=chunk, valid=valid, num_rows=N,
                         words=words, group=plan.group, call=plan.call,
-                        strict=plan.config.strict_call_order)
+                        strict=plan.config.strict_call_order, source_rows=_fitting(flat, N).view(El, P))
     return expert_map, route
 
 
-def send_back(rows: torch.Tensor, row_probs: Optional[torch.Tensor], route: StaticRoute,
+def send_back(rows: torch.Tensor, row_probs: Optional[torch.Tensor], route: SyncFreeRoute,
               code: int = COMBINE_CALL) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """rows [N, H] (receiver layout), row_probs [N] or None -> the owner buffer [P * chunk, H]
     (and [P * chunk]), chunks by expert rank; and the max of every expert rank's words, the calls
@@ -183,7 +198,7 @@ def send_back(rows: torch.Tensor, row_probs: Optional[torch.Tensor], route: Stat
     return hidden, (probs[:, 0] if probs is not None else None), words
 
 
-def send_forth(grad: torch.Tensor, route: StaticRoute, sizes: StaticSizes) -> torch.Tensor:
+def send_forth(grad: torch.Tensor, route: SyncFreeRoute, sizes: SyncFreeSizes) -> torch.Tensor:
     """Mirror of send_back: the owner's rows [P * chunk, H] -> receiver layout [N, H]. The status
     rows carry the handle's call (a copy of grad: autograd's gradient is not ours to write);
     another call's rows make the result NaN (and the error is latched)."""
@@ -200,7 +215,12 @@ def send_forth(grad: torch.Tensor, route: StaticRoute, sizes: StaticSizes) -> to
     return poison(out[:route.num_rows], words, sizes)
 
 
-class ReturnRows(torch.autograd.Function):
+class ToOwners(torch.autograd.Function):
+    """rows [N, H] (receiver layout) -> (the owner buffer [P * chunk, H], the max of every expert
+    rank's words): ``send_back`` with autograd, whose backward is ``send_forth``. ``anchor``: a
+    leaf that requires grad (``expand.grad_anchor``), so that every rank's backward runs the
+    mirror exchange."""
+
     @staticmethod
     def forward(ctx, rows, route, sizes, anchor):
         ctx.route, ctx.sizes = route, sizes
@@ -210,12 +230,12 @@ class ReturnRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _grad_words):
-        refuse_double_backward("static_route.ReturnRows")
+        refuse_double_backward("sync_free.ToOwners")
         return send_forth(grad, ctx.route, ctx.sizes), None, None, None
 
 
-def return_exchange(plan: StaticPlan, route: StaticRoute) -> SendBack:
-    """Expand's return path over the static route: the rows' gradients and the words; a bad step's
+def return_exchange(plan: SyncFreeStep, route: SyncFreeRoute) -> SendBack:
+    """Expand's return path over the sync-free route: the rows' gradients and the words; a bad step's
     are latched (CUDA: before unpermute, whose kernel sees them) and poisoned."""
     sizes = plan.layout
 

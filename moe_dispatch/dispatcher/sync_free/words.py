@@ -1,5 +1,5 @@
 """The sync-free step's check words: the status rows of its exchanges, the call identity they
-carry, the messages of a bad step, and the latch that raises them (static.py runs the exchanges).
+carry, the messages of a bad step, and the latch that raises them (plan.py runs the exchanges).
 
 Checks that need device data cannot raise without a host read. They become int32 words (``W_*``):
 probs finite, at most K experts per token, and the three capacities' needed sizes. The words
@@ -28,23 +28,22 @@ dropless size exchange once, which validates every rank and fixes the plan's T) 
 zeros and set ``W_INPUT`` and their own rank's word (``W_INPUT_RANKS``: the message names every
 rank at fault), so no rank waits alone; so does a problem the caller found on the device
 (``plan.flag_input``: a stale FP8 weights handle). A rank with more tokens than the plan's T sets
-``W_TOKENS`` (static.dispatch re-plans on CPU); one whose grad mode differs from another's sets
+``W_TOKENS`` (``SyncFreePlan.send`` re-plans on CPU); one whose grad mode differs from another's sets
 ``W_GRAD_ON`` / ``W_GRAD_OFF`` (on CPU every rank raises at once, before a backward could wait).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
-from ..distributed.agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, RETURN_CHECKS
-from ..distributed.comm import ProcessGroup
-from ..distributed.identity import CallId, layer_name
-from ..distributed.registry import STATIC_WORDS
-from ..ops import guard
-
-if TYPE_CHECKING:
-    from .static import StaticSizes
+from ...distributed.agreement import COMBINE_BACKWARD_CALL, COMBINE_CALL, DISPATCH_BACKWARD_CALL, RETURN_CHECKS
+from ...distributed.comm import ProcessGroup
+from ...distributed.identity import CallId, layer_name
+from ...distributed.registry import SYNC_FREE_WORDS
+from ...ops import guard
+from ..status_rows import status_rows
+from .sizes import SyncFreeSizes
 
 # Check words (int32, combined across ranks by max). W_CALL: 4 words, the sender's call of one
 # exchange (_call_words); W_ORDER: which exchange found different calls (an _ORDER_WHAT key), then
@@ -70,50 +69,9 @@ def num_words(ep_size: int) -> int:
     return NUM_WORDS + ep_size
 
 
-def status_rows(row_bytes: int, status_bytes: int) -> int:
-    """Rows that hold ``status_bytes`` in a buffer of ``row_bytes``-byte rows."""
-    return -(-status_bytes // row_bytes)
-
-
 def words_rows(row_bytes: int, ep_size: int) -> int:
     """Rows that hold the check words at this EP size in a buffer of ``row_bytes``-byte rows."""
     return status_rows(row_bytes, 4 * num_words(ep_size))
-
-
-def _row_bytes(buf: torch.Tensor) -> int:
-    return buf.shape[1] * buf.element_size()
-
-
-def write_status(buf: torch.Tensor, chunks: int, chunk_rows: int, valid_rows: int, words: torch.Tensor) -> None:
-    """Write words (int32 [num_words(P)]) into the status rows (after ``valid_rows``) of each chunk."""
-    raw = buf.view(torch.uint8).view(chunks, chunk_rows, -1)[:, valid_rows:].reshape(chunks, -1)
-    raw[:, :words.numel() * 4].copy_(words.to(torch.int32).view(torch.uint8).expand(chunks, -1))
-
-
-def read_status(buf: torch.Tensor, chunks: int, chunk_rows: int, valid_rows: int, count: int) -> torch.Tensor:
-    """The max over the chunks of their ``count`` status words: int32 [count]."""
-    raw = buf.view(torch.uint8).view(chunks, chunk_rows, -1)[:, valid_rows:].reshape(chunks, -1)
-    return raw[:, :count * 4].contiguous().view(torch.int32).amax(0)
-
-
-def _byte_rows(buf: torch.Tensor) -> torch.Tensor:
-    return buf.view(torch.uint8).view(buf.shape[0], -1)
-
-
-def write_status_at(buf: torch.Tensor, rows: torch.Tensor, chunks: int, words: torch.Tensor) -> None:
-    """Chunks of uneven sizes (the dropless return exchange): words (any dtype, [W]) at the start
-    of each chunk's status rows, zeros after them. rows: int64 [chunks * S], each chunk's S
-    consecutive status rows of buf [n, ...], chunk after chunk."""
-    raw = _byte_rows(buf)
-    content = raw.new_zeros((chunks, rows.shape[0] // chunks * raw.shape[1]))
-    content[:, :words.numel() * words.element_size()] = words.reshape(-1).view(torch.uint8)
-    raw.index_copy_(0, rows, content.view(rows.shape[0], raw.shape[1]))
-
-
-def read_status_at(buf: torch.Tensor, rows: torch.Tensor, chunks: int, words: int, dtype: torch.dtype) -> torch.Tensor:
-    """What write_status_at wrote: each chunk's first ``words`` words of ``dtype``, [chunks, words]."""
-    raw = _byte_rows(buf).index_select(0, rows).view(chunks, -1)
-    return raw[:, :words * dtype.itemsize].contiguous().view(dtype)
 
 
 # ---- call identity ------------------------------------------------------------------------------
@@ -152,7 +110,7 @@ def _order_message(words: list[int]) -> str:
 
 
 # ---- errors -----------------------------------------------------------------------------------
-def bad_words(words: torch.Tensor, sizes: StaticSizes) -> torch.Tensor:
+def bad_words(words: torch.Tensor, sizes: SyncFreeSizes) -> torch.Tensor:
     """A 0-dim bool on the device: the words record a problem (scalar compares: no copies). The
     W_CALL slots are an exchange's raw calls: only their folded W_ORDER words count."""
     w = words.to(torch.int64)
@@ -165,7 +123,7 @@ def grad_modes_differ(words: list[int]) -> bool:
     return words[W_GRAD_ON] > 0 and words[W_GRAD_OFF] > 0
 
 
-def messages(words: list[int], sizes: StaticSizes, deferred: bool = True) -> list[str]:
+def messages(words: list[int], sizes: SyncFreeSizes, deferred: bool = True) -> list[str]:
     """The ValueError's parts for host words (the same on every rank: the same words)."""
     T, K, P, f = sizes.T, sizes.topk, sizes.ep_size, sizes.factor
     load = T * K
@@ -212,18 +170,18 @@ def messages(words: list[int], sizes: StaticSizes, deferred: bool = True) -> lis
     return out
 
 
-def raise_words(words: list[int], sizes: StaticSizes, deferred: bool = True) -> None:
+def raise_words(words: list[int], sizes: SyncFreeSizes, deferred: bool = True) -> None:
     found = messages(words, sizes, deferred)
     if found:
         guard.fail(["invalid MoE dispatch input (sync-free): " + "; ".join(found)])
 
 
-def latch_words(group: ProcessGroup, words: torch.Tensor, sizes: StaticSizes) -> None:
+def latch_words(group: ProcessGroup, words: torch.Tensor, sizes: SyncFreeSizes) -> None:
     """Keep a bad step's words (max with earlier ones, in place: capture-safe) and poison on CUDA.
     A good step's words count for nothing: its sizes may be another plan's (another T or config)."""
-    entry = STATIC_WORDS.get(group)  # [words (device int32 [num_words(P)], max of the bad steps'), sizes]
+    entry = SYNC_FREE_WORDS.get(group)  # [words (device int32 [num_words(P)], max of the bad steps'), sizes]
     if entry is None or entry[0].device != words.device or entry[0].shape != words.shape:
-        entry = STATIC_WORDS.set(group, [torch.zeros_like(words, dtype=torch.int32), sizes])
+        entry = SYNC_FREE_WORDS.set(group, [torch.zeros_like(words, dtype=torch.int32), sizes])
     bad = bad_words(words, sizes)
     entry[0].copy_(torch.maximum(entry[0], torch.where(bad, words, torch.zeros_like(words))))
     if words.is_cuda or bool(bad):  # CPU: the bad step's sizes (reading costs no sync); CUDA: the last
@@ -235,27 +193,27 @@ def latch_words(group: ProcessGroup, words: torch.Tensor, sizes: StaticSizes) ->
 
 def raise_latched(group: ProcessGroup) -> None:
     """At a sync-free dispatch: raise an earlier step's problem on CPU (no sync there)."""
-    entry = STATIC_WORDS.get(group)
+    entry = SYNC_FREE_WORDS.get(group)
     if entry is not None and entry[0].device.type == "cpu":
         raise_words(entry[0].tolist(), entry[1])
 
 
 def _pending_messages() -> list[str]:
     found = []
-    for buf, sizes in STATIC_WORDS.values():
+    for buf, sizes in SYNC_FREE_WORDS.values():
         found += messages(buf.tolist(), sizes)
     return ["invalid MoE dispatch input (sync-free): " + "; ".join(found)] if found else []
 
 
 def _clear() -> None:
-    for buf, _ in STATIC_WORDS.values():
+    for buf, _ in SYNC_FREE_WORDS.values():
         buf.zero_()
 
 
 guard.register_check(_pending_messages, _clear)
 
 
-def poison(out: torch.Tensor, words: Optional[torch.Tensor], sizes: "StaticSizes") -> torch.Tensor:
+def poison(out: torch.Tensor, words: Optional[torch.Tensor], sizes: SyncFreeSizes) -> torch.Tensor:
     """CPU at EP > 1: NaN outputs (and gradients) for a bad step; CUDA poisons through the status."""
     if words is None or out.is_cuda:
         return out

@@ -1,4 +1,4 @@
-"""The sync-free dispatch (dispatcher/static.py): EP 1 without host reads, and the static-capacity
+"""The sync-free dispatch (dispatcher/sync_free/): EP 1 without host reads, and the static-capacity
 exchange at EP 2, 4 and 8 on gloo ranks: bitwise the dropless path when it fits, NaN and the same
 ValueError on every rank when it overflows."""
 from __future__ import annotations
@@ -8,11 +8,11 @@ import torch
 
 from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.dispatcher import AllToAllDispatcher
-from moe_dispatch.dispatcher.static import StaticSizes
+from moe_dispatch.dispatcher.sync_free.sizes import SyncFreeSizes
 from moe_dispatch.ops import check_device_errors
 from tests.cuda_host_waits import count_host_transfers, count_scalar_copies
-from tests.dispatcher import static_workers as workers
 from tests.dispatcher.harness import run_ranks
+from tests.dispatcher.sync_free import workers
 
 
 def _dropless_twin(config: MoEConfig) -> MoELayer:
@@ -52,7 +52,7 @@ def test_ep1_fewer_than_k_experts_leaves_trailing_rows():
     assert torch.equal(a(x), b(x))
     probs, routing_map = a.router(x)
     rows, handle = a.dispatcher.dispatch_rows(x, routing_map, probs)
-    assert rows.shape[0] == 12 * 2 and int(handle.device_expert_rows.sum()) < 12 * 2 and handle.trailing_rows
+    assert rows.shape[0] == 12 * 2 and int(handle.rows_per_expert.sum()) < 12 * 2 and handle.trailing_rows
 
 
 def test_ep1_bad_probs_raise_at_once_on_cpu():
@@ -69,13 +69,13 @@ def test_ep1_bad_probs_raise_at_once_on_cpu():
     check_device_errors()  # raised once: nothing left
 
 
-def test_static_sizes_and_config_validation():
+def test_sync_free_sizes_and_config_validation():
     from moe_dispatch.config import DispatchConfig
     cfg = DispatchConfig(kind="alltoall", num_experts=8, topk=2, hidden_size=16, sync_free=True, ep_capacity_factor=1.5)
-    sizes = StaticSizes.build(cfg, 4, 0, 10)
+    sizes = SyncFreeSizes.build(cfg, 4, 0, 10)
     assert (sizes.send_capacity, sizes.recv_rows, sizes.return_capacity) == (8, 30, 8)
-    assert StaticSizes.build(cfg.replace(kind="allgather"), 4, 0, 10).send_capacity == 10
-    assert StaticSizes.build(cfg, 1, 0, 10).recv_rows == 20
+    assert SyncFreeSizes.build(cfg.replace(kind="allgather"), 4, 0, 10).send_capacity == 10
+    assert SyncFreeSizes.build(cfg, 1, 0, 10).recv_rows == 20
     with pytest.raises(ValueError, match="ep_capacity_factor must be None or a finite number > 0"):
         cfg.replace(ep_capacity_factor=0.0)
     with pytest.raises(ValueError, match="ep_capacity_factor must be a finite number > 0"):

@@ -9,8 +9,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import DispatchConfig
-from ..distributed.agreement import (
+from ...config import DispatchConfig
+from ...distributed.agreement import (
     DISPATCH_BACKWARD_CALL,
     EXPERT_DTYPE,
     EXPERT_ROWS,
@@ -18,18 +18,18 @@ from ..distributed.agreement import (
     ErrorLatch,
     dtype_code,
 )
-from ..distributed.comm import ProcessGroup, to_device
-from ..distributed.identity import CallId, StepCounter
-from ..ops import RowIdMap, unpermute
-from ..ops.permutation import make_slots, runs_index
-from .exchange import KINDS, TAG_BYTES, Received, ReturnRoute, return_rows, return_tables, send_back
-from .expand import Expand, ReturnPath, grad_anchor
-from .fp8_wire import wire_rows
-from .handle import DispatchHandle, Prepared, Returned, Sent
+from ...distributed.comm import ProcessGroup, to_device
+from ...distributed.identity import CallId, StepCounter
+from ...ops import RowIdMap, unpermute
+from ...ops.permutation import make_slots, runs_index
+from ..expand import Expand, ReturnPath, grad_anchor
+from ..fp8_wire import wire_rows
+from ..plan import DispatchHandle, Plan, Prepared, Returned, Sent, SourceBlocks
+from ..records import agree_send, check_record_here
+from ..row_format import Received
+from ..status_rows import status_rows
+from .exchange import KINDS, TAG_BYTES, ReturnRoute, ToOwners, return_tables, send_back
 from .layout import Layout, exchange_sizes
-from .plan import Plan, SourceBlocks
-from .records import agree_send, check_record_here
-from .static_words import status_rows
 
 Runs = tuple[torch.Tensor, torch.Tensor, int]  # (shifts, lengths) on the device, total positions
 
@@ -49,7 +49,7 @@ class DroplessPlan(Plan):
         expert_runs: how the receiver layout's row map shifts make_slots' dense rows (None: it
             does not).
         expert_padded: [El] int64 rows per local expert block on the device (None: the counts).
-        host_expert_rows: CPU int64 [El], rows per local expert block (padding included).
+        host_rows_per_expert: CPU int64 [El], rows per local expert block (padding included).
     """
 
     config: DispatchConfig
@@ -63,7 +63,7 @@ class DroplessPlan(Plan):
     route: Optional[ReturnRoute]
     expert_runs: Optional[Runs]
     expert_padded: Optional[torch.Tensor]
-    host_expert_rows: torch.Tensor
+    host_rows_per_expert: torch.Tensor
     replaced: bool = False
 
     @property
@@ -147,20 +147,20 @@ class DroplessPlan(Plan):
                                  f"float, on {device}")
             self.latch.set(REUSED_ROUTING, device=device)
             x = torch.full((T, H), float("nan"), dtype=self.hidden_dtype, device=device)
-            wire = torch.zeros((T, E), dtype=self.probs_dtype, device=device)
+            wire_probs = torch.zeros((T, E), dtype=self.probs_dtype, device=device)
         else:
             mismatch = (routing_map != self.routing_map).any()
             self.latch.set(mismatch.long() * REUSED_ROUTING)
             # The tokens carry the poison, not the probs: the ops reject non-finite probs themselves.
             x = hidden.reshape(T, H)
             x = torch.where(mismatch, torch.full((), float("nan"), dtype=x.dtype, device=x.device), x)
-            wire = probs.to(self.probs_dtype)
-        prepared = Prepared(x, wire, self, handle.hidden_shape, (hidden, routing_map, probs), None,
+            wire_probs = probs.to(self.probs_dtype)
+        prepared = Prepared(x, wire_probs, self, handle.hidden_shape, (hidden, routing_map, probs), None,
                             wire_rows(x, self.config))
         return self.finish(self.send(prepared, with_routing=False), handle.expert_map)
 
     def host_counts(self, handle: DispatchHandle) -> torch.Tensor:
-        return self.host_expert_rows
+        return self.host_rows_per_expert
 
     def source_blocks(self, handle: DispatchHandle) -> SourceBlocks:
         layout = self.layout
@@ -182,7 +182,7 @@ class DroplessPlan(Plan):
         if self.route is None:
             return Returned(expert_output)
         anchor = grad_anchor(self.layout.combine_backward, expert_output)
-        return Returned(return_rows(expert_output, self.route, anchor))
+        return Returned(ToOwners.apply(expert_output, self.route, anchor))
 
     def owner_sum(self, returned: Returned, handle: DispatchHandle) -> torch.Tensor:
         weights = None if self.config.probs_in_experts else handle.probs  # None: the experts applied them
@@ -283,7 +283,7 @@ def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, layou
     return DroplessPlan(config=cfg, group=group, latch=latch, layout=layout, routing_map=routing_map,
                         hidden_dtype=hidden_dtype, probs_dtype=probs_dtype, owner_map=owner_map, route=route,
                         expert_runs=expert_runs, expert_padded=dev[at_padded] if at_padded else None,
-                        host_expert_rows=torch.tensor(layout.tokens_per_local_expert, dtype=torch.int64))
+                        host_rows_per_expert=torch.tensor(layout.tokens_per_local_expert, dtype=torch.int64))
 
 
 def expert_row_map(plan: DroplessPlan, recv_routing: torch.Tensor) -> RowIdMap:

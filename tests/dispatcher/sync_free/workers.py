@@ -1,4 +1,4 @@
-"""Workers of test_static.py (importable by spawned ranks): the sync-free layer against the
+"""Workers of test_dispatch.py (importable by spawned ranks): the sync-free layer against the
 dropless one on the same weights and tokens, and a static-capacity overflow."""
 from __future__ import annotations
 
@@ -26,16 +26,16 @@ def _step(layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor) -> dict:
 
 
 def fit_worker(rank: int, world_size: int, dtype: torch.dtype, probs_in_experts: bool, device: str = "cpu") -> dict:
-    """Per kind: (static - dropless) bitwise equal for outputs and every gradient, two steps."""
+    """Per kind: (sync_free - dropless) bitwise equal for outputs and every gradient, two steps."""
     if device == "cuda":
         torch.cuda.set_device(0)  # the ranks share the one GPU over gloo
     results = {}
     for kind in DISPATCHER_KINDS:
         dropless = MoELayer(_config(kind, probs_in_experts=probs_in_experts), layer_index=0).to(device, dtype)
         # A factor of P makes every capacity the most a rank can need: it always fits.
-        static = MoELayer(_config(kind, probs_in_experts=probs_in_experts,
+        sync_free = MoELayer(_config(kind, probs_in_experts=probs_in_experts,
                                   ep_capacity_factor=float(world_size)), layer_index=0).to(device, dtype)
-        assert static.dispatcher.sync_free and not dropless.dispatcher.sync_free
+        assert sync_free.dispatcher.sync_free and not dropless.dispatcher.sync_free
         same = []
         for step in range(2):
             gen = torch.Generator().manual_seed(100 * rank + step)
@@ -43,7 +43,7 @@ def fit_worker(rank: int, world_size: int, dtype: torch.dtype, probs_in_experts:
             upstream = torch.randn(6, 16, generator=gen).to(device, dtype)
             a = _step(dropless, x, upstream)
             with count_scalar_copies() as scalar_copies:
-                b = _step(static, x, upstream)
+                b = _step(sync_free, x, upstream)
             same.append({k: torch.equal(a[k], b[k]) for k in a})
             same[-1]["no scalar copies"] = not scalar_copies  # on CUDA each a host sync
             same[-1]["finite"] = bool(torch.isfinite(b["out"]).all())
@@ -95,7 +95,7 @@ def overflow_cuda_worker(rank: int, world_size: int) -> dict:
 def bad_input_worker(rank: int, world_size: int) -> dict:
     """After the first step, rank 1 passes a wrong hidden size: no hang; NaN everywhere; the next
     dispatch raises the same ValueError on every rank naming rank 1. (Another T is no bad input:
-    test_static_steps.py.)"""
+    test_steps.py.)"""
     layer = MoELayer(_config("alltoall", ep_capacity_factor=2.0), layer_index=0)
     x = torch.randn(6, 16)
     _step(layer, x, torch.ones(6, 16))

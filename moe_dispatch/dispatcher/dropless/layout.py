@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import DispatchConfig
-from ..distributed.agreement import (
+from ...config import DispatchConfig
+from ...distributed.agreement import (
     ErrorLatch,
     InputProblem,
     differ,
@@ -34,9 +34,9 @@ from ..distributed.agreement import (
     order_problem,
     problem_message,
 )
-from ..distributed.comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
-from ..distributed.identity import CallId
-from ..numerics.rounding import round_up
+from ...distributed.comm import ProcessGroup, all_gather_rows, group_size_rank, read_host, to_device
+from ...distributed.identity import CallId
+from ...numerics.rounding import round_up
 
 _HIDDEN_DTYPES = tuple(dtype_code(d) for d in (torch.float32, torch.float16, torch.bfloat16))
 _PROBS_DTYPES = (*_HIDDEN_DTYPES, dtype_code(torch.float64))
@@ -50,6 +50,7 @@ _HOST_FIELDS = ("tag", "fingerprint", "layer_id", "step", "err_code", "err_expec
                 "hidden_T", "hidden_H", "hidden_dtype", "map_T", "map_E", "map_dtype",
                 "probs_T", "probs_E", "probs_dtype", "probs_grad", "one_device",
                 "grad_mode", "hidden_grad", "experts_grad")
+_DESCRIBED_FIELDS = _HOST_FIELDS[_HOST_FIELDS.index("hidden_T"):]  # what _describe returns, in order
 _DEVICE_FIELDS = ("max_k", "probs_nonfinite", "late_code", "late_expected", "late_got")
 _FIELDS = _HOST_FIELDS + _DEVICE_FIELDS
 _AT = {name: i for i, name in enumerate(_FIELDS)}
@@ -197,6 +198,13 @@ def _input_problems(f: dict, cfg: DispatchConfig) -> list[str]:
     if not f["one_device"]:
         out.append("hidden_states, routing_map and probs must be on one device")
     return out
+
+
+def own_input_problems(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig) -> list[str]:
+    """Problems with this rank's own hidden_states, routing_map and probs, found on the host alone
+    (no collective): the checks the size exchange runs on every rank's description."""
+    described = _describe(hidden, routing_map, probs, experts_grad=True)
+    return _input_problems({"err_code": 0, **dict(zip(_DESCRIBED_FIELDS, described))}, cfg)
 
 
 def _on_ranks(found: list[tuple[str, int]]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Workers of test_static_steps.py (importable by spawned ranks): the sync-free step as a training
+"""Workers of test_steps.py (importable by spawned ranks): the sync-free step as a training
 run uses it: another T per step, empty steps, grad mode per rank, the documented dispatcher
 example, and config values of different Python types."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 
 from moe_dispatch import AllToAllDispatcher, GroupedMLP, MoEConfig, MoELayer, TopKRouter
 from tests.dispatcher.harness import value_error_of
-from tests.dispatcher.static_workers import _config
+from tests.dispatcher.sync_free.workers import _config
 
 
 def _pair(kind: str, **changes) -> tuple[MoELayer, MoELayer]:
@@ -34,14 +34,14 @@ def _token_counts(rank: int, kind: str, counts: list) -> list:
     """One step per entry of ``counts`` (T of each rank: an int, or a list by rank) on a new
     sync-free layer and on the dropless one: per step, which results are bitwise equal (or the
     error)."""
-    static, dropless = _pair(kind)
+    sync_free, dropless = _pair(kind)
     steps = []
     for step, T in enumerate(counts):
         T = T[rank] if isinstance(T, list) else T
         gen = torch.Generator().manual_seed(10 * rank + step)
         x, upstream = torch.randn(T, 16, generator=gen), torch.randn(T, 16, generator=gen)
         try:
-            a, b = _run(dropless, x, upstream), _run(static, x, upstream)
+            a, b = _run(dropless, x, upstream), _run(sync_free, x, upstream)
         except Exception as exc:  # the test shows it
             steps.append({"error": f"{type(exc).__name__}: {exc}"})
             continue
@@ -134,12 +134,12 @@ def cuda_token_counts_worker(rank: int, world_size: int) -> dict:
     would need a host read)."""
     from moe_dispatch.ops import guard
     torch.cuda.set_device(0)
-    static, dropless = (layer.to("cuda", torch.bfloat16) for layer in _pair("alltoall"))
+    sync_free, dropless = (layer.to("cuda", torch.bfloat16) for layer in _pair("alltoall"))
     same = []
     for step, T in enumerate([6, 4, 0]):
         gen = torch.Generator().manual_seed(10 * rank + step)
         x, upstream = (torch.randn(T, 16, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
-        a, b = _run(dropless, x, upstream), _run(static, x, upstream)
+        a, b = _run(dropless, x, upstream), _run(sync_free, x, upstream)
         same.append(all(b[k] is not None and torch.equal(a[k], b[k]) for k in a))
-    out = static(torch.randn(9, 16, device="cuda", dtype=torch.bfloat16))
+    out = sync_free(torch.randn(9, 16, device="cuda", dtype=torch.bfloat16))
     return {"same": same, "nan": bool(torch.isnan(out).all()), "error": value_error_of(guard.check_device_errors)}

@@ -1,4 +1,4 @@
-"""The sync-free step (dispatcher/static.py) across the steps of a run, on 2 gloo ranks: a step
+"""The sync-free step (dispatcher/sync_free/) across the steps of a run, on 2 gloo ranks: a step
 with another T (smaller, larger, different per rank, empty) is bitwise the dropless step; a rank
 under torch.no_grad() alone, a capacity overflow in the documented dispatcher example, a config
 value that really differs: the same ValueError on every rank, never a hang (timeouts of 60 s)."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dispatcher import static_step_workers as workers
 from tests.dispatcher.harness import run_ranks
+from tests.dispatcher.sync_free import step_workers as workers
 
 TIMEOUT = 60
 

@@ -7,39 +7,39 @@ block (tokens with fewer than K experts) belong to no expert. The experts take d
 (``handle.expert_offsets``); host counts are read only by whoever asks (``tokens_per_expert``).
 
 EP > 1, the static-capacity exchange (``DispatchConfig.ep_capacity_factor`` f): the sizes of
-``StaticSizes`` fix every buffer, from the plan's T: the largest T of any rank at the first step
+``SyncFreeSizes`` fix every buffer, from the plan's T: the largest T of any rank at the first step
 of a (group, config), which runs the dropless size exchange once. A rank with fewer tokens pads
 with rows that route nowhere; one with more makes every rank re-plan (CPU; see ``dispatch``).
 Every chunk of an exchange has a fixed number of rows (so the splits are equal and known), the
 valid rows first (the dropless path's rows in its order), then padding rows that route nowhere,
-then a status row carrying the sender's check words (static_words.py). The received rows are in
+then a status row carrying the sender's check words (words.py). The received rows are in
 source rank order, so make_slots' dense numbering over them is again the dropless receiver layout
 (expert-major, source ascending, token ascending): while everything fits, every row, order and
-sum is the dropless path's, bitwise. Both exchanges, with their status rows: static_exchange.py.
+sum is the dropless path's, bitwise. Both exchanges, with their status rows: exchange.py.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ..config import DispatchConfig
-from ..distributed.agreement import DeviceProblem, ErrorLatch, fingerprint_hash, problem_message
-from ..distributed.comm import ProcessGroup, group_size_rank
-from ..distributed.identity import CallId, StepCounter
-from ..distributed.registry import STATIC_PLANS
-from ..ops import RowIdMap, unpermute
-from ..ops.permutation import make_slots
-from .expand import Expand, ReturnPath, grad_anchor
-from .fp8_wire import wire_rows
-from .handle import DispatchHandle, Prepared, Returned, Sent
-from .plan import Plan
-from .records import check_record_here, record_problem
-from .static_exchange import ReturnRows, expert_map_and_route, return_exchange, send_tokens
-from .static_words import (
+from ...config import DispatchConfig
+from ...distributed.agreement import DeviceProblem, ErrorLatch, fingerprint_hash, problem_message
+from ...distributed.comm import ProcessGroup, group_size_rank
+from ...distributed.identity import CallId, StepCounter
+from ...distributed.registry import SYNC_FREE_PLANS
+from ...ops import RowIdMap, unpermute
+from ...ops.permutation import make_slots
+from ..dropless.layout import exchange_sizes, own_input_problems
+from ..expand import Expand, ReturnPath, grad_anchor
+from ..fp8_wire import wire_rows
+from ..plan import DispatchHandle, Plan, Prepared, Returned, Sent
+from ..records import check_record_here, record_problem
+from .exchange import ToOwners, expert_map_and_route, return_exchange, send_tokens
+from .sizes import SyncFreeSizes
+from .words import (
     W_GRAD_OFF,
     W_GRAD_ON,
     W_INPUT,
@@ -59,66 +59,13 @@ from .static_words import (
 )
 
 
-@dataclass(frozen=True)
-class StaticSizes:
-    """The sizes of one sync-free step, host ints from the config and T alone (equal on every
-    rank). Field names shared with ``layout.Layout`` mean the same.
-
-    Attributes:
-        num_tokens: [P], the plan's T on every rank (a rank with fewer tokens pads: see prepare).
-        send_capacity: tokens one rank sends to one rank (alltoall): min(T, ceil(f * T * K / P));
-            the allgather sends every token (T).
-        recv_rows: N, (token, local expert) rows a rank's experts receive: T * K at EP 1, else
-            min(P * T * min(K, El), ceil(f * T * K)) (T * K is the balanced load).
-        return_capacity: rows one expert rank returns to one owner: min(T * min(K, El),
-            ceil(f * T * K / P)) (unused at EP 1).
-        probs_grad: the probs gradient travels back (probs_in_experts), whether or not this rank's
-            probs require grad: the collectives must match on every rank without an exchange.
-    """
-
-    ep_size: int
-    rank: int
-    num_experts: int
-    num_local_experts: int
-    topk: int
-    num_tokens: tuple[int, ...]
-    factor: Optional[float]
-    send_capacity: int
-    recv_rows: int
-    return_capacity: int
-    probs_grad: bool
-
-    @classmethod
-    def build(cls, cfg: DispatchConfig, ep_size: int, rank: int, num_tokens: int) -> "StaticSizes":
-        P, T, K = ep_size, num_tokens, cfg.topk
-        El = cfg.num_experts // P
-        f = cfg.ep_capacity_factor
-        if P == 1:
-            send, recv, ret = T, T * K, T * K
-        else:
-            if f is None:
-                raise ValueError(f"the sync-free dispatch at EP size {P} needs ep_capacity_factor (a finite number "
-                                 f"> 0), got None")
-            pair = math.ceil(f * T * K / P)
-            send = T if cfg.kind == "allgather" else max(1, min(T, pair))
-            recv = max(1, min(P * T * min(K, El), math.ceil(f * T * K)))
-            ret = max(1, min(T * min(K, El), pair))
-        return cls(ep_size=P, rank=rank, num_experts=cfg.num_experts, num_local_experts=El, topk=K,
-                   num_tokens=(T,) * P, factor=None if f is None else float(f),  # the same text on every rank
-                   send_capacity=send, recv_rows=recv, return_capacity=ret, probs_grad=cfg.probs_in_experts)
-
-    @property
-    def T(self) -> int:
-        return self.num_tokens[0]
-
-
 # ---- the plan -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class StaticPlan(Plan):
+class SyncFreePlan(Plan):
     """What a sync-free step's own routing decides (plan.Plan).
 
     Attributes:
-        layout: the step's StaticSizes.
+        layout: the step's SyncFreeSizes.
         owner_map: RowIdMap of this rank's (token, expert) pairs in the owner buffer (None at EP 1).
         slots, counts: make_slots of routing_map (the EP-1 expert map; counts [E] on the device).
         words: int32 [num_words(P)], this rank's own check words (with its call at EP > 1).
@@ -132,7 +79,7 @@ class StaticPlan(Plan):
     group: ProcessGroup
     latch: ErrorLatch
     call: CallId
-    layout: StaticSizes
+    layout: SyncFreeSizes
     routing_map: torch.Tensor
     hidden_dtype: torch.dtype
     probs_dtype: torch.dtype
@@ -169,7 +116,7 @@ class StaticPlan(Plan):
         probs = torch.zeros((T, E), dtype=self.probs_dtype, device=device)
         self.words[W_INPUT].fill_(self.rank + 1)  # scalar fills: no host-to-device copy
         self.words[W_INPUT_RANKS + self.rank].fill_(1)
-        return dataclasses.replace(prepared, x=x, probs=probs, wire=wire_rows(x, self.config))
+        return dataclasses.replace(prepared, x=x, probs=probs, wire_rows=wire_rows(x, self.config))
 
     def send(self, prepared: Prepared, with_routing: bool = True) -> Sent:
         """The forward exchange. On CPU the received words are read (no sync): every rank reads
@@ -182,7 +129,7 @@ class StaticPlan(Plan):
             if grad_modes_differ(words):
                 raise_words(words, self.layout, deferred=False)
             if words[W_TOKENS] > self.layout.T:
-                STATIC_PLANS.pop(self.group, fingerprint_hash(self.config))
+                SYNC_FREE_PLANS.pop(self.group, fingerprint_hash(self.config))
                 again = _prepare(*prepared.inputs, self.config, self.group, self.latch, steps=None,
                                  experts_grad=prepared.experts_grad, call=self.call)
                 return again.plan.send(again)
@@ -209,7 +156,7 @@ class StaticPlan(Plan):
         rows, row_probs, sink = Expand.apply(sent.x, probs_in, sent.recv.hidden, sent.recv.probs, path, expert_map,
                                        self.config.probs_in_experts, self.config.fp8 is not None,
                                        grad_anchor(route is not None, sent.x, probs_in))
-        offsets = torch.cumsum(expert_map.padded_expert_rows, 0).to(torch.int32)  # cut to N (static_exchange)
+        offsets = torch.cumsum(expert_map.padded_expert_rows, 0).to(torch.int32)  # cut to N (expert_map_and_route)
         owner_map = expert_map if self.owner_map is None else self.owner_map
         return rows, DispatchHandle(plan=self, expert_map=expert_map, owner_map=owner_map, probs=sent.probs,
                                     permuted_probs=row_probs, hidden_shape=sent.hidden_shape, expert_offsets=offsets,
@@ -220,7 +167,7 @@ class StaticPlan(Plan):
               probs: Any) -> tuple[torch.Tensor, DispatchHandle]:
         """A new sync-free dispatch (there is no size exchange to skip), whose routing is compared
         with the handle's on the device; a difference sets the step's input word (NaN outputs,
-        then the error; see static_words.py)."""
+        then the error; see words.py)."""
         prepared = _prepare(hidden, routing_map, probs, self.config, self.group, self.latch, steps=None,
                             call=self.call)
         sent = prepared.plan.send(prepared)
@@ -254,7 +201,15 @@ class StaticPlan(Plan):
             latch_words(self.group, words, self.layout)
 
     def host_counts(self, handle: DispatchHandle) -> torch.Tensor:
-        return handle.device_expert_rows.cpu()  # a host read: only whoever asks pays it
+        return handle.rows_per_expert.cpu()  # a host read: only whoever asks pays it
+
+    def source_blocks(self, handle: DispatchHandle) -> torch.Tensor:
+        """On the device, no host read: int64 [El, P], the rows of each (local expert, source) block;
+        the blocks tile the receiver layout from row 0 (expert-major, source ascending, as make_slots
+        numbers the received rows), the trailing rows in none."""
+        if handle.route is None:  # EP 1: one source, an expert's block is its rows
+            return handle.rows_per_expert.view(-1, 1)
+        return handle.route.source_rows
 
     def flag_expert_output(self, handle: DispatchHandle, expert_output: Any) -> None:
         route = handle.route  # the input word travels in the return exchange's status rows
@@ -266,7 +221,7 @@ class StaticPlan(Plan):
         route = handle.route
         if route is None:
             return Returned(expert_output)
-        hidden, words = ReturnRows.apply(expert_output, route, self.layout, grad_anchor(True, expert_output))
+        hidden, words = ToOwners.apply(expert_output, route, self.layout, grad_anchor(True, expert_output))
         latch_words(self.group, words, self.layout)
         return Returned(hidden, words)
 
@@ -293,16 +248,8 @@ class _Agreed(NamedTuple):
 
 def agreed_hidden(group: ProcessGroup, cfg: DispatchConfig) -> Optional[tuple[torch.Size, torch.dtype]]:
     """(shape [T, H], dtype) of the plan's hidden_states at EP > 1, None before its first step."""
-    agreed = STATIC_PLANS.get(group, fingerprint_hash(cfg))
+    agreed = SYNC_FREE_PLANS.get(group, fingerprint_hash(cfg))
     return None if agreed is None else (torch.Size((agreed.T, cfg.hidden_size)), agreed.hidden_dtype)
-
-
-def _host_problems(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig) -> list[str]:
-    from .layout import _HOST_FIELDS, _input_problems
-    from .layout import _describe as describe
-    prefix = [0] * _HOST_FIELDS.index("hidden_T")  # tag, fingerprint, call, caller's problem: unused here
-    fields = dict(zip(_HOST_FIELDS, [*prefix, *describe(hidden, routing_map, probs, True)]))
-    return _input_problems(fields, cfg)
 
 
 def _agree(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch,
@@ -310,15 +257,14 @@ def _agree(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, group
     """The plan of (group, cfg). Its first step runs the dropless size exchange, which validates
     every rank (raising alike on all) and tells every rank every T: the plan takes the largest
     (an all-empty step plans nothing: the next step agrees again)."""
-    from .layout import exchange_sizes
     fingerprint = fingerprint_hash(cfg)
-    agreed = STATIC_PLANS.get(group, fingerprint)
+    agreed = SYNC_FREE_PLANS.get(group, fingerprint)
     if agreed is None:
         layout = exchange_sizes(hidden, routing_map, probs, cfg, group, latch, call=call, experts_grad=experts_grad)
         T = max(layout.num_tokens)
         agreed = _Agreed(max(T, 1), hidden.dtype, probs.dtype, hidden.device)
         if T:
-            STATIC_PLANS.set(group, agreed, fingerprint)
+            SYNC_FREE_PLANS.set(group, agreed, fingerprint)
     return agreed
 
 
@@ -337,12 +283,12 @@ def _prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, gro
         call = steps.call()
     input_code = grown = 0
     if P == 1:
-        problems = _host_problems(hidden, routing_map, probs, cfg)
+        problems = own_input_problems(hidden, routing_map, probs, cfg)
         if problems:
             raise ValueError("invalid MoE dispatch input: " + "; ".join(problems))
     else:
         agreed = _agree(hidden, routing_map, probs, cfg, group, latch, call, experts_grad)
-        if _host_problems(hidden, routing_map, probs, cfg) or (hidden.dtype, probs.dtype, hidden.device) != (
+        if own_input_problems(hidden, routing_map, probs, cfg) or (hidden.dtype, probs.dtype, hidden.device) != (
                 agreed.hidden_dtype, agreed.probs_dtype, agreed.device):
             input_code = rank + 1
         elif routing_map.shape[0] > agreed.T:
@@ -353,29 +299,31 @@ def _prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, gro
             routing_map = torch.zeros((agreed.T, E), dtype=torch.bool, device=device)
             probs = torch.zeros((agreed.T, E), dtype=agreed.probs_dtype, device=device)
     x = hidden.reshape(-1, hidden.shape[-1])
-    wire = probs.to(cfg.wire_probs_dtype(probs.dtype))
+    wire_probs = probs.to(cfg.wire_probs_dtype(probs.dtype))
     real, shape = x.shape[0], hidden.shape
     if P > 1 and real < agreed.T:
         pad = agreed.T - real
-        x, wire = torch.cat([x, x.new_zeros(pad, x.shape[1])]), torch.cat([wire, wire.new_zeros(pad, wire.shape[1])])
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        wire_probs = torch.cat([wire_probs, wire_probs.new_zeros(pad, wire_probs.shape[1])])
         routing_map = torch.cat([routing_map, routing_map.new_zeros(pad, routing_map.shape[1])])
-    plan = make_plan(cfg, group, latch, call, x, wire, routing_map, input_code, grown)
+    plan = make_plan(cfg, group, latch, call, x, wire_probs, routing_map, input_code, grown)
     if steps is not None:
         steps.advance()
     plan = dataclasses.replace(plan, replaced=bool(input_code or grown), num_real=real)
-    return Prepared(x, wire, plan, shape, inputs, experts_grad, wire_rows(x, cfg))
+    return Prepared(x, wire_probs, plan, shape, inputs, experts_grad, wire_rows(x, cfg))
 
 
 def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, call: CallId, x: torch.Tensor,
-              wire: torch.Tensor, routing_map: torch.Tensor, input_code: int = 0, grown: int = 0) -> StaticPlan:
+              wire_probs: torch.Tensor, routing_map: torch.Tensor, input_code: int = 0,
+              grown: int = 0) -> SyncFreePlan:
     P, rank = group_size_rank(group)
     T, E = routing_map.shape
-    sizes = StaticSizes.build(cfg, P, rank, T)
+    sizes = SyncFreeSizes.build(cfg, P, rank, T)
     device = routing_map.device
     slots, stats = make_slots(routing_map.contiguous(), 1)
     counts = stats[:E]
     words = torch.zeros(num_words(P), dtype=torch.int32, device=device)
-    words[W_NONFINITE] = (~torch.isfinite(wire)).any().to(torch.int32)
+    words[W_NONFINITE] = (~torch.isfinite(wire_probs)).any().to(torch.int32)
     words[W_MAX_K] = stats[E].to(torch.int32)
     words[W_INPUT].fill_(input_code)  # a scalar fill, not ``words[i] = v`` (see set_call_words)
     words[W_INPUT_RANKS + rank].fill_(int(input_code > 0))
@@ -395,6 +343,6 @@ def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, call:
         moved = torch.where(rows >= 0, rows + shift[experts.clamp(min=0).long()], rows).to(torch.int32)
         owner_map = RowIdMap(torch.cat([slots[:, :1], moved, experts], dim=1), counts, counts, P * rows_per_chunk,
                              True, min(E, cfg.topk))
-    return StaticPlan(config=cfg, group=group, latch=latch, call=call, layout=sizes, routing_map=routing_map,
-                      hidden_dtype=x.dtype, probs_dtype=wire.dtype, owner_map=owner_map, slots=slots, counts=counts,
-                      words=words)
+    return SyncFreePlan(config=cfg, group=group, latch=latch, call=call, layout=sizes, routing_map=routing_map,
+                        hidden_dtype=x.dtype, probs_dtype=wire_probs.dtype, owner_map=owner_map, slots=slots,
+                        counts=counts, words=words)
