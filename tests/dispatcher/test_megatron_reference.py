@@ -13,6 +13,9 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
+# Under the main venv's release only: ours against Megatron's own dispatchers under every release
+# is tests/integrations/test_megatron_plugin.py::test_equals_megatron_dispatcher.
+pytestmark = pytest.mark.one_megatron_release
 
 from .harness import run_ranks  # noqa: E402
 from .helpers import K  # noqa: E402

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_dispatch.experts import GroupedMLP, SequentialMLP, expert_gemm, scale_rows
 from moe_dispatch.experts.activations import _row_sum, _unary, activate
+from moe_dispatch.experts.gemm import select_gemm
 from moe_dispatch.tools.batch_invariance import activation_mismatches
 from tests.experts.reference import make_config
 from tests.fake_blas import FakeBlas
@@ -64,17 +65,41 @@ def _assert_row_stable(experts, dtype, blocks=BLOCK_SIZES, neighbours=NEIGHBOURS
                 assert torch.equal(got[2], ref[2]), f"prob grad differs at {where}"
 
 
-@pytest.mark.parametrize("cls", [GroupedMLP, SequentialMLP])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["gelu", "relu", "swiglu"])
-def test_module_row_stable(cls, dtype, activation):
+def test_module_row_stable(dtype, activation):
     """Under a BLAS whose rows change with the row count and position: the CPU paths take no
-    matrix product from the BLAS at all, so this holds on any CPU."""
+    matrix product from the BLAS at all, so this holds on any CPU. GroupedMLP only: on CPU
+    SequentialMLP computes the same, bitwise (test_both_classes_compute_the_same_on_cpu)."""
     # ffn=104 is not a multiple of the SIMD step, so a lone row's activations end in a scalar tail.
     cfg = make_config(activation, dtype, probs_in_experts=activation != "relu", ffn=104, num_experts=3)
     with FakeBlas() as blas:
-        _assert_row_stable(cls(cfg, 3), dtype)
+        _assert_row_stable(GroupedMLP(cfg, 3), dtype)
     assert blas.calls == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_classes_compute_the_same_on_cpu(dtype):
+    """GroupedMLP and SequentialMLP share LocalExperts' forward and differ only in prefer_grouped,
+    and GroupedMLP's grouped_mm is row-stable on CUDA bf16 only: on CPU both take the "ordered"
+    GEMMs, with bitwise the same output and gradients (so the sweep above needs one of them)."""
+    cfg = make_config("swiglu", dtype, probs_in_experts=True, ffn=104, num_experts=3)
+    g = torch.Generator().manual_seed(7)
+    counts = torch.tensor([5, 130, 65])
+    x, dy = (torch.randn(200, 64, generator=g).to(dtype) for _ in range(2))
+    probs = torch.rand(200, generator=g)
+    grouped, sequential = GroupedMLP(cfg, 3), SequentialMLP(cfg, 3)
+    sequential.load_state_dict(grouped.state_dict())
+    results = []
+    for experts in (grouped, sequential):
+        name = type(experts).__name__
+        assert select_gemm(x, experts.weight1.to(dtype), experts.prefer_grouped, experts.row_stable) == "ordered", name
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        with FakeBlas() as blas:
+            experts(xi, counts, pi).backward(dy)
+        assert blas.calls == 0, name
+        results.append([xi.grad, pi.grad, experts.weight1.grad, experts.weight2.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_fake_blas_is_row_unstable():

@@ -31,7 +31,8 @@ def _status(line: str) -> str:
 
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core")
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+# fp32 under the main venv's release only: the dtypes differ in our code, not in Megatron's API
+@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp32", marks=pytest.mark.one_megatron_release)])
 def test_check_megatron_end_to_end(dtype):
     cmd = [sys.executable, "-m", "tests.integrations.check_megatron_cpu", "--megatron", "--ranks", "2",
            "--ep-sizes", "1,2", "--tokens", "96", "--dtype", dtype]

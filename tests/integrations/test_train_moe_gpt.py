@@ -73,6 +73,7 @@ def test_identical_data_identical_losses_and_learning(run):
         assert runs[f"EP 1 ours-{kind}"]["rank_losses"][0][0] == runs[f"EP 2 ours-{kind}"]["rank_losses"][0][0]
 
 
+@pytest.mark.one_megatron_release  # install(fp8=...) per release: test_megatron_fp8.py
 def test_compare_fp8(tmp_path):
     """--compare-fp8, EP 1, 4 steps, one seed: our FP8 runs' claims pass and their losses and
     gradients are bitwise across the dispatchers; FP8 changes every step's loss, by under 0.2
@@ -116,6 +117,7 @@ def test_compare_fp8(tmp_path):
     assert labels_outside(svg) == [] and labels_overlapping(svg) == []
 
 
+@pytest.mark.one_megatron_release  # fp8_wgrad=False per release: test_megatron_fp8.py::test_no_fp8_wgrad
 def test_no_fp8_wgrad(tmp_path):
     """--fp8 e4m3 with and without --no-fp8-wgrad (Megatron's TransformerConfig.fp8_wgrad), EP 1, 3
     steps: both runs' claims pass (losses and gradients bitwise across the dispatchers); the first
