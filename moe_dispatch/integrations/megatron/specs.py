@@ -207,11 +207,13 @@ def megatron_default_layer_spec() -> Callable[..., Any]:
     try:
         module = importlib.import_module(path)
     except ModuleNotFoundError as exc:
-        if not (exc.name and path.startswith(exc.name)):
-            raise  # the module exists but one of its own imports is missing: Megatron-LM's error
+        # either the module is not there (megatron-core alone, Megatron-LM before core_v0.19), or
+        # importing Megatron-LM's training package needs a module this environment lacks (yaml, ...)
+        missing = (f"{exc.name} is not there" if exc.name and path.startswith(exc.name)
+                   else f"importing {path} failed: {exc}")
         raise ImportError(f"deterministic_layer_spec needs Megatron-LM's {path}.{name} (Megatron-LM core_v0.19.0 "
                           f"and later, its training package beside megatron.core); {_megatron_version()} is "
-                          f"installed and {exc.name} is not there. {_GPT_BUILDERS_EDIT}") from exc
+                          f"installed and {missing}. {_GPT_BUILDERS_EDIT}") from exc
     spec = getattr(module, name, None)
     if not callable(spec):
         raise ImportError(f"deterministic_layer_spec: {path} has no {name} ({_megatron_version()}); "
