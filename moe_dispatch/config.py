@@ -110,7 +110,7 @@ class DispatchConfig:
         ep_capacity_factor: receive capacity of the static-capacity exchange at EP > 1, in units of the
             balanced load (T * topk rows per rank); see dispatcher.sync_free.sizes.SyncFreeSizes.
         fp8: None, or a key of ``FP8_FORMATS``: each token's row travels quantised, with its own
-            fp32 scale (dispatcher/fp8_wire.py); the combine is unchanged.
+            fp32 scale (the ``Fp8Rows`` payload, ops/fp8_rows.py); the combine is unchanged.
     """
 
     kind: str

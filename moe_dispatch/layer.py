@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import MoEConfig
-from .dispatcher import build_dispatcher, to_expert_rows
+from .config import FP8_FORMATS, MoEConfig
+from .dispatcher import Fp8Rows, build_dispatcher, to_expert_rows
 from .distributed.agreement import DeviceProblem, hidden_states_problem
 from .distributed.comm import group_key, group_size_rank
 from .experts import GroupedMLP, SequentialMLP, layer_seed
@@ -108,8 +108,13 @@ class MoELayer(nn.Module):
         guarded = self._guard(hidden_states, fp8_weights)  # may raise on every rank, or replace a bad input
         hidden_states = guarded.hidden_states
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
-        probs, routing_map = self.router(hidden_states)
-        expert_input, handle = self.dispatcher.dispatch_rows(None if guarded.replaced else tokens, routing_map, probs,
+        probs, routing_map = self.router(hidden_states)  # the router sees the unquantised tokens
+        # The payload, decided once: the tokens, or in FP8 their rows quantised (their gradient to
+        # the tokens). Every stage below runs alike on either. None: a bad input, taking part as zeros.
+        payload = None if guarded.replaced else tokens
+        if payload is not None and self.config.fp8 is not None:
+            payload = Fp8Rows.quantize(tokens, FP8_FORMATS[self.config.fp8])
+        expert_input, handle = self.dispatcher.dispatch_rows(payload, routing_map, probs,
                                                              experts_need_grad=self._experts_need_grad(),
                                                              device_problem=guarded.bits_problem)
         # per-source weight gradients only while a GradientTree asked for them (experts.source_grads)

@@ -14,7 +14,8 @@ Inside: ``plan`` (the Plan interface, a step's plan chosen once in prepare, and 
 passes between the stages); the two plans, a package each: ``dropless`` (``plan``; sizes from
 the size exchange, ``layout``; transport, ``exchange``) and ``sync_free`` (``plan``; ``sizes``,
 ``exchange``, ``words``: its check words); what both use: ``row_format`` (packed rows,
-``Received``), ``status_rows`` (words at the end of an exchange's chunks), ``expand`` (the
+``Received``), ``status_rows`` (words at the end of an exchange's chunks), ``payload`` (what
+travels: the tokens, or ``Fp8Rows``, and how each arrives), ``expand`` (the
 received rows into the expert layout, and their gradients back). Agreement across ranks and
 latched errors: ``moe_dispatch.distributed``; the settings: ``moe_dispatch.config.DispatchConfig``.
 """
@@ -22,8 +23,8 @@ from ..config import DispatchConfig
 from ..distributed.agreement import InputProblem, hidden_states_problem
 from .dispatchers import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher
 from .dropless.exchange import KINDS
-from .fp8_wire import pack_rows, unpack_rows, wire_width
 from .functional import combine, dispatch, dispatch_rows, with_host_counts
+from .payload import Fp8Rows, pack_rows, unpack_rows, wire_width
 from .plan import DispatchHandle, Plan, Prepared, Returned, Sent
 from .stages import (
            check_expert_output,
@@ -36,7 +37,8 @@ from .stages import (
            to_expert_rows,
 )
 
-__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "DispatchConfig", "DispatchHandle", "InputProblem", "KINDS",
+__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "DispatchConfig", "DispatchHandle", "Fp8Rows", "InputProblem",
+           "KINDS",
            "Plan", "Prepared", "Returned", "Sent", "build_dispatcher", "check_expert_output", "combine", "device_of",
            "dispatch", "dispatch_rows", "finish", "hidden_states_problem", "owner_sum",
            "pack_rows", "prepare", "return_rows", "send", "to_expert_rows", "unpack_rows", "wire_width",

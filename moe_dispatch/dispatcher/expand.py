@@ -15,7 +15,9 @@ import torch
 
 from ..numerics.autograd import refuse_double_backward
 from ..ops import RowIdMap, unpermute
+from ..ops.fp8_rows import Fp8Rows
 from ..ops.permutation import permute_rows
+from .payload import Payload
 
 # (row gradients [N, H], probs gradients [N] or None) -> the same at the owners, in owner_map's rows
 SendBack = Callable[[torch.Tensor, Optional[torch.Tensor]], tuple[torch.Tensor, Optional[torch.Tensor]]]
@@ -65,27 +67,30 @@ def pairs_to_dense(values: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:
 
 class Expand(torch.autograd.Function):
     """Inputs: x [T, H] and probs [T, E] are the owner's tensors that autograd links to; the
-    received tensors recv_x [R, H] and recv_probs [R, E] (detached, views of the exchange's
-    buffer) carry the values; expert_map: the receiver's RowIdMap; probs_in_experts: the experts
-    multiply by the returned row probs [N] (else they are returned non-differentiable, for
-    inspection); fp8_wire: recv_x holds FP8 wire rows (config.fp8; said, never inferred from the
-    widths, which are equal at H = 16); anchor: a leaf that makes the output require grad, or None
-    (the plans' anchors). Returns (rows [N, H], row_probs [N], None).
+    received payload ``received`` (a tensor [R, H], or ``Fp8Rows`` whose wire rows [R, W] move)
+    and recv_probs [R, E] (detached, views of the exchange's buffer) carry the values; expert_map:
+    the receiver's RowIdMap; probs_in_experts: the experts multiply by the returned row probs [N]
+    (else they are returned non-differentiable, for inspection); anchor: a leaf that makes the
+    output require grad, or None (the plans' anchors). Returns (rows [N, H] or the wire rows
+    [N, W], row_probs [N], sink); ``expand`` makes them the payload type received.
 
-    FP8 wire rows (recv_x [R, W]: quantised bytes, fp8_wire.py): rows [N, W] carry no gradient;
-    the third output, sink [N, H] zeros in x's dtype, does: its gradient is the rows'."""
+    ``Fp8Rows`` (quantised bytes): the rows carry no gradient; the third output, sink [N, H] zeros
+    in x's dtype, does (the expert rows' ``grad_sink``): its gradient is the rows'. A tensor: the
+    rows carry their gradient and sink is None."""
 
     @staticmethod
-    def forward(ctx, x, probs, recv_x, recv_probs, path: ReturnPath, expert_map: RowIdMap,
-                probs_in_experts: bool, fp8_wire: bool, anchor):
-        rows, row_probs = permute_rows(recv_x, expert_map.slots, recv_probs, expert_map.num_out_tokens,
+    def forward(ctx, x, probs, received: Payload, recv_probs, path: ReturnPath, expert_map: RowIdMap,
+                probs_in_experts: bool, anchor):
+        quantised = isinstance(received, Fp8Rows)
+        recv_rows = received.packed() if quantised else received
+        rows, row_probs = permute_rows(recv_rows, expert_map.slots, recv_probs, expert_map.num_out_tokens,
                                        path.zero_fill)
         ctx.path, ctx.expert_map, ctx.x_shape, ctx.probs_dtype = path, expert_map, x.shape, recv_probs.dtype
         if not probs_in_experts:
             ctx.mark_non_differentiable(row_probs)
-        ctx.fp8_wire = fp8_wire
+        ctx.payload_type = type(received)
         ctx.x_dtype, ctx.x_device = x.dtype, x.device
-        if not ctx.fp8_wire:
+        if not quantised:
             return rows, row_probs, None
         ctx.mark_non_differentiable(rows)
         # The wire rows take no gradient: with autograd's default (grads materialised) the backward
@@ -97,7 +102,7 @@ class Expand(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows, grad_row_probs, grad_sink=None):
         refuse_double_backward("Expand")
-        if ctx.fp8_wire:
+        if issubclass(ctx.payload_type, Fp8Rows):  # the rows' gradient reached their grad_sink
             grad_rows = grad_sink if grad_sink is not None else torch.zeros(
                 (ctx.expert_map.num_out_tokens, ctx.x_shape[1]), dtype=ctx.x_dtype, device=ctx.x_device)
         path = ctx.path
@@ -114,4 +119,16 @@ class Expand(torch.autograd.Function):
             grad_x = unpermute(rows, owner_map, None).view(ctx.x_shape)
         if owner_probs is not None and ctx.needs_input_grad[1]:
             grad_probs = pairs_to_dense(owner_probs, owner_map)
-        return grad_x, grad_probs, None, None, None, None, None, None, None
+        return grad_x, grad_probs, None, None, None, None, None, None
+
+
+def expand(x: torch.Tensor, probs: torch.Tensor, received: Payload, recv_probs: torch.Tensor, path: ReturnPath,
+           expert_map: RowIdMap, probs_in_experts: bool,
+           anchor: Optional[torch.Tensor]) -> tuple[Payload, torch.Tensor]:
+    """``Expand`` -> (the expert rows as the payload type received: a tensor [N, H], or ``Fp8Rows``
+    whose data and scales view the permuted wire rows [N, W] and whose grad_sink carries their
+    gradient; row_probs [N])."""
+    rows, row_probs, sink = Expand.apply(x, probs, received, recv_probs, path, expert_map, probs_in_experts, anchor)
+    if isinstance(received, Fp8Rows):
+        rows = Fp8Rows.from_wire(rows, received.hidden_size, received.fp8_dtype, sink)
+    return rows, row_probs

@@ -9,14 +9,14 @@ every later stage calls the plan it was given and never asks which plan it is:
 
     prepare      validate, size the step          -> Prepared (x [T, H], wire probs, plan)
     send         the forward data exchange          -> Sent (what arrived, by source rank)
-    finish       expand into the experts' layout     -> (expert_input [N, H], DispatchHandle)
+    finish       expand into the experts' layout     -> (expert_input [N, H] or Fp8Rows, DispatchHandle)
     return_rows  expert rows back to their owners    -> Returned (owner buffer [M, H], check words)
     owner_sum    the owner's fixed-order fp32 sum    -> output, hidden_states' shape
 
 Two plans implement it:
 - ``DroplessPlan`` (dropless/plan.py): sizes from a size exchange (one all-gather, one host read);
 - ``SyncFreePlan`` (sync_free/plan.py): sizes from the config and T alone, no host read (``sync_free``).
-A new plan (an FP8 wire format, a node-level dedup) is a third class with these methods.
+A new plan (a node-level dedup) is a third class with these methods.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from ..distributed.agreement import DeviceProblem, ErrorLatch
 from ..distributed.comm import ProcessGroup
 from ..distributed.identity import CallId, StepCounter
 from ..ops import RowIdMap
+from ..ops.fp8_rows import Fp8Rows
 from .row_format import Received
 
 # The (local expert, source EP rank) blocks of the receiver layout: host [El][P] (first row, rows)
@@ -94,8 +95,9 @@ class Plan(ABC):
         ``with_routing=False``: the receiver's row map is known (a reused handle)."""
 
     @abstractmethod
-    def finish(self, sent: "Sent", expert_map: Optional["RowIdMap"] = None) -> tuple[torch.Tensor, "DispatchHandle"]:
-        """The received rows in the receiver layout, with autograd to the owner's x and probs."""
+    def finish(self, sent: "Sent", expert_map: Optional["RowIdMap"] = None) -> tuple[Any, "DispatchHandle"]:
+        """The received rows in the receiver layout, the payload type sent (a tensor [N, H] or
+        ``Fp8Rows``: ``expand``), with autograd to the owner's x and probs."""
 
     @abstractmethod
     def reuse(self, handle: "DispatchHandle", hidden: Any, routing_map: Any,
@@ -141,8 +143,8 @@ class Prepared:
     """After ``prepare``: x [T, H] and probs [T, E] in the wire dtype (fp32, fp64 for an fp64
     router; autograd to the caller's), the step's plan, the caller's hidden shape ([T, H] or
     [S, B, H]), and the caller's own (hidden, routing_map, probs) and experts_grad (a sync-free
-    send re-plans from them when a rank had more tokens than the plan). ``wire_rows``: the rows
-    as they travel when they are not x itself: [T, W], the FP8 wire rows (fp8_wire.py)."""
+    send re-plans from them when a rank had more tokens than the plan). ``payload``: what travels
+    when it is not x itself: x's rows quantised, ``Fp8Rows`` (payload.py; with ``config.fp8``)."""
 
     x: torch.Tensor
     probs: torch.Tensor
@@ -150,24 +152,26 @@ class Prepared:
     hidden_shape: torch.Size
     inputs: tuple[Any, Any, Any]
     experts_grad: Optional[bool] = None
-    wire_rows: Optional[torch.Tensor] = None
+    payload: Optional[Fp8Rows] = None
 
     @property
     def rows(self) -> torch.Tensor:
-        """What ``send`` moves: [T, H] (or the wire rows [T, W]), detached."""
-        return (self.x if self.wire_rows is None else self.wire_rows).detach()
+        """What ``send`` moves: x [T, H], or the payload's wire rows [T, W], detached."""
+        return self.x.detach() if self.payload is None else self.payload.packed()
 
 
 @dataclass(frozen=True)
 class Sent:
     """After ``send``: the owner's x [T, H] and probs [T, E] (autograd), the plan that sent them
-    (a sync-free send can re-plan), what arrived (rows by source rank) and the hidden shape."""
+    (a sync-free send can re-plan), what arrived (rows by source rank), the hidden shape, and the
+    payload sent when it was not x itself (``Prepared.payload``: what the rows that arrived are)."""
 
     x: torch.Tensor
     probs: torch.Tensor
     plan: "Plan"
     recv: Received
     hidden_shape: torch.Size
+    payload: Optional[Fp8Rows] = None
 
 
 @dataclass(frozen=True)
@@ -189,9 +193,6 @@ class DispatchHandle:
         given_rows: how many rows the experts were given, when fewer than N (``dispatch`` cuts a
             sync-free plan's rows after the experts' blocks, which belong to no expert); the combine
             takes those. None: all N.
-        row_grad_sink: with the FP8 wire (``config.fp8``), [N, H] zeros in the tokens' dtype whose
-            gradient is the expert rows' gradient (the rows are quantised bytes and carry none):
-            the experts' first GEMM takes it as its ``grad_sink``. None otherwise.
         dispatch_id: this dispatch's number in this process (kept by ``dataclasses.replace``): the
             ``Returned`` of ``return_rows`` carries it, and ``owner_sum`` refuses another's.
 
@@ -208,7 +209,6 @@ class DispatchHandle:
     expert_offsets: torch.Tensor
     route: Any = None
     given_rows: Optional[int] = None
-    row_grad_sink: Optional[torch.Tensor] = None
     dispatch_id: int = field(default_factory=new_dispatch_id)
 
     def __copy__(self) -> "DispatchHandle":

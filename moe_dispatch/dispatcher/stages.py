@@ -4,6 +4,10 @@
     sent = send(prepared)                                             # the forward data exchange
     expert_input, handle = finish(sent)                               # the experts' layout, frozen handle
     expert_output = experts(to_expert_rows(expert_input, handle))     # [N, H]: the rows and their split
+
+``hidden`` is the payload: the tokens (a tensor), or ``Fp8Rows`` (the tokens quantised per row,
+``config.fp8``; tokens given with ``config.fp8`` are quantised in ``prepare``). Every stage runs
+alike on either; ``finish`` returns the expert rows as the payload type sent (payload.py).
     returned = return_rows(check_expert_output(expert_output, handle), handle)  # back to the owners
     output = owner_sum(returned, handle)                              # fixed-order fp32 sum, [T, H]
 
@@ -36,9 +40,9 @@ from ..distributed.identity import StepCounter, functional_counter
 from ..experts.rows import ExpertRows
 from ..ops import RowIdMap
 from .dropless.plan import DroplessPlan
-from .fp8_wire import unpack_rows
+from .payload import Fp8Rows
 from .plan import DispatchHandle, Plan, Prepared, Returned, Sent
-from .records import expect_record, expect_rows
+from .records import expect_record, expect_rows, got_name
 from .sync_free.plan import SyncFreePlan
 
 
@@ -48,8 +52,9 @@ def plan_type(cfg: DispatchConfig) -> type[Plan]:
 
 
 def device_of(hidden: Any) -> torch.device:
-    """Where a step's small messages live: the hidden states' device (the CPU for a non-tensor)."""
-    return hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+    """Where a step's small messages live: the hidden states' device (an Fp8Rows payload's; the
+    CPU for anything else)."""
+    return hidden.device if isinstance(hidden, (torch.Tensor, Fp8Rows)) else torch.device("cpu")
 
 
 def prepare(hidden: Any, routing_map: Any, probs: Any, config: MoEConfig | DispatchConfig,
@@ -59,7 +64,9 @@ def prepare(hidden: Any, routing_map: Any, probs: Any, config: MoEConfig | Dispa
     """Validate every rank's input (the same ValueError on every rank) and plan the step.
 
     Args:
-        hidden: [T, H] or [S, B, H] float32/float16/bfloat16. routing_map: [T, E] bool.
+        hidden: [T, H] or [S, B, H] float32/float16/bfloat16, or with ``config.fp8`` an ``Fp8Rows``
+            of [T, H] (``Fp8Rows.quantize(tokens)``: its grad_sink the tokens, which the checks,
+            shapes and autograd take). routing_map: [T, E] bool.
         probs: [T, E] float; they travel as fp32 (fp64 for an fp64 router).
         config, ep_group, kind: as ``dispatch``.
         latch: the group's ErrorLatch (default ``GROUP_LATCHES.of(ep_group)``).
@@ -101,34 +108,38 @@ def send_just_prepared(prepared: Prepared) -> Sent:
     return prepared.plan.send(prepared)
 
 
-def finish(sent: Sent, expert_map: Optional[RowIdMap] = None) -> tuple[torch.Tensor, DispatchHandle]:
-    """The received rows in the receiver layout: (expert_input [N, H], handle). expert_input is
-    expert-major, within an expert by (source rank, token) ascending; padding rows are zero. Its
-    backward returns every row's gradient to its owner unreduced. ``expert_map``: a previous
-    handle's (the same routing; normally None)."""
+def finish(sent: Sent, expert_map: Optional[RowIdMap] = None) -> tuple[torch.Tensor | Fp8Rows, DispatchHandle]:
+    """The received rows in the receiver layout: (expert_input, handle), expert_input the payload
+    type sent: [N, H], or ``Fp8Rows`` of [N, H] (its data and scales views of the permuted wire rows
+    [N, W], ``wire``; its grad_sink takes the rows' gradient). expert_input is expert-major, within
+    an expert by (source rank, token) ascending; padding rows are zero. Its backward returns every
+    row's gradient to its owner unreduced. ``expert_map``: a previous handle's (the same routing;
+    normally None)."""
     expect_record(sent, Sent, "finish")
     return sent.plan.finish(sent, expert_map)
 
 
-def to_expert_rows(expert_input: torch.Tensor, handle: DispatchHandle, *, source_blocks: bool = False) -> ExpertRows:
-    """``finish``'s expert_input [N, H] (the FP8 wire rows [N, W] with ``config.fp8``) as the experts
-    take it: one ``ExpertRows`` with the handle's rows per expert (on the device; on the host too
-    where the plan has them, never read here), offsets, probs, trailing rows, and, FP8, the rows
-    unpacked to fp8 values and scales with their gradient sink. ``source_blocks``: also the (local
-    expert, source rank) blocks, for per-source weight gradients (``handle.source_blocks``: a
-    dropless plan's host pairs, a sync-free plan's device rows [El, P], no host read)."""
+def to_expert_rows(expert_input: torch.Tensor | Fp8Rows, handle: DispatchHandle, *,
+                   source_blocks: bool = False) -> ExpertRows:
+    """``finish``'s expert_input ([N, H], or ``Fp8Rows`` with ``config.fp8``) as the experts take
+    it: one ``ExpertRows`` with the handle's rows per expert (on the device; on the host too where
+    the plan has them, never read here), offsets, probs and trailing rows. ``source_blocks``: also
+    the (local expert, source rank) blocks, for per-source weight gradients (``handle.source_blocks``:
+    a dropless plan's host pairs, a sync-free plan's device rows [El, P], no host read)."""
     expect_record(handle, DispatchHandle, "to_expert_rows")
-    expect_rows(expert_input, "to_expert_rows")
-    config, trailing = handle.plan.config, handle.trailing_rows
-    rows, row_scales = expert_input, None
-    if config.fp8 is not None:
-        rows, row_scales = unpack_rows(expert_input, config.hidden_size, config.fp8)
+    fp8 = handle.plan.config.fp8
+    if fp8 is None:
+        expect_rows(expert_input, "to_expert_rows")
+    elif not isinstance(expert_input, Fp8Rows):
+        raise ValueError(f"to_expert_rows: an FP8 dispatch (config.fp8={fp8!r}) gives its experts the Fp8Rows "
+                         f"that finish() returned; got {got_name(expert_input)}")
+    trailing = handle.trailing_rows
     # a sync-free plan's host counts would cost a host read: the experts take the device ones
     host_rows_per_expert = None if trailing else handle.host_rows_per_expert
     # a sync-free plan's blocks are a device tensor (trailing rows in none): no host read either
     blocks = handle.source_blocks if source_blocks else None
-    return ExpertRows(rows, handle.rows_per_expert, host_rows_per_expert, handle.expert_offsets, handle.permuted_probs,
-                      trailing, blocks, row_scales, handle.row_grad_sink)
+    return ExpertRows(expert_input, handle.rows_per_expert, host_rows_per_expert, handle.expert_offsets,
+                      handle.permuted_probs, trailing, blocks)
 
 
 def check_expert_output(expert_output: Any, handle: DispatchHandle) -> torch.Tensor:

@@ -76,6 +76,7 @@ import torch
 from ..numerics.autograd import refuse_double_backward
 from ..numerics.fixed_order import ordered_mm
 from ..numerics.rounding import round_up
+from ..ops.fp8_rows import Fp8Rows
 from ..ops.quantize import dequantize_rows, quantize_group_columns, quantize_rows
 from .activations import activate, scale_rows
 from .gemm import SourceBlocks, _check_blocks, _host_rows, source_weight_grads
@@ -428,10 +429,11 @@ def fp8_expert_gemm(x: torch.Tensor, x_scales: Optional[torch.Tensor], w: torch.
 
 
 def fp8_rows_problem(rows: ExpertRows) -> Optional[str]:
-    """Why ``rows`` cannot be FP8 experts' input (None: they can): their scales or sink missing."""
-    if rows.row_scales is None or rows.row_grad_sink is None:
-        return ("fp8 experts need row_scales [N] and row_grad_sink [N, H] (the dispatcher's FP8 rows, "
-                "to_expert_rows(expert_input, handle))")
+    """Why ``rows`` cannot be FP8 experts' input (None: they can): not Fp8Rows, or without grad_sink."""
+    if not isinstance(rows.rows, Fp8Rows) or rows.rows.grad_sink is None:
+        got = "Fp8Rows without grad_sink" if isinstance(rows.rows, Fp8Rows) else f"a {type(rows.rows).__name__}"
+        return ("fp8 experts need Fp8Rows rows with a grad_sink [N, H] (the dispatcher's FP8 rows, "
+                f"to_expert_rows(expert_input, handle)), got {got}")
     return None
 
 
@@ -439,9 +441,9 @@ def fp8_mlp(rows: ExpertRows, w1: torch.Tensor, w2: torch.Tensor, activation: st
             fp8_dtype: torch.dtype = torch.float8_e4m3fn,
             weight_operands: Optional[Tuple[Tuple[torch.Tensor, ...], ...]] = None, fp8_wgrad: bool = True,
             sinks: Tuple[Optional[Callable[[torch.Tensor], None]], ...] = (None, None)) -> torch.Tensor:
-    """The experts' MLP on the dispatch's FP8 rows: ``rows`` (an ``ExpertRows``: fp8 values [N, H]
-    with ``row_scales`` [N] fp32 and ``row_grad_sink`` [N, H]) -> [N, H] in row_grad_sink's dtype.
-    fc1 (w1 [E, H, F]) on the rows as they are (their gradient to ``row_grad_sink``), the activation
+    """The experts' MLP on the dispatch's FP8 rows: ``rows`` (an ``ExpertRows`` whose rows are
+    ``Fp8Rows``: fp8 values [N, H], scales [N] fp32, grad_sink [N, H]) -> [N, H] in grad_sink's dtype.
+    fc1 (w1 [E, H, F]) on the rows as they are (their gradient to the grad_sink), the activation
     in that dtype, times ``rows.probs`` [N] with ``apply_probs`` (when given), then fc2 (w2 [E, F, H])
     quantising its input per row. The rows' counts, offsets and trailing rows (a sync-free dispatch's
     device counts and buffer) as `fp8_expert_gemm` takes them. ``weight_operands``:
@@ -452,11 +454,12 @@ def fp8_mlp(rows: ExpertRows, w1: torch.Tensor, w2: torch.Tensor, activation: st
     problem = fp8_rows_problem(rows)
     if problem is not None:
         raise ValueError(problem)
-    out_dtype = rows.row_grad_sink.dtype
+    fp8_rows = rows.rows
+    out_dtype = fp8_rows.grad_sink.dtype
     ops1, ops2 = weight_operands or (None, None)
     counts, offsets, trailing, blocks = rows.gemm_counts, rows.offsets, rows.trailing_rows, rows.source_blocks
-    h = fp8_expert_gemm(rows.rows, rows.row_scales, w1, counts, offsets, fp8_dtype, out_dtype,
-                        grad_sink=rows.row_grad_sink, trailing_rows=trailing, weight_operands=ops1,
+    h = fp8_expert_gemm(fp8_rows.data, fp8_rows.scales, w1, counts, offsets, fp8_dtype, out_dtype,
+                        grad_sink=fp8_rows.grad_sink, trailing_rows=trailing, weight_operands=ops1,
                         fp8_wgrad=fp8_wgrad, source_blocks=blocks, sink=sinks[0])
     act = activate(h, activation)
     if apply_probs and rows.probs is not None:

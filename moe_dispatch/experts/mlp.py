@@ -197,7 +197,7 @@ class LocalExperts(nn.Module):
         fp8_weights_checked: bool = False,
     ) -> torch.Tensor:
         """rows (an ``ExpertRows``: the rows [N, H], expert-major, and how they split by expert) ->
-        [N, H] in the rows' dtype (FP8: in ``row_grad_sink``'s). A plain call may pass the rows
+        [N, H] in the rows' dtype (FP8: in their ``grad_sink``'s). A plain call may pass the rows
         [N, H], ``rows_per_expert`` int [E_local] (CPU or device, summing to N) and ``probs`` [N] or
         None, with ``offsets`` (int32 [E_local] on the rows' device, cumsum(rows_per_expert), e.g. the
         dispatcher's ``handle.expert_offsets``, so that grouped GEMMs copy nothing to the device):
@@ -216,9 +216,9 @@ class LocalExperts(nn.Module):
         ``.grad`` is left alone. Output and input gradient are unchanged. With FP8 wgrad
         (``config.fp8_wgrad``) the column scales are per (expert, source) block.
 
-        FP8 (``config.fp8``): ``rows.rows`` are fp8 values [N, H] with ``rows.row_scales`` [N] fp32
-        (the dispatcher's wire rows, unpacked), ``rows.row_grad_sink`` [N, H] the tensor their
-        gradient goes to (its dtype is the output's). Both GEMMs run in FP8
+        FP8 (``config.fp8``): ``rows.rows`` are ``Fp8Rows`` (the dispatcher's FP8 rows: fp8 values
+        [N, H], scales [N] fp32, and the grad_sink [N, H] their gradient goes to, whose dtype is the
+        output's). Both GEMMs run in FP8
         (`moe_dispatch.experts.fp8.fp8_expert_gemm`); the activation in the output dtype.
         ``fp8_weights``: the weights quantised once (``quantize_fp8_weights()``), for the forwards
         until the next optimizer step; a stale one raises a ValueError (`moe_dispatch.experts.fp8_weights`).
@@ -236,6 +236,9 @@ class LocalExperts(nn.Module):
         if fp8_weights is not None:
             raise ValueError(problem_message(FP8_WEIGHTS_NOT_FP8, 0, 0))
         x, counts = rows.rows, rows.gemm_counts
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"rows must be a tensor [N, {self.hidden_size}] (Fp8Rows need experts with config.fp8), "
+                             f"got {type(x).__name__}")
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"rows must be [N, {self.hidden_size}], got {tuple(x.shape)}")
         if counts.shape != (self.num_local_experts,):

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from ..ops.fp8_rows import Fp8Rows
 from .gemm import SourceBlocks
 
 
@@ -25,8 +26,9 @@ class ExpertRows:
     """The rows the local experts take, and how they split by expert. Immutable.
 
     Attributes:
-        rows: [N, H] expert-major, in the tokens' dtype; FP8: the float8 values [N, H] (with
-            ``row_scales``).
+        rows: [N, H] expert-major, in the tokens' dtype; FP8: ``Fp8Rows`` (float8 values [N, H],
+            one fp32 scale per row, and the ``grad_sink`` [N, H] in the output dtype that their
+            gradient goes to: float8 rows cannot carry one).
         rows_per_expert: int [E_local] on the rows' device, the rows of each local expert (padding
             included). None where only the host copy is at hand.
         host_rows_per_expert: CPU int [E_local], the same counts on the host. None where nobody read
@@ -43,27 +45,22 @@ class ExpertRows:
             [E_local, P] on the rows' device, each block's rows, the blocks tiling the rows from
             row 0 and the trailing rows in none (never read on the host by the grouped GEMMs).
             None otherwise.
-        row_scales: FP8: [N] fp32, row i's value is ``rows[i].float() * row_scales[i]``.
-        row_grad_sink: FP8: [N, H] in the output dtype, the tensor the rows' gradient goes to
-            (float8 rows cannot carry one); its values are never read.
 
     At least one of ``rows_per_expert`` and ``host_rows_per_expert`` is given; the GEMMs take the
     host copy where it exists (``gemm_counts``).
     """
 
-    rows: torch.Tensor
+    rows: torch.Tensor | Fp8Rows
     rows_per_expert: Optional[torch.Tensor] = None
     host_rows_per_expert: Optional[torch.Tensor] = None
     offsets: Optional[torch.Tensor] = None
     probs: Optional[torch.Tensor] = None
     trailing_rows: bool = False
     source_blocks: Optional[SourceBlocks] = None
-    row_scales: Optional[torch.Tensor] = None
-    row_grad_sink: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rows, torch.Tensor):
-            raise ValueError(f"ExpertRows.rows must be a tensor [N, H], got {type(self.rows).__name__}")
+        if not isinstance(self.rows, (torch.Tensor, Fp8Rows)):
+            raise ValueError(f"ExpertRows.rows must be a tensor [N, H] or Fp8Rows, got {type(self.rows).__name__}")
         if self.rows_per_expert is None and self.host_rows_per_expert is None:
             raise ValueError("ExpertRows needs rows_per_expert (int [E_local] on the rows' device) or "
                              "host_rows_per_expert (its CPU copy), got neither")
@@ -88,9 +85,9 @@ class ExpertRows:
         return self.host_rows_per_expert if self.host_rows_per_expert is not None else self.rows_per_expert
 
     @classmethod
-    def of(cls, rows: torch.Tensor, rows_per_expert: torch.Tensor, probs: Optional[torch.Tensor] = None,
+    def of(cls, rows: torch.Tensor | Fp8Rows, rows_per_expert: torch.Tensor, probs: Optional[torch.Tensor] = None,
            offsets: Optional[torch.Tensor] = None) -> "ExpertRows":
-        """A plain call's record: rows [N, H], rows_per_expert int [E_local] (a CPU tensor is taken
+        """A plain call's record: rows [N, H] (or Fp8Rows), rows_per_expert int [E_local] (a CPU tensor is taken
         as the host copy, one elsewhere as the device tensor), probs [N] or None, offsets as above."""
         if not isinstance(rows_per_expert, torch.Tensor):
             raise ValueError(f"rows_per_expert must be an int tensor [E_local], got {type(rows_per_expert).__name__}")

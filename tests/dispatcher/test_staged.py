@@ -12,6 +12,7 @@ import torch
 
 from moe_dispatch import GroupedMLP, MoEConfig
 from moe_dispatch.dispatcher import (
+    Fp8Rows,
     check_expert_output,
     combine,
     dispatch,
@@ -179,7 +180,7 @@ def test_to_expert_rows_carries_the_handles_split(sync_free):
     cfg = config(sync_free=sync_free) if sync_free else config()
     _, _, rows, handle = _step(0, cfg)
     record = to_expert_rows(rows, handle)
-    assert record.rows is rows and record.row_scales is None and record.row_grad_sink is None
+    assert record.rows is rows
     assert record.rows_per_expert is handle.rows_per_expert and record.offsets is handle.expert_offsets
     assert record.probs is handle.permuted_probs and record.trailing_rows == sync_free
     assert record.source_blocks is None
@@ -197,14 +198,28 @@ def test_to_expert_rows_carries_the_handles_split(sync_free):
         "to_expert_rows expects the DispatchHandle from finish() or dispatch(); got a Tensor")
 
 
-def test_to_expert_rows_unpacks_the_fp8_wire():
+def test_fp8_rows_travel_as_a_payload():
+    """Issue 49 item 5: FP8 rows are a payload type that the same stages carry. Tokens with
+    config.fp8 and the layer's Fp8Rows.quantize(tokens) give the same bits; finish returns Fp8Rows
+    whose data and scales view the permuted wire rows and whose grad_sink takes their gradient to
+    the tokens (straight-through); to_expert_rows hands them on whole, and refuses a tensor."""
     data = batch(torch.bfloat16, seed=2, n=12)
-    prepared = prepare(data["x"], data["rmap"], data["probs"], config(fp8="e4m3"))
-    wire, handle = finish(send(prepared))
-    record = to_expert_rows(wire, handle)
-    q, scales = unpack_rows(wire, H, "e4m3")
-    assert record.rows.dtype == torch.float8_e4m3fn and torch.equal(record.rows.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(record.row_scales, scales) and record.row_grad_sink is handle.row_grad_sink
+    x = data["x"].clone().requires_grad_()
+    cfg = config(fp8="e4m3")
+    given = Fp8Rows.quantize(x, torch.float8_e4m3fn)
+    rows_t, handle_t = finish(send(prepare(data["x"], data["rmap"], data["probs"], cfg)))
+    rows, handle = finish(send(prepare(given, data["rmap"], data["probs"], cfg)))
+    assert isinstance(rows, Fp8Rows) and isinstance(rows_t, Fp8Rows)
+    assert torch.equal(rows.wire.view(torch.int16), rows_t.wire.view(torch.int16))
+    q, scales = unpack_rows(rows.wire, H, "e4m3")
+    assert rows.data.dtype == torch.float8_e4m3fn and torch.equal(rows.data.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(rows.scales, scales) and rows.scales.is_contiguous()
+    record = to_expert_rows(rows, handle)
+    assert record.rows is rows and rows.grad_sink.shape == (rows.data.shape[0], H)
+    upstream = torch.randn(rows.grad_sink.shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    (rows.grad_sink * upstream).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert "Fp8Rows that finish() returned; got a Tensor" in value_error_of(lambda: to_expert_rows(rows.wire, handle))
 
 
 @pytest.mark.parametrize("sync_free", [False, True])

@@ -11,7 +11,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from moe_dispatch import MoEConfig, MoELayer
 from moe_dispatch.experts import ExpertRows, fp8_expert_gemm, quantize_weight
-from moe_dispatch.ops import quantize_rows
+from moe_dispatch.ops import Fp8Rows, quantize_rows
 from tests.dispatcher.harness import run_ranks, value_error_of
 
 H, F = 32, 48
@@ -217,7 +217,7 @@ def test_a_write_autograd_does_not_count_is_refused(case, sync_free):
     q, scales = quantize_rows(x, torch.float8_e4m3fn)
     counts = torch.tensor([4, 0, 3, 2])
     sink = torch.zeros(9, H, dtype=torch.bfloat16)
-    rows = ExpertRows(q, host_rows_per_expert=counts, row_scales=scales, row_grad_sink=sink)
+    rows = ExpertRows(Fp8Rows(q, scales, sink), host_rows_per_expert=counts)
     direct = value_error_of(lambda: layer.experts(rows, fp8_weights=weights))
     assert direct is not None and UNSEEN[case] in direct, direct
     layer(x, fp8_weights=layer.quantize_fp8_weights())  # quantised again: accepted

@@ -63,7 +63,7 @@ def test_fp8_experts_need_the_scales_and_sink():
     experts = GroupedMLP(config, 4)
     x, counts, _ = routed_batch(COUNTS, 32, torch.bfloat16)
     q = x.to(torch.float8_e4m3fn)
-    expected = "fp8 experts need row_scales [N] and row_grad_sink [N, H]"
+    expected = "fp8 experts need Fp8Rows rows with a grad_sink [N, H]"
     assert expected in value_error_of(lambda: experts(q, counts))
     assert expected in value_error_of(lambda: fp8_mlp(ExpertRows.of(q, counts), experts.weight1, experts.weight2,
                                                       "swiglu", apply_probs=False))

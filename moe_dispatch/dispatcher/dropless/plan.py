@@ -22,8 +22,8 @@ from ...distributed.comm import ProcessGroup, to_device
 from ...distributed.identity import CallId, StepCounter
 from ...ops import RowIdMap, unpermute
 from ...ops.permutation import make_slots, runs_index
-from ..expand import Expand, ReturnPath, grad_anchor
-from ..fp8_wire import wire_rows
+from ..expand import ReturnPath, expand, grad_anchor
+from ..payload import received, split_payload, token_payload
 from ..plan import DispatchHandle, Plan, Prepared, Returned, Sent, SourceBlocks
 from ..records import agree_send, check_record_here
 from ..row_format import Received
@@ -77,6 +77,7 @@ class DroplessPlan(Plan):
                 latch: ErrorLatch, *, steps: StepCounter, experts_grad: Optional[bool] = None) -> Prepared:
         """The size exchange (validates every rank's input, raises alike on all), then the plan.
         ``steps``: the layer's forward counter (advanced once the exchange succeeded)."""
+        hidden, given = split_payload(hidden, cfg)
         layout = exchange_sizes(hidden, routing_map, probs, cfg, group, latch, call=steps.call(),
                                 experts_grad=experts_grad)
         steps.advance()
@@ -84,7 +85,7 @@ class DroplessPlan(Plan):
         wire_probs = probs.to(cfg.wire_probs_dtype(probs.dtype))
         plan = make_plan(cfg, group, latch, layout, routing_map, x.dtype, wire_probs.dtype)
         return Prepared(x, wire_probs, plan, hidden.shape, (hidden, routing_map, probs), experts_grad,
-                        wire_rows(x, cfg))
+                        token_payload(x, cfg, given))
 
     def check_record(self, prepared: Prepared) -> Prepared:
         """EP 1: the record's own check. EP > 1: the forward exchange's sizes differ by record, so
@@ -101,9 +102,9 @@ class DroplessPlan(Plan):
             recv = Received(x, probs, self.routing_map, (0,))
         else:
             recv = KINDS[self.config.kind].send(x, probs, self.routing_map, self.layout, self.group, with_routing)
-        return Sent(prepared.x, prepared.probs, self, recv, prepared.hidden_shape)
+        return Sent(prepared.x, prepared.probs, self, recv, prepared.hidden_shape, prepared.payload)
 
-    def finish(self, sent: Sent, expert_map: Optional[RowIdMap] = None) -> tuple[torch.Tensor, DispatchHandle]:
+    def finish(self, sent: Sent, expert_map: Optional[RowIdMap] = None) -> tuple[Any, DispatchHandle]:
         if expert_map is None:
             expert_map = expert_row_map(self, sent.recv.routing)
         probs_in = sent.probs if self.config.probs_in_experts else sent.probs.detach()
@@ -115,17 +116,16 @@ class DroplessPlan(Plan):
         path = ReturnPath(send=send, owner_map=self.owner_map if send is not None else None,
                           send_probs_grad=self.config.probs_in_experts and self.layout.probs_grad,
                           zero_fill=expert_map.has_pad_rows)
-        rows, row_probs, sink = Expand.apply(sent.x, probs_in, sent.recv.hidden, sent.recv.probs, path, expert_map,
-                                       self.config.probs_in_experts, self.config.fp8 is not None, anchor)
+        rows, row_probs = expand(sent.x, probs_in, received(sent.recv.hidden, sent.payload), sent.recv.probs, path,
+                                 expert_map, self.config.probs_in_experts, anchor)
         offsets = torch.cumsum(expert_map.padded_expert_rows, 0).to(torch.int32)
         owner_map = expert_map if self.owner_map is None else self.owner_map
         return rows, DispatchHandle(plan=self, expert_map=expert_map, owner_map=owner_map, probs=sent.probs,
                                     permuted_probs=row_probs, hidden_shape=sent.hidden_shape, expert_offsets=offsets,
-                                    row_grad_sink=sink,
                                     route=self.route)
 
     def reuse(self, handle: DispatchHandle, hidden: Any, routing_map: Any,
-              probs: Any) -> tuple[torch.Tensor, DispatchHandle]:
+              probs: Any) -> tuple[Any, DispatchHandle]:
         """Check the inputs against the handle without a host sync, then send them again.
 
         Host checks: shapes, dtypes and device equal to the first dispatch's (at EP 1 a mismatch
@@ -134,6 +134,7 @@ class DroplessPlan(Plan):
         step is NaN) and the next size exchange on the group raises on every rank."""
         T, E = self.routing_map.shape
         H = self.config.hidden_size
+        hidden, given = split_payload(hidden, self.config)
         ok = (isinstance(hidden, torch.Tensor) and hidden.dtype == self.hidden_dtype and hidden.shape[-1:] == (H,)
               and hidden.numel() == T * H and isinstance(routing_map, torch.Tensor)
               and routing_map.shape == (T, E) and routing_map.dtype == torch.bool
@@ -156,7 +157,7 @@ class DroplessPlan(Plan):
             x = torch.where(mismatch, torch.full((), float("nan"), dtype=x.dtype, device=x.device), x)
             wire_probs = probs.to(self.probs_dtype)
         prepared = Prepared(x, wire_probs, self, handle.hidden_shape, (hidden, routing_map, probs), None,
-                            wire_rows(x, self.config))
+                            token_payload(x, self.config, given))
         return self.finish(self.send(prepared, with_routing=False), handle.expert_map)
 
     def host_counts(self, handle: DispatchHandle) -> torch.Tensor:

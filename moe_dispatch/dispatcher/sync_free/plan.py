@@ -33,8 +33,8 @@ from ...distributed.registry import SYNC_FREE_PLANS
 from ...ops import RowIdMap, unpermute
 from ...ops.permutation import make_slots
 from ..dropless.layout import exchange_sizes, own_input_problems
-from ..expand import Expand, ReturnPath, grad_anchor
-from ..fp8_wire import wire_rows
+from ..expand import ReturnPath, expand, grad_anchor
+from ..payload import received, split_payload, token_payload
 from ..plan import DispatchHandle, Plan, Prepared, Returned, Sent
 from ..records import check_record_here, record_problem
 from .exchange import ToOwners, expert_map_and_route, return_exchange, send_tokens
@@ -116,7 +116,7 @@ class SyncFreePlan(Plan):
         probs = torch.zeros((T, E), dtype=self.probs_dtype, device=device)
         self.words[W_INPUT].fill_(self.rank + 1)  # scalar fills: no host-to-device copy
         self.words[W_INPUT_RANKS + self.rank].fill_(1)
-        return dataclasses.replace(prepared, x=x, probs=probs, wire_rows=wire_rows(x, self.config))
+        return dataclasses.replace(prepared, x=x, probs=probs, payload=token_payload(x, self.config, None))
 
     def send(self, prepared: Prepared, with_routing: bool = True) -> Sent:
         """The forward exchange. On CPU the received words are read (no sync): every rank reads
@@ -134,10 +134,10 @@ class SyncFreePlan(Plan):
                                  experts_grad=prepared.experts_grad, call=self.call)
                 return again.plan.send(again)
         shape = prepared.x.shape if self.replaced else prepared.hidden_shape  # replaced: zeros [T, H]
-        return Sent(prepared.x, prepared.probs, self, recv, shape)
+        return Sent(prepared.x, prepared.probs, self, recv, shape, prepared.payload)
 
-    def finish(self, sent: Sent, expert_map: Optional[RowIdMap] = None) -> tuple[torch.Tensor, DispatchHandle]:
-        """(expert_input [N, H], handle). At EP 1 the plan's words are checked here: CPU raises at
+    def finish(self, sent: Sent, expert_map: Optional[RowIdMap] = None) -> tuple[Any, DispatchHandle]:
+        """(expert_input [N, H] or Fp8Rows, handle). At EP 1 the plan's words are checked here: CPU raises at
         once; CUDA poisons and latches them."""
         route = None
         if expert_map is None or self.layout.ep_size > 1:
@@ -153,18 +153,17 @@ class SyncFreePlan(Plan):
         send = return_exchange(self, route) if route is not None else None
         path = ReturnPath(send=send, owner_map=self.owner_map if send is not None else None,
                           send_probs_grad=self.config.probs_in_experts, zero_fill=True)
-        rows, row_probs, sink = Expand.apply(sent.x, probs_in, sent.recv.hidden, sent.recv.probs, path, expert_map,
-                                       self.config.probs_in_experts, self.config.fp8 is not None,
-                                       grad_anchor(route is not None, sent.x, probs_in))
+        anchor = grad_anchor(route is not None, sent.x, probs_in)
+        rows, row_probs = expand(sent.x, probs_in, received(sent.recv.hidden, sent.payload), sent.recv.probs, path,
+                                 expert_map, self.config.probs_in_experts, anchor)
         offsets = torch.cumsum(expert_map.padded_expert_rows, 0).to(torch.int32)  # cut to N (expert_map_and_route)
         owner_map = expert_map if self.owner_map is None else self.owner_map
         return rows, DispatchHandle(plan=self, expert_map=expert_map, owner_map=owner_map, probs=sent.probs,
                                     permuted_probs=row_probs, hidden_shape=sent.hidden_shape, expert_offsets=offsets,
-                                    row_grad_sink=sink,
                                     route=route)
 
     def reuse(self, handle: DispatchHandle, hidden: Any, routing_map: Any,
-              probs: Any) -> tuple[torch.Tensor, DispatchHandle]:
+              probs: Any) -> tuple[Any, DispatchHandle]:
         """A new sync-free dispatch (there is no size exchange to skip), whose routing is compared
         with the handle's on the device; a difference sets the step's input word (NaN outputs,
         then the error; see words.py)."""
@@ -279,6 +278,7 @@ def _prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, gro
     P, rank = group_size_rank(group)
     raise_latched(group)
     inputs = (hidden, routing_map, probs)  # the caller's: a re-plan starts from them
+    hidden, given = split_payload(hidden, cfg)
     if call is None:
         call = steps.call()
     input_code = grown = 0
@@ -310,7 +310,7 @@ def _prepare(hidden: Any, routing_map: Any, probs: Any, cfg: DispatchConfig, gro
     if steps is not None:
         steps.advance()
     plan = dataclasses.replace(plan, replaced=bool(input_code or grown), num_real=real)
-    return Prepared(x, wire_probs, plan, shape, inputs, experts_grad, wire_rows(x, cfg))
+    return Prepared(x, wire_probs, plan, shape, inputs, experts_grad, token_payload(x, cfg, given))
 
 
 def make_plan(cfg: DispatchConfig, group: ProcessGroup, latch: ErrorLatch, call: CallId, x: torch.Tensor,

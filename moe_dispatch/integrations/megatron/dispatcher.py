@@ -25,6 +25,7 @@ from ...dispatcher import (
     AllGatherDispatcher,
     AllToAllDispatcher,
     DispatchHandle,
+    Fp8Rows,
     Prepared,
     Returned,
     Sent,
@@ -46,6 +47,7 @@ Dispatcher = Union[AllGatherDispatcher, AllToAllDispatcher]
 @dataclass(frozen=True)
 class _Dispatched:  # after dispatch_postprocess, combine_preprocess
     handle: DispatchHandle
+    fp8_rows: Optional[Fp8Rows] = None  # FP8: the expert rows whose wire rows Megatron was handed
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,10 @@ class MegatronTokenDispatcher:
         sent = self._expect(Sent, "token_dispatch")
         recv = dataclasses.replace(sent.recv, hidden=hidden_states, probs=probs)
         rows, handle = finish(dataclasses.replace(sent, recv=recv))
-        self._step = _Dispatched(handle)
+        # Megatron moves tensors: FP8 rows go to it as their wire rows [N, W] (no copy)
+        fp8_rows = rows if isinstance(rows, Fp8Rows) else None
+        rows = rows.packed() if fp8_rows is not None else rows
+        self._step = _Dispatched(handle, fp8_rows)
         rows_per_expert = handle.rows_per_expert if handle.trailing_rows else handle.host_rows_per_expert
         return rows, rows_per_expert, handle.permuted_probs
 
@@ -148,6 +153,16 @@ class MegatronTokenDispatcher:
     def handle(self) -> Optional[DispatchHandle]:
         """The current step's handle (after dispatch_postprocess), else None."""
         return self._step.handle if isinstance(self._step, (_Dispatched, _Combined)) else None
+
+    def fp8_rows(self, rows: torch.Tensor) -> Optional[Fp8Rows]:
+        """FP8 (``config.fp8``): the step's expert rows as ``Fp8Rows``, for Megatron's copy ``rows``
+        [N, W] of their wire rows (its own tensor: the values are the ones it was handed, the
+        gradient goes to the dispatch's grad_sink). None before dispatch_postprocess or in bf16."""
+        step = self._step
+        kept = step.fp8_rows if isinstance(step, _Dispatched) else None
+        if kept is None or rows is kept.wire:
+            return kept
+        return Fp8Rows.from_wire(rows, kept.hidden_size, kept.fp8_dtype, kept.grad_sink)
 
     def _expect(self, record: type, previous: str) -> Any:
         if not isinstance(self._step, record):

@@ -110,7 +110,7 @@ def _fp8_experts(experts: Any, rows: "torch.Tensor", plan_counts: bool, permuted
                  activation: str) -> "torch.Tensor":
     """The experts (SequentialMLP or TEGroupedMLP) on the dispatch's FP8 wire rows [N, W] -> [N, H] in the tokens'
     dtype, as our LocalExperts in FP8: fc1 on the rows' fp8 values and per-row scales (their
-    gradient to the handle's ``row_grad_sink``), the activation in the tokens' dtype, fc2
+    gradient to the dispatch's ``Fp8Rows.grad_sink``), the activation in the tokens' dtype, fc2
     quantising it per row (``fp8_expert_gemm``), the weights read from their stacked storage. A
     sync-free plan's device counts and trailing rows as they come (nothing read on the host).
     ``plan_counts``: Megatron passed the plan's own counts (``_expert_offsets``), which the rows
@@ -124,11 +124,12 @@ def _fp8_experts(experts: Any, rows: "torch.Tensor", plan_counts: bool, permuted
 
     dispatcher = _fp8_dispatcher(experts)
     handle, config = dispatcher.handle, dispatcher.config
-    if handle is None or handle.row_grad_sink is None or not plan_counts:
+    fp8_rows = dispatcher.fp8_rows(rows)
+    if handle is None or fp8_rows is None or not plan_counts:
         raise ValueError("install(fp8=...): the experts take this step's FP8 rows with the plan's counts "
                          "(dispatch_postprocess's tokens_per_expert), from the layer's dispatcher")
     # Megatron's own rows and probs, split by the plan's counts
-    expert_rows = dataclasses.replace(to_expert_rows(rows, handle), probs=permuted_probs)
+    expert_rows = dataclasses.replace(to_expert_rows(fp8_rows, handle), probs=permuted_probs)
     # [El, out, in] stacks, transposed to fp8_expert_gemm's [E, K, M] (no copy)
     fc1, fc2 = expert_weights(experts, "linear_fc1"), expert_weights(experts, "linear_fc2")
     w1 = stacked_weights(fc1, experts).transpose(1, 2)

@@ -9,7 +9,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from ...dispatcher import pack_rows, unpack_rows
+from ...config import FP8_FORMATS
+from ...dispatcher import Fp8Rows
 from ...experts import ExpertRows
 from .args import DTYPES
 from .contract import Result, bitwise, check_tokens, gather_results, largest_diff, progress
@@ -56,9 +57,9 @@ def expert_outputs(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tenso
     if config.fp8 is None:
         out = experts(routed, counts)
     else:  # the rows as the dispatch delivers them: quantised per token, with their scales
-        q, scales = unpack_rows(pack_rows(routed, config.fp8), config.hidden_size, config.fp8)
+        quantised = Fp8Rows.quantize(routed, FP8_FORMATS[config.fp8])
         sink = torch.zeros((), dtype=x.dtype, device=x.device).expand(routed.shape)
-        out = experts(ExpertRows(q, host_rows_per_expert=counts, row_scales=scales, row_grad_sink=sink))
+        out = experts(ExpertRows(Fp8Rows(quantised.data, quantised.scales, sink), host_rows_per_expert=counts))
     y = torch.zeros((x.shape[0], config.num_experts, x.shape[1]), dtype=out.dtype, device=x.device)
     for e, (r, block) in enumerate(zip(rows, out.split(counts.tolist()))):
         y[r, e] = block
