@@ -137,7 +137,7 @@ class SyncFreePlan(Plan):
         return Sent(prepared.x, prepared.probs, self, recv, shape, prepared.payload)
 
     def finish(self, sent: Sent, expert_map: Optional[RowIdMap] = None) -> tuple[Any, DispatchHandle]:
-        """(expert_input [N, H] or Fp8Rows, handle). At EP 1 the plan's words are checked here: CPU raises at
+        """(expert_input, the payload type sent, handle). At EP 1 the plan's words are checked here: CPU raises at
         once; CUDA poisons and latches them."""
         route = None
         if expert_map is None or self.layout.ep_size > 1:
