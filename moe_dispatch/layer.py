@@ -117,7 +117,7 @@ class MoELayer(nn.Module):
         expert_input, handle = self.dispatcher.dispatch_rows(payload, routing_map, probs,
                                                              experts_need_grad=self._experts_need_grad(),
                                                              device_problem=guarded.bits_problem)
-        # per-source weight gradients only while a GradientTree asked for them (experts.source_grads)
+        # per-source weight gradients only while the experts collect them (experts.collect_source_grads)
         rows = to_expert_rows(expert_input, handle, source_blocks=self.experts.source_grads is not None)
         expert_output = self.experts(rows, fp8_weights=guarded.fp8_weights, fp8_weights_checked=True)
         output = self.dispatcher.combine(expert_output, handle)

@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) around EP > 1 layers, EP 2 x DP 2 on 4 gloo ranks (one spawn).
 
 EP groups {0, 1}, {2, 3}; expert-data-parallel groups {0, 2}, {1, 3}. The supported route leaves
-the routed experts out (``ignored_params``; tests/test_parallel.py checks its gradients). FSDP2
+the routed experts out (``ignored_params``; tests/parallel/test_data_parallel.py checks its gradients). FSDP2
 sharding the experts, over all 4 ranks (whose all-gather would mix different experts) or over the
 expert-data-parallel ranks, is the same ValueError on every rank at the first forward, before any
 dispatch collective; and ``state_dict()`` of such a model is a ValueError, never a DTensor inside a

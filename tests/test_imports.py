@@ -134,6 +134,13 @@ def test_no_import_circle():
     ("moe_dispatch.ops", "moe_dispatch.dispatcher"),
     ("moe_dispatch.ops", "moe_dispatch.distributed"),
     ("moe_dispatch.numerics", "moe_dispatch.ops"),
+    # GradientTree once lived in distributed and reached up into the experts and the router
+    ("moe_dispatch.distributed", "moe_dispatch.experts"),
+    ("moe_dispatch.distributed", "moe_dispatch.router"),
+    ("moe_dispatch.distributed", "moe_dispatch.layer"),
+    ("moe_dispatch.distributed", "moe_dispatch.parallel"),
+    ("moe_dispatch.experts", "moe_dispatch.parallel"),
+    ("moe_dispatch.router", "moe_dispatch.parallel"),
 ])
 def test_lower_concerns_import_nothing_above(lower, higher):
     """No import, type-only and in-function ones included, from a lower concern up into a higher

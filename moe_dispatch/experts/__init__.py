@@ -3,7 +3,8 @@
 See `moe_dispatch.experts.mlp` for the guarantees, `gemm` for the GEMM strategies and their
 row-stability status, `activations` for why the CPU activations are hand-built, `fp8` for the
 FP8 expert GEMMs (row-wise scales), `fp8_weights` for their weights quantised once per optimizer step,
-`rows` for the record of the rows the experts take (``ExpertRows``).
+`rows` for the record of the rows the experts take (``ExpertRows``), `source_grads` for the store of
+their per-source weight gradients (``SourceGrads``, ``LocalExperts.collect_source_grads``).
 """
 
 from .activations import activate, scale_rows
@@ -13,6 +14,7 @@ from .gemm import expert_gemm, grouped_mm_row_stable, grouped_mm_supported, sele
 from .init import WEIGHT1, WEIGHT2, expert_seed, init_expert_weights, layer_seed
 from .mlp import GroupedMLP, LocalExperts, SequentialMLP
 from .rows import ExpertRows
+from .source_grads import SourceGrads
 
 __all__ = [
     "WEIGHT1",
@@ -21,6 +23,7 @@ __all__ = [
     "GroupedMLP",
     "LocalExperts",
     "SequentialMLP",
+    "SourceGrads",
     "activate",
     "scale_rows",
     "expert_gemm",

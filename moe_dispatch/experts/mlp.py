@@ -54,6 +54,7 @@ from .fp8_weights import Fp8ExpertWeights, fp8_weights_bits_problem, fp8_weights
 from .gemm import GemmStrategy, expert_gemm, select_gemm
 from .init import WEIGHT1, WEIGHT2, init_expert_weights
 from .rows import ExpertRows
+from .source_grads import SourceGrads
 
 
 class LocalExperts(nn.Module):
@@ -107,10 +108,8 @@ class LocalExperts(nn.Module):
         # a weak reference to the DeviceMesh of ep_group, built at a state_dict(): a mesh holds its
         # group, so a strong one would keep the group alive as WeakGroup avoids
         self._ep_mesh: Optional[weakref.ref] = None
-        # Per-source weight gradients (`moe_dispatch.parallel.GradientTree` sets it): a forward given
-        # source_blocks appends, at its backward, each weight's [E_local, P, ...] gradient here
-        # instead of accumulating into .grad. None: off.
-        self.source_grads: Optional[Dict[str, List[torch.Tensor]]] = None
+        # Per-source weight gradients: off until a consumer hands a store (collect_source_grads).
+        self._source_grads: Optional[SourceGrads] = None
         fc1_out = 2 * self.ffn_hidden_size if self.activation == "swiglu" else self.ffn_hidden_size
         kw = dict(dtype=config.params_dtype, device=device)
         self.weight1 = nn.Parameter(torch.empty(num_local_experts, self.hidden_size, fc1_out, **kw))
@@ -126,9 +125,11 @@ class LocalExperts(nn.Module):
                 memo[id(shared)] = shared
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
-        state = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_ddp_checked"}, memo)
+        # a copy is no consumer's: it collects no per-source gradients, its weights take .grad as usual
+        state = copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in ("_ddp_checked", "_source_grads")},
+                              memo)
         new.__setstate__(state)
-        new.source_grads = None  # a copy is no GradientTree's: its weights take gradients as usual
+        new._source_grads = None
         if new.ep_group is not None:
             register_sharded(new)
         return new
@@ -137,6 +138,21 @@ class LocalExperts(nn.Module):
     def ep_group(self) -> Optional[dist.ProcessGroup]:
         """The group the experts are sharded over (EP size > 1), else None."""
         return self._ep_group()
+
+    def collect_source_grads(self, store: Optional[SourceGrads]) -> None:
+        """Per-(local expert, source) weight gradients on (``store``) or off (None): while on, a
+        forward whose rows carry source blocks (``ExpertRows.source_blocks``; `MoELayer` passes
+        them exactly then) adds at its backward each weight's [E_local, P, ...] gradient to
+        ``store`` (`moe_dispatch.experts.source_grads`) instead of accumulating into ``.grad``.
+        `moe_dispatch.parallel.GradientTree` turns it on for the sharded experts it reduces."""
+        if store is not None and not isinstance(store, SourceGrads):
+            raise ValueError(f"store must be a moe_dispatch.experts.SourceGrads or None, got {type(store).__name__}")
+        self._source_grads = store
+
+    @property
+    def source_grads(self) -> Optional[SourceGrads]:
+        """The store the per-source weight gradients go to, or None (off); set by `collect_source_grads`."""
+        return self._source_grads
 
     @property
     def global_expert_ids(self) -> range:
@@ -211,8 +227,8 @@ class LocalExperts(nn.Module):
 
         ``rows.source_blocks`` (the (local expert, source) blocks, the dispatcher's ``handle.source_blocks``:
         host [E_local][P] (first row, rows), or a sync-free plan's device rows [E_local, P], see
-        ``gemm.SourceBlocks``), only while ``source_grads`` is set: each weight's gradient is computed
-        per block and appended to ``source_grads[name]`` as [E_local, P, ...] in the weight's dtype;
+        ``gemm.SourceBlocks``), only while per-source gradients are on (`collect_source_grads`): each
+        weight's gradient is computed per block and added to the store as [E_local, P, ...] in the weight's dtype;
         ``.grad`` is left alone. Output and input gradient are unchanged. With FP8 wgrad
         (``config.fp8_wgrad``) the column scales are per (expert, source) block.
 
@@ -278,12 +294,14 @@ class LocalExperts(nn.Module):
         return quantize_fp8_weights(self)
 
     def _sink(self, name: str) -> Callable[[torch.Tensor], None]:
-        """Where the per-source gradient of weight ``name`` goes (``source_grads``), cast to its dtype."""
-        if self.source_grads is None:
-            raise ValueError("source_blocks given, but source_grads is None: per-source weight gradients are "
-                             "off (moe_dispatch.parallel.GradientTree turns them on)")
-        store, dtype = self.source_grads.setdefault(name, []), getattr(self, name).dtype
-        return lambda grad: store.append(grad.to(dtype))
+        """Where the per-source gradient of weight ``name`` goes (the `collect_source_grads` store),
+        cast to the weight's dtype."""
+        store = self._source_grads
+        if store is None:
+            raise ValueError("rows.source_blocks given, but per-source weight gradients are off: call "
+                             "collect_source_grads(SourceGrads()) first (moe_dispatch.parallel.GradientTree does)")
+        dtype = getattr(self, name).dtype
+        return lambda grad: store.add(name, grad.to(dtype))
 
     # ---- state dict: expert identity, DTensor shards for torch.distributed.checkpoint ----------
 

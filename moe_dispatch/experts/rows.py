@@ -40,7 +40,7 @@ class ExpertRows:
         trailing_rows: the counts may sum to less than N; the rows after the last expert's block
             belong to no expert (a sync-free dispatch's buffer; see ``expert_gemm``).
         source_blocks: the (local expert, source EP rank) blocks, for per-source weight gradients
-            (``LocalExperts.source_grads``; ``gemm.SourceBlocks``): a dropless dispatch's host
+            (``LocalExperts.collect_source_grads``; ``gemm.SourceBlocks``): a dropless dispatch's host
             [E_local][P] (first row, rows) pairs, or a sync-free dispatch's device int tensor
             [E_local, P] on the rows' device, each block's rows, the blocks tiling the rows from
             row 0 and the trailing rows in none (never read on the host by the grouped GEMMs).

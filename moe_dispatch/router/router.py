@@ -8,7 +8,7 @@ capacity dropping/padding (``capacity_factor``) and the values of the aux/z loss
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -117,6 +117,22 @@ class TopKRouter(nn.Module):
     def global_loss_group(self) -> Optional["torch.distributed.ProcessGroup"]:
         """The group of global_aux_loss's counts (None: this rank's tokens)."""
         return self._global_loss_group()
+
+    def losses_across_micro_batches(self) -> List[str]:
+        """Why this router's losses depend on more than the tokens of the forward that attaches
+        them (on earlier forwards, or on other ranks' tokens): one reason each, [] when each loss is
+        a function of its own micro-batch. A reducer that sums per-micro-batch gradients in a fixed
+        order (`moe_dispatch.parallel.GradientTree`) refuses a router that gives a reason."""
+        cfg, reasons = self.config, []
+        if cfg.load_balancing_type == "global_aux_loss" and cfg.aux_loss_coeff > 0:
+            reasons.append(
+                "load_balancing_type='global_aux_loss' averages the token counts over every forward a rank has run "
+                "since its last reset (and over global_loss_group), so a micro-batch's loss depends on which other "
+                "micro-batches ran on that rank before it. Use 'aux_loss' or 'seq_aux_loss' (per micro-batch)"
+            )
+        if self.loss_group is not None or self.global_loss_group is not None:
+            reasons.append("a router loss group sums token counts over other ranks' tokens")
+        return reasons
 
     def reset_parameters(self) -> None:
         """Re-draw the weight from the config seed (identical on every rank and device)."""

@@ -1,5 +1,5 @@
 """The issue's model trained with a GradientTree on six layouts with L = 4 micro-batches per step:
-the run that tests/distributed/test_gradient_tree.py checks bitwise and scripts/bench_gradient_tree.py
+the run that tests/parallel/test_gradient_tree.py checks bitwise and scripts/bench_gradient_tree.py
 repeats on CUDA.
 
 One spawn of 4 ranks runs every layout: (4, 4, 1), (4, 2, 1), (4, 1, 1) on all four ranks;

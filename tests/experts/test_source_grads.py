@@ -1,4 +1,4 @@
-"""Per-(expert, source) weight gradients (expert_gemm's source_blocks, LocalExperts.source_grads):
+"""Per-(expert, source) weight gradients (expert_gemm's source_blocks, LocalExperts.collect_source_grads):
 each block's gradient is the product of that block's rows alone, bitwise what the same rows give
 as an expert's only rows; padding rows after an expert's blocks add nothing; the forward and the
 input gradient are the strategy's own."""
@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from moe_dispatch.experts import ExpertRows, GroupedMLP, expert_gemm
+from moe_dispatch.experts import ExpertRows, GroupedMLP, SourceGrads, expert_gemm
 from moe_dispatch.experts.gemm import grouped_mm_supported
 from tests.dispatcher.harness import value_error_of
 from tests.experts.reference import make_config
@@ -113,14 +113,28 @@ def test_bad_blocks_are_refused():
 
 
 def test_local_experts_collect_per_source_grads():
+    """The experts put per-source gradients only in a store handed to collect_source_grads; the
+    store gives each backward's, in order, once; None turns it off (.grad as usual again)."""
     experts = GroupedMLP(make_config(hidden=K, ffn=M, num_experts=3), 3, 0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(sum(COUNTS), K, generator=g)
     rows = ExpertRows(x, host_rows_per_expert=torch.tensor(COUNTS), source_blocks=BLOCKS)
-    assert "source_grads is None" in value_error_of(lambda: experts(rows))
-    experts.source_grads = {}
-    experts(rows).square().sum().backward()
+    assert experts.source_grads is None
+    assert "per-source weight gradients are off" in value_error_of(lambda: experts(rows))
+    assert "store must be a moe_dispatch.experts.SourceGrads" in value_error_of(
+        lambda: experts.collect_source_grads({}))
+    with pytest.raises(AttributeError):  # the old way (an attribute set from outside) is gone, not ignored
+        experts.source_grads = {}
+    store = SourceGrads()
+    experts.collect_source_grads(store)
+    assert experts.source_grads is store
+    for _ in range(2):
+        experts(rows).square().sum().backward()
     assert experts.weight1.grad is None and experts.weight2.grad is None
-    assert [t.shape for t in experts.source_grads["weight1"]] == [(3, 3, *experts.weight1.shape[1:])]
-    assert [t.shape for t in experts.source_grads["weight2"]] == [(3, 3, *experts.weight2.shape[1:])]
+    assert [t.shape for t in store.take("weight1")] == [(3, 3, *experts.weight1.shape[1:])] * 2
+    assert [t.shape for t in store.take("weight2")] == [(3, 3, *experts.weight2.shape[1:])] * 2
+    assert store.take("weight1") == []
     assert copy.deepcopy(experts).source_grads is None
+    experts.collect_source_grads(None)
+    experts(ExpertRows(x, host_rows_per_expert=torch.tensor(COUNTS))).square().sum().backward()
+    assert experts.weight1.grad is not None and store.take("weight1") == []

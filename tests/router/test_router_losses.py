@@ -91,6 +91,17 @@ def test_global_aux_loss_averages_counts_until_reset():
     torch.testing.assert_close(router.last_losses["global_load_balancing_loss"], expected, rtol=1e-6, atol=0)
 
 
+def test_losses_across_micro_batches():
+    """What a per-micro-batch reducer (GradientTree) asks the router: global_aux_loss's counts span
+    earlier forwards; aux_loss and seq_aux_loss (and global_aux_loss at coefficient 0) do not."""
+    for kind in ("aux_loss", "seq_aux_loss"):
+        assert TopKRouter(cfg(load_balancing_type=kind)).losses_across_micro_batches() == []
+    assert TopKRouter(cfg(load_balancing_type="global_aux_loss", aux_loss_coeff=0.0)).losses_across_micro_batches() \
+        == []
+    (why,) = TopKRouter(cfg(load_balancing_type="global_aux_loss")).losses_across_micro_batches()
+    assert "global_aux_loss" in why and "'aux_loss' or 'seq_aux_loss'" in why
+
+
 def test_no_losses_in_eval_or_without_grad():
     router = TopKRouter(cfg(z_loss_coeff=1e-3, load_balancing_type="global_aux_loss"))
     router(hidden(8))
@@ -166,6 +177,7 @@ def test_loss_groups_sum_counts_over_ranks(monkeypatch):
         agreed = []  # the config agreement's all-gather (test_router_agreement.py runs it on gloo)
         monkeypatch.setattr(router_module, "agree_settings", lambda *args: agreed.append(args[1:]))
         router = TopKRouter(cfg(load_balancing_type=kind, **base), loss_group=group, global_loss_group=group)
+        assert any("loss group" in why for why in router.losses_across_micro_batches())
         router(x[:6])
         assert group.calls == 1
         assert agreed == [(group, torch.device("cpu"), "router", "router's loss_group")], agreed  # once per group

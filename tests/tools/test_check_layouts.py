@@ -1,7 +1,7 @@
 """The check's layouts rows (tools/check/layouts.py): a short GradientTree training run compared
 bitwise across layouts with the same L, dropless and with the sync-free step at EP > 1. On 4 gloo
 ranks: every row PASSes with the tree as it is, in bf16 and in FP8 with FP8 wgrad (--no-fp8-wgrad:
-the six-layout FP8 test of tests/distributed/test_gradient_tree.py, to keep this spawn short), and
+the six-layout FP8 test of tests/parallel/test_gradient_tree.py, to keep this spawn short), and
 FAILs when the tree's cross-rank steps run in the other order (pairs two ranks apart first: a
 different reduction order, so the ranks' subtrees no longer nest with each rank's own micro-batches).
 One rank gives a SKIP row with its reason and no number."""
@@ -33,7 +33,7 @@ def _reversed_doubling(self, flat: torch.Tensor, entries) -> None:
 
 
 def _worker(rank: int, world: int) -> dict:
-    from moe_dispatch.distributed.gradient_tree import GradientTree
+    from moe_dispatch.parallel.gradient_tree import GradientTree
 
     cpu = torch.device("cpu")
     args = build_parser().parse_args([])  # the check's defaults: bf16, 128 tokens per micro-batch

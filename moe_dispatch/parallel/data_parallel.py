@@ -33,11 +33,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .distributed.gradient_tree import GradientTree
-from .experts import LocalExperts
+from ..experts import LocalExperts
 
-__all__ = ["GradientTree", "allreduce_expert_grads", "check_ddp", "check_fsdp", "expert_parameters",
-           "ignore_experts_in_ddp"]
+__all__ = ["allreduce_expert_grads", "check_ddp", "check_fsdp", "expert_parameters", "ignore_experts_in_ddp"]
 
 # Gradients allreduce_expert_grads wrote, with their version then: the same tensor at the same
 # version at the next call means no backward touched it since (it would accumulate in place, or a

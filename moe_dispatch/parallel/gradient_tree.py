@@ -11,7 +11,8 @@ changes with the layout, its value does not:
 
 - the routed experts at EP P: one backward mixes P sources (the P ranks of the EP group, which are
   consecutive ranks: the lowest log2(P) bits of the index), so their weight gradient is computed
-  per (local expert, source) block (``LocalExperts.source_grads``) and the P blocks are paired
+  per (local expert, source) block (the tree hands the experts a store,
+  ``LocalExperts.collect_source_grads``) and the P blocks are paired
   locally in ``add_micro_batch``: one partial per local expert, whatever P;
 - across ranks, in each ``add_micro_batch``, by recursive doubling: at step k group rank r adds
   the partial of rank r xor 2^k. The two partners hold the two halves of one tree node, and a + b
@@ -35,11 +36,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..experts import LocalExperts
+from ..distributed.agreement import agree_problems, differ
+from ..distributed.comm import WeakGroup, all_gather_rows
+from ..experts import LocalExperts, SourceGrads
 from ..numerics.fixed_order import tree_sum
 from ..router import TopKRouter
-from .agreement import agree_problems, differ
-from .comm import WeakGroup, all_gather_rows
 
 
 def _power_of_two(n: int) -> bool:
@@ -85,11 +86,13 @@ _ORDER = ("the order of a step: loss.backward() and add_micro_batch() for each m
 class _Entry:
     """One trained parameter: its partials (a stack of (level, tensor)) and where it joins the
     cross-rank tree (``start``: the first doubling step; log2(P) for experts sharded over P ranks).
-    ``name``: its name in its module (``source_grads``' key); ``qualname``: in the model."""
+    ``source_grads``: a sharded expert weight's per-source gradients (its module's store), else None.
+    ``name``: its name in its module (the store's key); ``qualname``: in the model."""
 
-    def __init__(self, param: nn.Parameter, experts: Optional[LocalExperts], name: str, qualname: str,
+    def __init__(self, param: nn.Parameter, source_grads: Optional[SourceGrads], name: str, qualname: str,
                  start: int) -> None:
-        self.param, self.experts, self.name, self.qualname, self.start = param, experts, name, qualname, start
+        self.param, self.source_grads, self.name, self.qualname = param, source_grads, name, qualname
+        self.start = start
         self.dtype, self.shape = param.dtype, param.shape  # as built: the agreed layout
         self.stack: List[Tuple[int, torch.Tensor]] = []
 
@@ -144,8 +147,9 @@ class GradientTree:
     every rank raises the same ValueError. The parameters that train (``requires_grad``) are fixed
     here: `reduce` refuses, on every rank, a step after one was frozen, unfrozen, replaced or cast;
     build a new tree after changing them. From then
-    on the sharded experts' weights get no ``.grad`` from backward: their per-source gradients
-    wait in ``LocalExperts.source_grads`` for `add_micro_batch`. Do not wrap the model in
+    on the sharded experts' weights get no ``.grad`` from backward: the tree hands each sharded
+    `LocalExperts` a store (``collect_source_grads``), where their per-source gradients wait for
+    `add_micro_batch`. Do not wrap the model in
     DistributedDataParallel or FSDP: the tree does their reduction.
     """
 
@@ -167,31 +171,34 @@ class GradientTree:
             problems.append(f"micro_batches must be a power of two >= 1 (1, 2, 4, ...), got {micro_batches!r}")
         self.micro_batches = micro_batches
         self.model = model
-        # The checks look at the layers' parts (routers, experts): MoELayer imports this module.
+        # The checks look at the layers' parts (routers, experts), whatever model holds them.
         for name, module in model.named_modules():
             if isinstance(module, TopKRouter):
-                problems += self._router_problems(name, module)
+                problems += [f"model.{name}: {why}; GradientTree needs each micro-batch's loss to be its own "
+                             "(no layout-invariant gradient exists otherwise)"
+                             for why in module.losses_across_micro_batches()]
         self._entries: List[_Entry] = []
         seen: set = set()
-        sharded_experts = []
+        stores: List[Tuple[LocalExperts, SourceGrads]] = []  # handed to the sharded experts once the ranks agree
         for name, module in model.named_modules():
-            sharded = isinstance(module, LocalExperts) and module.ep_group is not None
-            if sharded:
+            store = None
+            if isinstance(module, LocalExperts) and module.ep_group is not None:
                 problems += self._experts_problems(name, module)
-                sharded_experts.append(module)
+                store = SourceGrads()
+                stores.append((module, store))
             for pname, p in module.named_parameters(recurse=False):
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
-                    start = int(math.log2(dist.get_world_size(module.ep_group))) if sharded else 0
+                    start = int(math.log2(dist.get_world_size(module.ep_group))) if store is not None else 0
                     qualname = f"{name}.{pname}" if name else pname
-                    self._entries.append(_Entry(p, module if sharded else None, pname, qualname, start))
+                    self._entries.append(_Entry(p, store, pname, qualname, start))
         self._agree(problems[:1], micro_batches if valid else -1)  # the first: the others often repeat it per layer
         self._trained = {id(e.param) for e in self._entries}
         # the cross-rank exchange packs prefixes: the entries that join at step k come first
         self._entries.sort(key=lambda e: e.start)
         self._pieces = self._norm_pieces(model)
-        for experts in sharded_experts:
-            experts.source_grads = {}
+        for experts, store in stores:
+            experts.collect_source_grads(store)
         self._added = 0
         self._reduced = False
         self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()  # the .grad tensors reduce() wrote
@@ -202,21 +209,6 @@ class GradientTree:
         return self._group()
 
     # ---- checks (found locally, raised on every rank alike: before any other collective) --------
-
-    def _router_problems(self, name: str, router: TopKRouter) -> List[str]:
-        cfg = router.config
-        problems = []
-        if cfg.load_balancing_type == "global_aux_loss" and cfg.aux_loss_coeff > 0:
-            problems.append(
-                f"model.{name}: load_balancing_type='global_aux_loss' averages the token counts over every forward "
-                "a rank has run since its last reset (and over global_loss_group), so a micro-batch's loss depends "
-                "on which other micro-batches ran on that rank before it: no layout-invariant gradient exists. "
-                "Use 'aux_loss' or 'seq_aux_loss' (per micro-batch)"
-            )
-        if router.loss_group is not None or router.global_loss_group is not None:
-            problems.append(f"model.{name}: a router loss group sums token counts over other ranks' tokens; "
-                            "GradientTree needs each micro-batch's loss to be its own")
-        return problems
 
     def _experts_problems(self, name: str, experts: LocalExperts) -> List[str]:
         problems = []
@@ -292,10 +284,10 @@ class GradientTree:
                 problems.append("add_micro_batch: a .grad is still the one reduce() wrote: call optimizer.zero_grad() "
                                 "(set_to_none=True, the default) after each step")
                 break
-            if e.experts is not None and p.grad is not None:
+            if e.source_grads is not None and p.grad is not None:
                 problems.append(f"add_micro_batch: the sharded expert weight {e.name} has a .grad; under a "
-                                "GradientTree its gradient comes per source (LocalExperts.source_grads), which "
-                                "only an MoELayer's dispatch gives (experts called on their own do not)")
+                                "GradientTree its gradient comes per source (LocalExperts.collect_source_grads), "
+                                "which only an MoELayer's dispatch gives (experts called on their own do not)")
                 break
         self._agree_call(problems, _ADD)
         by_dtype: Dict[torch.dtype, List[Tuple[_Entry, torch.Tensor]]] = {}
@@ -303,10 +295,10 @@ class GradientTree:
             acc = _acc_dtype(e.dtype)  # as built: the same exchange on every rank
             p = e.param
             if e.changed():  # its place in the exchange stays, as zeros; reduce() refuses the step
-                if e.experts is not None:
-                    e.experts.source_grads.pop(e.name, None)
+                if e.source_grads is not None:
+                    e.source_grads.take(e.name)
                 node = torch.zeros(e.shape, dtype=acc, device=p.device)
-            elif e.experts is None:
+            elif e.source_grads is None:
                 node = p.grad.detach() if p.grad is not None else torch.zeros(p.shape, dtype=acc, device=p.device)
             else:
                 node = self._source_node(e, acc)
@@ -331,7 +323,7 @@ class GradientTree:
         order, ((s0 + s1) + (s2 + s3)) + ..., by a binary counter: each block is converted to ``acc``
         on its own, so at most log2(P) + 1 blocks of [E_local, ...] in ``acc`` live at once."""
         p, P = e.param, 1 << e.start
-        grads = e.experts.source_grads.pop(e.name, [])
+        grads = e.source_grads.take(e.name)
         if not grads:
             return torch.zeros(e.shape, dtype=acc, device=p.device)
         leaf = grads[0]  # the popped tensors are this tree's alone: adding into them is safe
@@ -370,8 +362,8 @@ class GradientTree:
         """Forget this step's gradients: the partials, the .grad and source gradients not yet taken."""
         for e in self._entries:
             e.stack = []
-            if e.experts is not None:
-                e.experts.source_grads.pop(e.name, None)
+            if e.source_grads is not None:
+                e.source_grads.take(e.name)
             if e.param.grad is not None and e.param.grad not in self._written:
                 e.param.grad = None
         self._added = 0
