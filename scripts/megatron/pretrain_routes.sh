@@ -5,8 +5,8 @@
 # --moe-permute-fusion: TEGroupedMLP experts) and local, both dispatchers for ours; dense and MoE
 # layers mixed by --moe-layer-freq; TE's FP8 recipe on the dense layers; a checkpoint round trip.
 #
-# Run from the repository root on the GPU machine, TransformerEngine already on PYTHONPATH (/tmp/site,
-# see ../shared/te/README.md), megatron-core NOT installed: the Megatron-LM trees .mlm/head and
+# Run from the repository root on the GPU machine, TransformerEngine 2.20.2 already on PYTHONPATH (its
+# torch extension built from the sdist, e.g. into /tmp/site), megatron-core NOT installed: .mlm/head and
 # .mlm/v0.19 (megatron/, pretrain_gpt.py, gpt_builders.py, model_provider.py; gitignored, carried)
 # provide `megatron`. Each run goes through scripts/megatron/run_pretrain.py, which runs
 # pretrain_gpt.py unchanged and prints each step's exact loss.
