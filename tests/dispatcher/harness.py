@@ -74,3 +74,23 @@ def value_error_of(fn: Callable[[], Any]) -> "str | None":
     except ValueError as e:
         return str(e)
     return None
+
+
+def outcome_of(fn: Callable[[], Any]) -> tuple:
+    """("ok", "") or (the exception's type name, its message): what a rank reports for a test to
+    compare across ranks."""
+    try:
+        fn()
+        return ("ok", "")
+    except Exception as exc:  # the test compares type and message across ranks
+        return (type(exc).__name__, str(exc))
+
+
+def same_value_error(outcomes: list, *words: str) -> str:
+    """The one ValueError message every rank's ``outcome_of`` gave, holding each of ``words``."""
+    for r, (kind, message) in enumerate(outcomes):
+        assert kind == "ValueError", f"rank {r}: expected ValueError, got {kind}: {message}"
+        for word in words:
+            assert word in message, f"rank {r}: {word!r} not in {message!r}"
+    assert len({m for _, m in outcomes}) == 1, f"messages differ across ranks: {outcomes}"
+    return outcomes[0][1]

@@ -21,6 +21,7 @@ from moe_dispatch.dispatcher import (
     send,
 )
 
+from .harness import outcome_of
 from .helpers import batch, config
 
 CASE_TIMEOUT = timedelta(seconds=10)
@@ -30,14 +31,6 @@ _DEVICE = {"device": torch.device("cpu")}  # this rank's (staged_worker sets it)
 
 def _batch(seed: int) -> dict:
     return {k: v.to(_DEVICE["device"]) for k, v in batch(torch.float32, seed=seed, n=T).items()}
-
-
-def _outcome(fn) -> tuple:
-    try:
-        fn()
-        return ("ok", "")
-    except Exception as exc:  # the test compares type and message across ranks
-        return (type(exc).__name__, str(exc))
 
 
 def _round_trip(cfg, group, rank: int) -> torch.Tensor:
@@ -55,8 +48,8 @@ def _swapped_sends(cfg, group, rank: int, same_routing: bool = False) -> dict:
         routed = _batch(rank) if same_routing else data
         records.append(prepare(data["x"], routed["rmap"], routed["probs"], cfg, group))
     order = (0, 1) if rank == 0 else (1, 0)
-    first = _outcome(lambda: finish(send(records[order[0]])))
-    return dict(first=first, after=_outcome(lambda: _round_trip(cfg, group, rank)))
+    first = outcome_of(lambda: finish(send(records[order[0]])))
+    return dict(first=first, after=outcome_of(lambda: _round_trip(cfg, group, rank)))
 
 
 def _replaced_x(cfg, group, rank: int, replace) -> dict:
@@ -65,8 +58,8 @@ def _replaced_x(cfg, group, rank: int, replace) -> dict:
     prepared = prepare(data["x"], data["rmap"], data["probs"], cfg, group)
     if rank == 1:
         prepared = dataclasses.replace(prepared, x=replace(prepared.x))
-    sent = _outcome(lambda: finish(send(prepared)))
-    return dict(first=sent, after=_outcome(lambda: _round_trip(cfg, group, rank)))
+    sent = outcome_of(lambda: finish(send(prepared)))
+    return dict(first=sent, after=outcome_of(lambda: _round_trip(cfg, group, rank)))
 
 
 def _sync_free(group, rank: int, fault: str) -> dict:
@@ -92,8 +85,8 @@ def _sync_free(group, rank: int, fault: str) -> dict:
         result["step"] = ("ok", "")
     except Exception as exc:
         result["step"] = (type(exc).__name__, str(exc))
-    result["next"] = _outcome(lambda: _round_trip(cfg, group, rank))
-    result["after"] = _outcome(lambda: _round_trip(cfg, group, rank))
+    result["next"] = outcome_of(lambda: _round_trip(cfg, group, rank))
+    result["after"] = outcome_of(lambda: _round_trip(cfg, group, rank))
     return result
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from .call_workers import call_identity_worker
-from .harness import run_ranks
+from .harness import run_ranks, same_value_error
 
 
 @pytest.fixture(scope="module")
@@ -15,27 +15,18 @@ def ranks():
     return run_ranks(call_identity_worker, 2, timeout=400)
 
 
-def _same_error(outcomes: list, *words: str) -> str:
-    for r, (kind, message) in enumerate(outcomes):
-        assert kind == "ValueError", f"rank {r}: expected ValueError, got {kind}: {message}"
-        for word in words:
-            assert word in message, f"rank {r}: {word!r} not in {message!r}"
-    assert len({m for _, m in outcomes}) == 1, f"messages differ across ranks: {outcomes}"
-    return outcomes[0][1]
-
-
 def test_layers_called_in_another_order_name_the_layers(ranks):
     layers = [rank["layers"] for rank in ranks]
     a, b = layers[0]["ids"]
     assert layers[1]["ids"] == (a, b) and a != b
     for case in ("first_1", "first_2"):  # the very first forward: the configuration agreement
-        message = _same_error([rank[case] for rank in layers], "MoE layers called in a different order",
-                              f"MoE layer #{a}", f"MoE layer #{b}", "ranks [1] differ")
+        message = same_value_error([rank[case] for rank in layers], "MoE layers called in a different order",
+                                   f"MoE layer #{a}", f"MoE layer #{b}", "ranks [1] differ")
         assert "init_seed" not in message, message
     for case in ("later_1", "later_2"):  # after it: the step's size exchange
-        _same_error([rank[case] for rank in layers], "MoE layers called in a different order",
-                    f"MoE layer #{a} forward 1", f"MoE layer #{b} forward 1")
-    _same_error([rank["skip"] for rank in layers], f"MoE layer #{a} is at different forwards", "[2, 3] by rank")
+        same_value_error([rank[case] for rank in layers], "MoE layers called in a different order",
+                         f"MoE layer #{a} forward 1", f"MoE layer #{b} forward 1")
+    same_value_error([rank["skip"] for rank in layers], f"MoE layer #{a} is at different forwards", "[2, 3] by rank")
     for rank in layers:  # in order, before and after the errors: the same result
         assert rank["in_order"][0] == "ok" and rank["after"][0] == "ok"
         assert torch.equal(rank["in_order"][2], rank["after"][2])
@@ -49,8 +40,9 @@ def test_microbatches_combined_in_another_order_pad_to_capacity(ranks):
         for mb in (0, 1):
             assert case[f"combine{mb}"][0] == "ok", (r, case[f"combine{mb}"])
             assert case[f"nan{mb}"], f"rank {r}: micro-batch {mb}'s output is not NaN"
-    _same_error([case["next"] for case in cases], "the previous combine on this group paired rows of different calls",
-                "forward 0", "forward 1", "on EP rank 0", "on EP rank 1")
+    same_value_error([case["next"] for case in cases],
+                     "the previous combine on this group paired rows of different calls",
+                     "forward 0", "forward 1", "on EP rank 0", "on EP rank 1")
 
 
 def test_microbatches_combined_in_another_order_without_rows(ranks):
@@ -61,8 +53,9 @@ def test_microbatches_combined_in_another_order_without_rows(ranks):
         for mb in (0, 1):
             assert case[f"combine{mb}"][0] == "ok", (r, case[f"combine{mb}"])
             assert case[f"nan{mb}"], f"rank {r}: micro-batch {mb}'s output is not NaN"
-    _same_error([case["next"] for case in cases], "the previous combine on this group paired rows of different calls",
-                "on EP rank 0", "on EP rank 1")
+    same_value_error([case["next"] for case in cases],
+                     "the previous combine on this group paired rows of different calls",
+                     "on EP rank 0", "on EP rank 1")
 
 
 def test_microbatches_backpropagated_in_another_order_pad_to_capacity(ranks):
@@ -72,7 +65,7 @@ def test_microbatches_backpropagated_in_another_order_pad_to_capacity(ranks):
             assert case[f"combine{mb}"][0] == "ok" and not case[f"nan{mb}"], (r, mb)
             assert case[f"backward{mb}"][0] == "ok", (r, case[f"backward{mb}"])
             assert case[f"grad_nan{mb}"], f"rank {r}: micro-batch {mb}'s input gradient is not NaN"
-    _same_error([case["next"] for case in cases], "the previous combine's backward on this group paired rows")
+    same_value_error([case["next"] for case in cases], "the previous combine's backward on this group paired rows")
 
 
 @pytest.mark.parametrize("case", ["strict_combine", "strict_capacity_combine"])
@@ -80,9 +73,9 @@ def test_strict_call_order_raises_before_rows_move(ranks, case):
     """Dropless: the split sizes differ (without strict mode gloo would abort the process)."""
     cases = [rank["microbatches"][case] for rank in ranks]
     for i in (0, 1):  # the i-th combine: micro-batch i on rank 0, 1 - i on rank 1
-        _same_error([cases[0][f"combine{i}"], cases[1][f"combine{1 - i}"]],
-                    "the combine on the EP group pairs rows of different calls", "no row was exchanged",
-                    "[MoE layer #", f"forward {i}, MoE layer #")
+        same_value_error([cases[0][f"combine{i}"], cases[1][f"combine{1 - i}"]],
+                         "the combine on the EP group pairs rows of different calls", "no row was exchanged",
+                         "[MoE layer #", f"forward {i}, MoE layer #")
     for c in cases:
         assert c["next"][0] == "ok", c["next"]  # nothing latched
 
@@ -90,8 +83,8 @@ def test_strict_call_order_raises_before_rows_move(ranks, case):
 def test_strict_call_order_in_the_backward(ranks):
     cases = [rank["microbatches"]["strict_backward"] for rank in ranks]
     for i in (0, 1):
-        _same_error([cases[0][f"backward{i}"], cases[1][f"backward{1 - i}"]],
-                    "the combine's backward on the EP group pairs rows")
+        same_value_error([cases[0][f"backward{i}"], cases[1][f"backward{1 - i}"]],
+                         "the combine's backward on the EP group pairs rows")
     for c in cases:
         assert c["next"][0] == "ok", c["next"]
 
@@ -130,8 +123,8 @@ def test_autograd_needs_that_differ_across_ranks(ranks, kind, case):
 
 
 def test_grad_mode_that_differs_is_an_error(ranks):
-    _same_error([rank["autograd"]["grad_mode"] for rank in ranks], "torch.is_grad_enabled() differs",
-                "ranks [1] differ")
+    same_value_error([rank["autograd"]["grad_mode"] for rank in ranks], "torch.is_grad_enabled() differs",
+                     "ranks [1] differ")
     for rank in ranks:
         assert rank["autograd"]["grad_mode_after"][0] == "ok"
 
@@ -142,7 +135,7 @@ def test_ep_group_outside_or_destroyed(ranks):
         kind, message = ranks[1]["groups"][case]
         assert kind == "ValueError" and "ep_group does not contain this process (global rank 1)" in message, message
     for case in ("destroyed_layer", "destroyed_functional"):
-        _same_error([rank["groups"][case] for rank in ranks], "ep_group is not a live process group")
+        same_value_error([rank["groups"][case] for rank in ranks], "ep_group is not a live process group")
 
 
 def test_host_reads_per_step(ranks):

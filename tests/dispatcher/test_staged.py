@@ -25,7 +25,7 @@ from moe_dispatch.dispatcher import (
     unpack_rows,
 )
 
-from .harness import run_ranks, value_error_of
+from .harness import run_ranks, same_value_error, value_error_of
 from .helpers import E, H, K, batch, config
 from .staged_workers import CASES, staged_worker
 
@@ -35,23 +35,14 @@ def ranks():
     return run_ranks(staged_worker, 2, list(CASES), timeout=240)
 
 
-def _same_error(outcomes: list, *words: str) -> str:
-    for r, (kind, message) in enumerate(outcomes):
-        assert kind == "ValueError", f"rank {r}: expected ValueError, got {kind}: {message}"
-        for word in words:
-            assert word in message, f"rank {r}: {word!r} not in {message!r}"
-    assert len({m for _, m in outcomes}) == 1, f"messages differ across ranks: {outcomes}"
-    return outcomes[0][1]
-
-
 @pytest.mark.parametrize("case", ["swap_capacity", "swap_capacity_strict", "swap_dropless", "swap_dropless_strict",
                                   "swap_allgather"])
 def test_prepared_records_sent_in_another_order(ranks, case):
     """Issue 46 items 6 (pad_to_capacity: a silently wrong result before, strict or not) and 11
     (dropless: gloo aborted the process): the same ValueError on both ranks before any row moves,
     naming each rank's record; the group works afterwards."""
-    _same_error([rank[case]["first"] for rank in ranks], "send on the EP group pairs different prepared records",
-                "forward 0", "forward 1", "ranks [1] differ", "no row was exchanged")
+    same_value_error([rank[case]["first"] for rank in ranks], "send on the EP group pairs different prepared records",
+                     "forward 0", "forward 1", "ranks [1] differ", "no row was exchanged")
     for rank in ranks:
         assert rank[case]["after"][0] == "ok", rank[case]["after"]
 
@@ -62,8 +53,8 @@ def test_prepared_records_sent_in_another_order(ranks, case):
     ("bf16_copy", ("float32", "got [8, 64] bfloat16")),  # item 12: gloo aborted the process
 ])
 def test_prepared_x_replaced_on_one_rank(ranks, case, words):
-    _same_error([rank[case]["first"] for rank in ranks], "send: the Prepared record's x", "on EP rank 1",
-                "no row was exchanged", *words)
+    same_value_error([rank[case]["first"] for rank in ranks], "send: the Prepared record's x", "on EP rank 1",
+                     "no row was exchanged", *words)
     for rank in ranks:
         assert rank[case]["after"][0] == "ok", rank[case]["after"]
 
@@ -79,7 +70,7 @@ def test_sync_free_record_faults_on_one_rank(ranks, case, words):
     for r, rank in enumerate(ranks):
         assert rank[case]["step"][0] == "ok" and rank[case]["nan"], (r, rank[case])
         assert rank[case]["after"][0] == "ok", (r, rank[case]["after"])
-    _same_error([rank[case]["next"] for rank in ranks], "invalid MoE dispatch input (sync-free)", *words)
+    same_value_error([rank[case]["next"] for rank in ranks], "invalid MoE dispatch input (sync-free)", *words)
 
 
 def test_staged_send_costs_one_host_read(ranks):

@@ -9,6 +9,7 @@ from moe_dispatch.distributed.comm import group_size_rank
 from moe_dispatch.integrations.megatron import MegatronTokenDispatcher
 from moe_dispatch.ops import permute, unpermute
 
+from .harness import outcome_of
 from .helpers import E, G, H, batch, config, expert_weights, run_experts
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
@@ -178,14 +179,6 @@ def contract_worker(rank: int, world_size: int, device: str = "cpu") -> dict:
     return dict(records=records, naive=naive)
 
 
-def _outcome(fn) -> tuple:
-    try:
-        fn()
-        return ("ok", "")
-    except Exception as exc:  # the test compares type and message across ranks
-        return (type(exc).__name__, str(exc))
-
-
 def round_trip(kind: str, cfg, x, rmap, probs, group) -> torch.Tensor:
     """Identity experts: the combine returns sum_e p_e x (probs in the combine)."""
     d = DISPATCHERS[kind](cfg, group)
@@ -211,30 +204,30 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
     x, rmap, probs = data["x"][sl], data["rmap"][sl], data["probs"][sl]
     cfg = config()
     out = {}
-    out["ctor_indivisible"] = _outcome(lambda: AllToAllDispatcher(config(num_experts=6), world))
-    out["functional_indivisible"] = _outcome(
+    out["ctor_indivisible"] = outcome_of(lambda: AllToAllDispatcher(config(num_experts=6), world))
+    out["functional_indivisible"] = outcome_of(
         lambda: dispatch(x, rmap[:, :6], probs[:, :6], config(num_experts=6), world, "allgather"))
     for kind in DISPATCHERS:
         wide = torch.cat([rmap, torch.zeros(8, 1, dtype=torch.bool)], 1) if rank == 2 else rmap
         wide_p = torch.cat([probs, torch.zeros(8, 1)], 1) if rank == 2 else probs
-        out[f"{kind}_map_columns"] = _outcome(lambda: DISPATCHERS[kind](cfg, world).dispatch(x, wide, wide_p))
+        out[f"{kind}_map_columns"] = outcome_of(lambda: DISPATCHERS[kind](cfg, world).dispatch(x, wide, wide_p))
         narrow_h = x[:, :32] if rank == 1 else x
-        out[f"{kind}_hidden_size"] = _outcome(lambda: DISPATCHERS[kind](cfg, world).dispatch(narrow_h, rmap, probs))
+        out[f"{kind}_hidden_size"] = outcome_of(lambda: DISPATCHERS[kind](cfg, world).dispatch(narrow_h, rmap, probs))
         bad_p = probs[:, :-1] if rank == 3 else probs
-        out[f"{kind}_probs_shape_megatron_api"] = _outcome(
+        out[f"{kind}_probs_shape_megatron_api"] = outcome_of(
             lambda: MegatronTokenDispatcher(DISPATCHERS[kind](cfg, world)).dispatch_preprocess(x, rmap, bad_p))
         int_map = rmap.to(torch.int64) if rank == 0 else rmap
-        out[f"{kind}_map_dtype_ep2"] = _outcome(lambda: DISPATCHERS[kind](cfg, pair).dispatch(x, int_map, probs))
+        out[f"{kind}_map_dtype_ep2"] = outcome_of(lambda: DISPATCHERS[kind](cfg, pair).dispatch(x, int_map, probs))
         mixed = x.float() if rank == 3 else x
-        out[f"{kind}_hidden_dtype"] = _outcome(lambda: DISPATCHERS[kind](cfg, world).dispatch(mixed, rmap, probs))
+        out[f"{kind}_hidden_dtype"] = outcome_of(lambda: DISPATCHERS[kind](cfg, world).dispatch(mixed, rmap, probs))
         nan_p = probs.clone()
         if rank == 1:
             nan_p[3, 0] = float("nan")  # what NaN router logits produce
-        out[f"{kind}_probs_nan"] = _outcome(lambda: DISPATCHERS[kind](cfg, world).dispatch(x, rmap, nan_p))
+        out[f"{kind}_probs_nan"] = outcome_of(lambda: DISPATCHERS[kind](cfg, world).dispatch(x, rmap, nan_p))
         tight = config(capacity_factor=0.25, pad_to_capacity=True)  # capacity 1 < routed tokens
-        out[f"{kind}_capacity_overflow"] = _outcome(lambda: DISPATCHERS[kind](tight, world).dispatch(x, rmap, probs))
+        out[f"{kind}_capacity_overflow"] = outcome_of(lambda: DISPATCHERS[kind](tight, world).dispatch(x, rmap, probs))
     expt_tp = SimpleNamespace(ep=world, tp_ep=world, expt_tp=pair)
-    out["expert_tp"] = _outcome(lambda: dispatcher_from_megatron(cfg, expt_tp))
+    out["expert_tp"] = outcome_of(lambda: dispatcher_from_megatron(cfg, expt_tp))
     # The group still works after all the errors, and an all-empty step works too.
     checks = {}
     for kind in DISPATCHERS:
