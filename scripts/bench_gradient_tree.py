@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 scripts/bench_gradient_tree.py          # CUDA: check + table
     torchrun --nproc-per-node 4 scripts/bench_gradient_tree.py --cpu    # CPU (gloo), small sizes
+    torchrun --nproc-per-node 4 scripts/bench_gradient_tree.py --backend nccl   # one GPU per rank
 
 (a) The promise on this device: the issue's model (moe_dispatch/tools/gradient_tree_layouts.py) for
 3 steps on the six L = 4 layouts (world, EP, A), bf16 on CUDA (fp32 on CPU); every parameter by
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 from typing import Dict, List, Tuple
@@ -209,15 +211,28 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--skip-check", action="store_true", help="no (a)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="nccl: one GPU per rank (LOCAL_RANK), the route a multi-GPU run takes")
     args = parser.parse_args()
-    device = torch.device("cpu" if args.cpu else "cuda")
+    if args.backend == "nccl":
+        if args.cpu:
+            parser.error("--backend nccl needs CUDA: drop --cpu")
+        local_rank, world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+            # NCCL refuses two ranks on one GPU; say so before any collective, on every rank alike.
+            parser.error(f"--backend nccl needs one GPU per rank: {world} ranks, "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPUs; use gloo to share one")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu" if args.cpu else "cuda")
     args.dtype = torch.float32 if args.cpu else torch.bfloat16
     args.hidden = args.hidden or (64 if args.cpu else 1024)
     args.ffn = args.ffn or (64 if args.cpu else 512)
     args.tokens = args.tokens or (128 if args.cpu else 2048)
     if args.cpu:
         torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group(args.backend)
     world, rank = dist.get_world_size(), dist.get_rank()
     try:
         if not args.skip_check:
@@ -242,7 +257,7 @@ def main() -> None:
 def report(rows, finals, args, world: int) -> None:
     print(f"\n(b) {args.layers} MoE layers, hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts top-"
           f"{args.topk}, {args.tokens} tokens per micro-batch, A = {args.micro_batches}, {world} ranks, "
-          f"{args.dtype}, {'CPU' if args.cpu else 'one GPU shared'}; median of {args.iters} steps")
+          f"{args.dtype}, {'CPU' if args.cpu else 'one GPU per rank (nccl)' if args.backend == 'nccl' else 'one GPU shared'}; median of {args.iters} steps")
     print(f"{'(W, EP, A)':12} {'method':22} {'ms/step':>8} {'micro':>8} {'reduce':>8} {'opt':>7} "
           f"{'peak MiB':>9} {'grad MiB':>9} {'time x':>7} {'grad x':>7}  goal <= {GOAL_TIME:.2f}x, <= {GOAL_MEMORY}x")
     for ep, got in rows:
