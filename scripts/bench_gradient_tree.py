@@ -255,9 +255,10 @@ def main() -> None:
 
 
 def report(rows, finals, args, world: int) -> None:
+    where = "CPU" if args.cpu else "one GPU per rank (nccl)" if args.backend == "nccl" else "one GPU shared"
     print(f"\n(b) {args.layers} MoE layers, hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts top-"
           f"{args.topk}, {args.tokens} tokens per micro-batch, A = {args.micro_batches}, {world} ranks, "
-          f"{args.dtype}, {'CPU' if args.cpu else 'one GPU per rank (nccl)' if args.backend == 'nccl' else 'one GPU shared'}; median of {args.iters} steps")
+          f"{args.dtype}, {where}; median of {args.iters} steps")
     print(f"{'(W, EP, A)':12} {'method':22} {'ms/step':>8} {'micro':>8} {'reduce':>8} {'opt':>7} "
           f"{'peak MiB':>9} {'grad MiB':>9} {'time x':>7} {'grad x':>7}  goal <= {GOAL_TIME:.2f}x, <= {GOAL_MEMORY}x")
     for ep, got in rows:

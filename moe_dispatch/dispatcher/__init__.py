@@ -23,7 +23,7 @@ from ..config import DispatchConfig
 from ..distributed.agreement import InputProblem, hidden_states_problem
 from .dispatchers import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher
 from .dropless.exchange import KINDS
-from .functional import combine, dispatch, dispatch_rows, with_host_counts
+from .functional import combine, dispatch, dispatch_rows, with_host_rows_per_expert
 from .payload import Fp8Rows, pack_rows, unpack_rows, wire_width
 from .plan import DispatchHandle, Plan, Prepared, Returned, Sent
 from .stages import (
@@ -42,4 +42,4 @@ __all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "DispatchConfig", "Dispa
            "Plan", "Prepared", "Returned", "Sent", "build_dispatcher", "check_expert_output", "combine", "device_of",
            "dispatch", "dispatch_rows", "finish", "hidden_states_problem", "owner_sum",
            "pack_rows", "prepare", "return_rows", "send", "to_expert_rows", "unpack_rows", "wire_width",
-           "with_host_counts"]
+           "with_host_rows_per_expert"]

@@ -83,7 +83,7 @@ class _Dispatcher:
         every rank, so that every rank's backward runs the combine's backward exchange). Sync-free
         (``config.sync_free``): tokens_per_expert is read from the device; ``dispatch_rows`` is not."""
         rows, new = self.dispatch_rows(hidden_states, routing_map, probs, handle, experts_need_grad)
-        return functional.with_host_counts(rows, new)
+        return functional.with_host_rows_per_expert(rows, new)
 
     def dispatch_rows(self, hidden_states: Any, routing_map: torch.Tensor, probs: torch.Tensor,
                       handle: Optional[DispatchHandle] = None, experts_need_grad: Optional[bool] = None,

@@ -42,7 +42,8 @@ from .plan import DispatchHandle
 from .stages import check_expert_output, finish, owner_sum, prepare, return_rows, send_just_prepared
 
 
-def with_host_counts(rows: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+def with_host_rows_per_expert(rows: torch.Tensor, handle: DispatchHandle,
+                              ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """dispatch's return from dispatch_rows': (rows, host_rows_per_expert, handle). With trailing
     rows (sync-free) the experts get rows [sum(host_rows_per_expert), H], whose counts sum to their
     rows as every expert implementation checks (``handle.given_rows``)."""
@@ -88,7 +89,7 @@ def dispatch(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tenso
     """
     rows, new = dispatch_rows(hidden, routing_map, probs, config, ep_group, kind, handle, latch=latch, agreed=agreed,
                               steps=steps, experts_grad=experts_grad)
-    return with_host_counts(rows, new)
+    return with_host_rows_per_expert(rows, new)
 
 
 def dispatch_rows(hidden: Any, routing_map: torch.Tensor, probs: torch.Tensor, config: MoEConfig | DispatchConfig,

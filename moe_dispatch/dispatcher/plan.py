@@ -105,7 +105,7 @@ class Plan(ABC):
         """dispatch(handle=...): the same routing again, its check on the device (no host sync)."""
 
     @abstractmethod
-    def host_counts(self, handle: "DispatchHandle") -> torch.Tensor:
+    def read_host_rows_per_expert(self, handle: "DispatchHandle") -> torch.Tensor:
         """CPU int64 [El]: rows per local expert block, padding included."""
 
     @abstractmethod
@@ -226,7 +226,7 @@ class DispatchHandle:
     def host_rows_per_expert(self) -> torch.Tensor:
         """CPU int64 [El], rows per local expert block (padding included): the dropless plan's, or
         for a sync-free plan read from the device now (a host sync on CUDA: only whoever asks pays)."""
-        return self.plan.host_counts(self)
+        return self.plan.read_host_rows_per_expert(self)
 
     @property
     def source_blocks(self) -> Optional["SourceBlocks"]:

@@ -160,7 +160,7 @@ class DroplessPlan(Plan):
                             token_payload(x, self.config, given))
         return self.finish(self.send(prepared, with_routing=False), handle.expert_map)
 
-    def host_counts(self, handle: DispatchHandle) -> torch.Tensor:
+    def read_host_rows_per_expert(self, handle: DispatchHandle) -> torch.Tensor:
         return self.host_rows_per_expert
 
     def source_blocks(self, handle: DispatchHandle) -> SourceBlocks:

@@ -199,7 +199,7 @@ class SyncFreePlan(Plan):
             self.flag_words(words, bad)
             latch_words(self.group, words, self.layout)
 
-    def host_counts(self, handle: DispatchHandle) -> torch.Tensor:
+    def read_host_rows_per_expert(self, handle: DispatchHandle) -> torch.Tensor:
         return handle.rows_per_expert.cpu()  # a host read: only whoever asks pays it
 
     def source_blocks(self, handle: DispatchHandle) -> torch.Tensor:
