@@ -91,17 +91,6 @@ class RowIdMap:
     def num_experts(self) -> int:
         return (self.slots.shape[1] - 1) // 2
 
-    # The fields' former names, read-only, until dispatcher/ and its tests switch to the new ones.
-    @property
-    def tokens_per_expert(self) -> torch.Tensor:
-        """Former name of ``expert_rows``."""
-        return self.expert_rows
-
-    @property
-    def padded_tokens_per_expert(self) -> torch.Tensor:
-        """Former name of ``padded_expert_rows``."""
-        return self.padded_expert_rows
-
 
 def _check_tokens(name: str, tokens: torch.Tensor) -> None:
     if not isinstance(tokens, torch.Tensor):
