@@ -21,7 +21,7 @@ from .distributed.agreement import DeviceProblem, hidden_states_problem
 from .distributed.comm import group_key, group_size_rank
 from .experts import GroupedMLP, SequentialMLP, layer_seed
 from .experts.fp8_weights import Fp8ExpertWeights, fp8_weights_bits_problem, fp8_weights_problem
-from .parallel import check_ddp, check_fsdp
+from .experts.wrappers import check_ddp, check_fsdp
 from .router import TopKRouter
 
 # Offsets the shared expert's seed from the routed experts' seeds.

@@ -141,6 +141,8 @@ def test_no_import_circle():
     ("moe_dispatch.distributed", "moe_dispatch.parallel"),
     ("moe_dispatch.experts", "moe_dispatch.parallel"),
     ("moe_dispatch.router", "moe_dispatch.parallel"),
+    # the layer's data-parallel guards live with the experts; parallel/ (GradientTree) is above the layer
+    ("moe_dispatch.layer", "moe_dispatch.parallel"),
 ])
 def test_lower_concerns_import_nothing_above(lower, higher):
     """No import, type-only and in-function ones included, from a lower concern up into a higher

@@ -3,7 +3,8 @@
 See `moe_dispatch.experts.mlp` for the guarantees, `gemm` for the GEMM strategies and their
 row-stability status, `activations` for why the CPU activations are hand-built, `fp8` for the
 FP8 expert GEMMs (row-wise scales), `fp8_weights` for their weights quantised once per optimizer step,
-`rows` for the record of the rows the experts take (``ExpertRows``), `source_grads` for the store of
+`rows` for the record of the rows the experts take (``ExpertRows``), `wrappers` for the
+forward's guards against a data-parallel wrapper that treats them as replicas, `source_grads` for the store of
 their per-source weight gradients (``SourceGrads``, ``LocalExperts.collect_source_grads``).
 """
 
