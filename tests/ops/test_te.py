@@ -372,8 +372,9 @@ def test_gpu_matches_cpu_bitwise(dtype):
     N = int(routing_map.sum()) - 5
 
     def run(device):
-        xl = x.to(device).requires_grad_(dtype != torch.float8_e4m3fn)
-        pl = probs.to(device).requires_grad_()
+        # detach: on CPU .to() returns the tensor itself, and the CUDA run's copy would not be a leaf
+        xl = x.to(device).detach().requires_grad_(dtype != torch.float8_e4m3fn)
+        pl = probs.to(device).detach().requires_grad_()
         out, pp, rmap = te.moe_permute_with_probs(xl, pl, routing_map.to(device), N)
         res = te.moe_unpermute(out, rmap, pl)
         if xl.requires_grad:
@@ -384,6 +385,7 @@ def test_gpu_matches_cpu_bitwise(dtype):
     for c, g in zip(cpu[:3], gpu[:3]):  # rows, probs and sums: bitwise (float8 compared as bytes)
         assert torch.equal(c.view(torch.uint8) if c.dtype == torch.float8_e4m3fn else c,
                            g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g)
+    assert len(cpu) == len(gpu) == (3 if dtype == torch.float8_e4m3fn else 4)  # the probs gradient, both runs
     if len(cpu) > 3:  # the probs gradient's in-chunk dot order differs between twin and kernel
         torch.testing.assert_close(cpu[3], gpu[3], rtol=1e-5, atol=1e-6)
 
