@@ -55,7 +55,7 @@ MODEL=(--mock-data --tokenizer-type NullTokenizer --vocab-size 4096 --num-layers
        --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 4
        --global-batch-size 16 --lr 3e-4 --num-experts 16 --moe-router-topk 2 --moe-ffn-hidden-size 1024
        --disable-bias-linear --bf16 --no-gradient-accumulation-fusion --attention-backend unfused
-       --eval-iters 0 --log-interval 1 --seed 1234)
+       --eval-iters 0 --eval-interval 1000 --log-interval 1 --seed 1234)
 TE=(--transformer-impl transformer_engine --moe-grouped-gemm --moe-permute-fusion)
 LOCAL=(--transformer-impl local)
 OURS=(--spec moe_dispatch.integrations.megatron deterministic_layer_spec)
