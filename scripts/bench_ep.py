@@ -81,10 +81,21 @@ def megatron_groups(world: int, rank: int):
     return _PG
 
 
-def megatron_config(H: int, E: int, K: int, ffn: int, world: int, kind: str):
+def megatron_config(H: int, E: int, K: int, ffn: int, world: int, kind: str, **extra):
     from moe_dispatch.integrations.megatron.build import moe_transformer_config
     # CPU initialisation: GPU initialisation needs Megatron's model-parallel RNG tracker.
-    return moe_transformer_config(H, ffn, E, K, kind, torch.bfloat16, ep_size=world, router_dtype="fp32")
+    return moe_transformer_config(H, ffn, E, K, kind, torch.bfloat16, ep_size=world, router_dtype="fp32", **extra)
+
+
+# The Megatron EP-1 layers of --ep1-layers; "-te": TransformerEngine's spec with --moe-grouped-gemm
+# (TEGroupedMLP experts) and --moe-permute-fusion, as production Megatron runs.
+MEGATRON_EP1_LAYERS = {
+    "installed": "Megatron alltoall after install() (row-stable GEMMs, stacked expert weights)",
+    "installed-sync-free": "Megatron alltoall after install(sync_free=True)",
+    "installed-te": "Megatron + TE (TEGroupedMLP) alltoall after install()",
+    "stock-te": "Megatron + TE alltoall stock, TEGroupedMLP, fused permute",
+    "stock": "Megatron alltoall stock, SequentialMLP, no TE",
+}
 
 
 def bench_dispatch(args, world: int, rank: int) -> None:
@@ -229,7 +240,8 @@ def host_waits(fn, steps: int = 3) -> str:
 def _ep1_layers(args, single, world: int, rank: int, which: str):
     """(label, layer, x, forward + backward) of the EP-1 layers named in ``which`` ('ours': the
     layer's default sync-free step and the dropless dispatcher, 'installed': Megatron after
-    install(), 'installed-sync-free': after install(sync_free=True), 'stock': Megatron's own), each
+    install(), 'installed-sync-free': after install(sync_free=True), 'stock': Megatron's own;
+    'stock-te' / 'installed-te': Megatron + TransformerEngine, TEGroupedMLP, fused permute), each
     rank alone."""
     from moe_dispatch.dispatcher import AllToAllDispatcher
 
@@ -247,7 +259,7 @@ def _ep1_layers(args, single, world: int, rank: int, which: str):
                     lambda: ours_layer(x).backward(g)))
         out.append(("ours alltoall, grouped row-stable experts, dropless", dropless, x,
                     lambda: dropless(x).backward(g)))
-    megatron = [name for name in ("installed", "installed-sync-free", "stock") if name in which.split(",")]
+    megatron = [name for name in MEGATRON_EP1_LAYERS if name in which.split(",")]
     if megatron:
         from moe_dispatch.integrations.megatron import install
         from moe_dispatch.integrations.megatron.build import build_moe_layer, process_groups
@@ -256,13 +268,17 @@ def _ep1_layers(args, single, world: int, rank: int, which: str):
         xm = x.detach().view(T, 1, H).clone().requires_grad_()
         gm = g.view(T, 1, H)
         for name in megatron:
-            layer = build_moe_layer(megatron_config(H, E, K, F, 1, "alltoall"), pg, ours=name != "stock",
-                                    device=DEVICE)
-            label = {"installed": "Megatron alltoall after install() (row-stable GEMMs, stacked expert weights)",
-                     "installed-sync-free": "Megatron alltoall after install(sync_free=True)",
-                     "stock": "Megatron alltoall stock, SequentialMLP, no TE"}[name]
+            te = name.endswith("-te")
+            # TE: what production Megatron runs (--moe-grouped-gemm --moe-permute-fusion).
+            extra = dict(moe_grouped_gemm=True, moe_permute_fusion=True) if te else {}
+            config = megatron_config(H, E, K, F, 1, "alltoall", **extra)
+            layer = build_moe_layer(config, pg, ours=name in ("installed", "installed-sync-free"), device=DEVICE,
+                                    use_te=te)
             if name == "installed-sync-free":
                 install(layer, pg, sync_free=True)  # again: idempotent, now with the sync-free dispatch
+            if name == "installed-te":
+                install(layer, pg)  # on the layer Megatron built: its own TEGroupedMLP parameters
+            label = MEGATRON_EP1_LAYERS[name]
 
             def fwd_bwd(layer=layer):
                 layer(xm)[0].backward(gm)
@@ -446,7 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--topk", type=int, default=6)
     parser.add_argument("--ep1-layers", default="ours,installed,stock",
                         help="EP-1 layers for the 'ep1' and 'profile-layer' parts: ours, installed, "
-                             "installed-sync-free (install(sync_free=True)), stock")
+                             "installed-sync-free (install(sync_free=True)), stock; with TransformerEngine "
+                             "also stock-te (TEGroupedMLP, fused permute) and installed-te (install() on it)")
     parser.add_argument("--profile-rows", type=int, default=25, help="rows of each profile table")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo on CPU at a tiny size: does the script run?")
     args = parser.parse_args(argv)

@@ -1,5 +1,5 @@
-"""Build megatron-core's MoELayer (SequentialMLP, no TransformerEngine; 0.16.1 through 0.19.2)
-outside Megatron's training set-up: for ``moe-dispatch check --megatron``, the benchmark and
+"""Build megatron-core's MoELayer (SequentialMLP without TransformerEngine, or TE's experts; 0.16.1
+through 0.19.2) outside Megatron's training set-up: for ``moe-dispatch check --megatron``, the benchmark and
 training scripts, and the plug-in tests.
 
 No ``initialize_model_parallel``: each layer gets an explicit ``ProcessGroupCollection`` whose EP
@@ -105,23 +105,27 @@ def _moe_submodules(spec: Any) -> Any:
 
 
 def build_moe_layer(config: Any, pg_collection: Any, ours: bool, device: Optional[torch.device] = None,
-                    row_stable_gemms: bool = True) -> Any:
-    """megatron-core's MoELayer from its own module spec (``get_moe_module_spec(use_te=False)``:
-    SequentialMLP experts). ``ours``: built through our spec helper as DeterministicMoELayer (our
-    dispatcher of the same kind installed, and with ``row_stable_gemms`` our row-stable router /
-    expert GEMMs); else Megatron's stock MoELayer, with its own dispatcher, from Megatron's spec.
-    In train mode, on ``device``."""
+                    row_stable_gemms: bool = True, use_te: bool = False) -> Any:
+    """megatron-core's MoELayer from its own module spec: ``get_moe_module_spec(use_te=False)``
+    (SequentialMLP experts), or with ``use_te`` TransformerEngine's (TEGroupedMLP experts where
+    ``config.moe_grouped_gemm``, else SequentialMLP with TE linears; needs TransformerEngine).
+    ``ours``: built through our spec helper as DeterministicMoELayer (our dispatcher of the same
+    kind installed, and with ``row_stable_gemms`` our row-stable router / expert GEMMs); else
+    Megatron's stock MoELayer, with its own dispatcher, from Megatron's spec. In train mode, on
+    ``device``."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as megatron_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from .dispatcher import is_installed
     from .specs import get_moe_module_spec
 
+    spec_args = dict(use_te=use_te, num_experts=config.num_moe_experts,
+                     moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)))
     if ours:
-        spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, row_stable_gemms=row_stable_gemms)
+        spec = get_moe_module_spec(row_stable_gemms=row_stable_gemms, **spec_args)
         layer = build_from_spec(spec, config=config, pg_collection=pg_collection)
     else:
-        submodules = _moe_submodules(megatron_spec(use_te=False, num_experts=config.num_moe_experts))
+        submodules = _moe_submodules(megatron_spec(**spec_args))
         layer = MoELayer(config=config, submodules=submodules, pg_collection=pg_collection)
     if is_installed(layer) != ours:
         raise RuntimeError(f"build_moe_layer(ours={ours}) built {type(layer).__name__} with "
