@@ -118,6 +118,16 @@ def _row_in(row, N, H):
     return tl.where((row >= 0) & (row < N), H, 0)
 
 
+@triton.jit
+def _load_slot_row(rows_ptr, slot_row, j, n, N, H, offs_h, stride_n, stride_h):
+    """(live, row, y) of a token's slot j in the summing kernels: _slot's (live, row) and the row's
+    chunk y [BLOCK_H] widened to fp32, zero for a dead slot or a row outside [0, N)."""
+    live, row = _slot(slot_row, j, n)
+    y = tl.load(rows_ptr + row * stride_n + offs_h * stride_h, mask=offs_h < _row_in(row, N, H),
+                other=0.0).to(tl.float32)
+    return live, row, y
+
+
 
 def _probs_args(probs: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
     """(pointer, stride_t, stride_e) for a kernel's optional probs; a placeholder when absent."""
@@ -459,9 +469,7 @@ def _permute_bwd_kernel(
     for j0 in range(0, n, SLOTS_PER_STEP):
         for step in tl.static_range(SLOTS_PER_STEP):
             j = j0 + step
-            live, row = _slot(slot_row, j, n)
-            y = tl.load(grad_ptr + row * stride_gn + offs_h * stride_gh, mask=offs_h < _row_in(row, N, H),
-                        other=0.0).to(tl.float32)
+            live, row, y = _load_slot_row(grad_ptr, slot_row, j, n, N, H, offs_h, stride_gn, stride_gh)
             acc = tl.where(live, acc + y, acc)
             if HAS_PROBS:
                 if pid_h == 0:
@@ -533,9 +541,7 @@ def _unpermute_kernel(
     for j0 in range(0, n, SLOTS_PER_STEP):
         for step in tl.static_range(SLOTS_PER_STEP):
             j = j0 + step
-            live, row = _slot(slot_row, j, n)
-            y = tl.load(rows_ptr + row * stride_rn + offs_h * stride_rh, mask=offs_h < _row_in(row, N, H),
-                        other=0.0).to(tl.float32)
+            live, row, y = _load_slot_row(rows_ptr, slot_row, j, n, N, H, offs_h, stride_rn, stride_rh)
             if HAS_SCALES:
                 y = y * _row_scale(scales_ptr, row, N, HAS_SCALES)
             y = y.to(acc_ty)
