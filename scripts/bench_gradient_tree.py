@@ -19,7 +19,8 @@ the gloo host copies count; phases: the A micro-batches' forward + backward + ac
 reduction, clipping + optimizer); peak MiB (max_memory_allocated over a step, CUDA only: with
 the activations and the transients of the backward); grad MiB (the most held for gradients after
 a micro-batch or the reduction: every .grad, the tree's partial sums, DDP's buckets). The goal
-beside them: <= 10% slower, <= 1.5x the gradient memory.
+beside them: <= 10% slower, <= 1.5x the gradient memory. ``--serial`` adds GradientTree with
+overlap=False (each micro-step's exchange in its add_micro_batch, not beside the next micro-batch).
 """
 from __future__ import annotations
 
@@ -109,8 +110,8 @@ def run(method: str, ep: int, args, groups: Groups, device: torch.device) -> dic
     model = Model(config, args.layers, args.classes, groups.ep[ep], device)  # EP 1: a group of one (None: the world)
     tree = ddp = None
     bucket_bytes = 0
-    if method == "tree":
-        tree = GradientTree(model, micro_batches=A)
+    if method in ("tree", "tree-serial"):
+        tree = GradientTree(model, micro_batches=A, overlap=method == "tree")
         forward = model
     else:
         ignored = set(ignore_experts_in_ddp(model))
@@ -213,6 +214,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--skip-check", action="store_true", help="no (a)")
+    parser.add_argument("--serial", action="store_true",
+                        help="also GradientTree(overlap=False): each micro-step's exchange in its call")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="parameters' dtype (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
@@ -246,9 +249,10 @@ def main() -> None:
                 print("(a) needs 4 ranks: skipped")
         eps = [int(e) for e in args.eps.split(",")] if args.eps else [e for e in (1, 2, 4, 8, 16) if e <= world]
         groups = Groups(world, rank, eps)
-        rows, finals = [], {"tree": [], "ddp": []}
+        methods = ("ddp", "tree", "tree-serial") if args.serial else ("ddp", "tree")
+        rows, finals = [], {m: [] for m in methods}
         for ep in eps:
-            got = {m: run(m, ep, args, groups, device) for m in ("ddp", "tree")}
+            got = {m: run(m, ep, args, groups, device) for m in methods}
             for m in got:
                 finals[m].append(gather_params(got[m].pop("params")))
             rows.append((ep, got))
@@ -268,13 +272,19 @@ def report(rows, finals, args, world: int) -> None:
           f"{'peak MiB':>9} {'grad MiB':>9} {'time x':>7} {'grad x':>7}  goal <= {GOAL_TIME:.2f}x, <= {goal_memory}x")
     for ep, got in rows:
         base = got["ddp"]
-        for m, name in (("ddp", "DDP + allreduce_expert"), ("tree", "GradientTree")):
+        for m, name in (("ddp", "DDP + allreduce_expert"), ("tree", "GradientTree"),
+                        ("tree-serial", "GradientTree serial")):
+            if m not in got:
+                continue
             r = got[m]
             tx, gx = r["ms"] / base["ms"], r["grad"] / base["grad"] if base["grad"] else float("nan")
             verdict = "" if m == "ddp" else ("  ok" if tx <= GOAL_TIME and gx <= goal_memory else "  over goal")
             print(f"{str((world, ep, args.micro_batches)):12} {name:22} {r['ms']:8.1f} {r['phases'][0]:8.1f} "
                   f"{r['phases'][1]:8.1f} {r['phases'][2]:7.1f} {r['peak']:9.1f} {r['grad']:9.2f} {tx:7.2f} "
                   f"{gx:7.2f}{verdict}")
+    if "tree-serial" in finals:
+        same = all(torch.equal(f[k], g[k]) for f, g in zip(finals["tree"], finals["tree-serial"]) for k in f)
+        print(f"GradientTree overlapped vs serial exchange: parameters {'bitwise' if same else 'DIFFER'}")
     for m, name in (("tree", "GradientTree"), ("ddp", "DDP + allreduce_expert_grads")):
         ref = finals[m][0]
         same = all(torch.equal(f[k], ref[k]) for f in finals[m][1:] for k in ref)

@@ -14,10 +14,11 @@ changes with the layout, its value does not:
   per (local expert, source) block (the tree hands the experts a store,
   ``LocalExperts.collect_source_grads``) and the P blocks are paired
   locally in ``add_micro_batch``: one partial per local expert, whatever P;
-- across ranks, in each ``add_micro_batch``, by recursive doubling: at step k group rank r adds
+- across ranks, from each ``add_micro_batch``, by recursive doubling: at step k group rank r adds
   the partial of rank r xor 2^k. The two partners hold the two halves of one tree node, and a + b
   is the same bits as b + a, so both hold the node. The experts join at step log2(P), where the
-  partner holds the same experts;
+  partner holds the same experts. With ``overlap`` (the default) it runs while the next
+  micro-batch computes (tree_exchange.py); the values are the same either way;
 - over the micro-steps, on every rank alike: a stack of log2(A) partials (a binary counter).
 
 So parameters, their gradients and the clipped norm are bitwise the same for every layout with the
@@ -27,6 +28,7 @@ size, and row-stable expert GEMMs (docs/parallel.md has the promise and its limi
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -41,6 +43,7 @@ from ..distributed.comm import WeakGroup, all_gather_rows
 from ..experts import LocalExperts, SourceGrads
 from ..numerics.fixed_order import tree_sum
 from ..router import TopKRouter
+from .tree_exchange import DoublingExchange
 
 
 def _power_of_two(n: int) -> bool:
@@ -126,6 +129,15 @@ class _Entry:
             self.stack.append((level + 1, left.add_(right)))
 
 
+def _push(flat: torch.Tensor, entries: Sequence[_Entry], acc: torch.dtype) -> None:
+    """Push each entry's node, a view of ``flat`` (the entries' nodes in order), on its stack."""
+    offset = 0
+    for e in entries:  # views of flat: it lives as long as a node of this micro-step does
+        n = e.shape.numel()
+        e.push(flat[offset:offset + n].view(e.shape), acc)
+        offset += n
+
+
 class GradientTree:
     """Layout-invariant gradient accumulation, reduction and clipping (module docstring)::
 
@@ -146,14 +158,16 @@ class GradientTree:
     trained parameters (names in the model, shapes, dtypes, order) and carries any refusal, so
     every rank raises the same ValueError. The parameters that train (``requires_grad``) are fixed
     here: `reduce` refuses, on every rank, a step after one was frozen, unfrozen, replaced or cast;
-    build a new tree after changing them. From then
-    on the sharded experts' weights get no ``.grad`` from backward: the tree hands each sharded
-    `LocalExperts` a store (``collect_source_grads``), where their per-source gradients wait for
-    `add_micro_batch`. Do not wrap the model in
-    DistributedDataParallel or FSDP: the tree does their reduction.
+    build a new tree after changing them. From then on the sharded experts' weights get no
+    ``.grad`` from backward: the tree hands each sharded `LocalExperts` a store
+    (``collect_source_grads``), where their per-source gradients wait for `add_micro_batch`. Do not
+    wrap the model in DistributedDataParallel or FSDP: the tree does their reduction. ``overlap``:
+    each micro-step's exchange runs while the next micro-batch computes (tree_exchange.py), on a
+    process group of group's ranks that the first tree over group makes; False: in its call.
     """
 
-    def __init__(self, model: nn.Module, micro_batches: int, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, model: nn.Module, micro_batches: int, group: Optional[dist.ProcessGroup] = None,
+                 overlap: bool = True) -> None:
         distributed = dist.is_available() and dist.is_initialized()
         if group is not None and not distributed:
             raise ValueError("group given, but torch.distributed is not initialised")
@@ -170,6 +184,8 @@ class GradientTree:
         if not valid:
             problems.append(f"micro_batches must be a power of two >= 1 (1, 2, 4, ...), got {micro_batches!r}")
         self.micro_batches = micro_batches
+        if not isinstance(overlap, bool):
+            problems.append(f"overlap must be True or False, got {overlap!r}")
         self.model = model
         # The checks look at the layers' parts (routers, experts), whatever model holds them.
         for name, module in model.named_modules():
@@ -202,6 +218,7 @@ class GradientTree:
         self._added = 0
         self._reduced = False
         self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()  # the .grad tensors reduce() wrote
+        self._exchange = DoublingExchange(self.group, self.world, self.rank, overlap is True)
 
     @property
     def group(self) -> Optional[dist.ProcessGroup]:
@@ -268,10 +285,12 @@ class GradientTree:
     def add_micro_batch(self) -> None:
         """Take this micro-batch's gradients (each ``.grad``, then set to None; the experts'
         per-source gradients, paired in order) as leaves of the tree, sum the micro-step's W leaves
-        over ``group`` by recursive doubling and push that node on the stack. Call after each
-        micro-batch's backward. Collective over ``group``: first one small fixed-size all-gather,
-        so that a misuse on one rank (a .grad reduce() wrote, a rank in another call) raises the
-        same ValueError on every rank, and the step's gradients are dropped."""
+        over ``group`` by recursive doubling and push that node on the stack (with ``overlap``, but
+        for the step's last micro-batch: the doubling starts here and runs while the next
+        micro-batch computes; the next call finishes it). Call after each micro-batch's backward.
+        Collective over ``group``: first one small fixed-size all-gather, so that a misuse on one
+        rank (a .grad reduce() wrote, a rank in another call) raises the same ValueError on every
+        rank, and the step's gradients are dropped."""
         problems = []
         if self._added == self.micro_batches:
             problems.append(f"add_micro_batch: already {self.micro_batches} micro-batches (micro_batches) this "
@@ -290,6 +309,7 @@ class GradientTree:
                                 "which only an MoELayer's dispatch gives (experts called on their own do not)")
                 break
         self._agree_call(problems, _ADD)
+        self._exchange.finish()
         by_dtype: Dict[torch.dtype, List[Tuple[_Entry, torch.Tensor]]] = {}
         for e in self._entries:  # in order: each dtype's entries keep the prefix order of their start
             acc = _acc_dtype(e.dtype)  # as built: the same exchange on every rank
@@ -308,12 +328,9 @@ class GradientTree:
             entries = [e for e, _ in pairs]
             flat = torch.cat([node.reshape(-1).to(acc) for _, node in pairs])  # the leaves, converted exactly
             del pairs
-            self._doubling(flat, entries)
-            offset = 0
-            for e in entries:  # views of flat: it lives as long as a node of this micro-step does
-                n = e.shape.numel()
-                e.push(flat[offset:offset + n].view(e.shape), acc)
-                offset += n
+            prefix = [sum(e.shape.numel() for e in entries if e.start <= k) for k in range(self._exchange.steps)]
+            self._exchange.start(flat, prefix, functools.partial(_push, flat, entries, acc),
+                                 at_once=self._added == self.micro_batches - 1)  # the last: reduce() is next
         self._added += 1
         self._reduced = False
 
@@ -359,7 +376,9 @@ class GradientTree:
             raise
 
     def _drop(self) -> None:
-        """Forget this step's gradients: the partials, the .grad and source gradients not yet taken."""
+        """Forget this step's gradients: the partials, the exchange in flight, the .grad and source
+        gradients not yet taken."""
+        self._exchange.drop()
         for e in self._entries:
             e.stack = []
             if e.source_grads is not None:
@@ -376,6 +395,7 @@ class GradientTree:
         since the tree was built (frozen, unfrozen, another dtype or shape, replaced), makes every
         rank raise the same ValueError, naming it; the step's gradients are then dropped."""
         self._agree_call(self._step_problems(), _REDUCE)
+        self._exchange.finish()
         L = self.world * self.micro_batches
         for e in self._entries:
             (_, partial), = e.stack
@@ -400,23 +420,6 @@ class GradientTree:
         if changed:
             problems.append("reduce: " + "; ".join(changed) + f"; {_REBUILD}")
         return problems
-
-    def _doubling(self, flat: torch.Tensor, entries: Sequence[_Entry]) -> None:
-        """Recursive doubling over ``group`` in place on ``flat`` (the entries' partials, in order):
-        step k adds group rank (rank xor 2^k)'s prefix of the entries that have joined by step k."""
-        for k in range(int(math.log2(self.world))):
-            self._doubling_step(flat, entries, k)
-
-    def _doubling_step(self, flat: torch.Tensor, entries: Sequence[_Entry], k: int) -> None:
-        """Step k of `_doubling`: add group rank (rank xor 2^k)'s prefix of the joined entries."""
-        n = sum(e.shape.numel() for e in entries if e.start <= k)
-        if n == 0:
-            return
-        peer = self.rank ^ (1 << k)
-        splits = [n if r == peer else 0 for r in range(self.world)]
-        received = torch.empty(n, dtype=flat.dtype, device=flat.device)
-        dist.all_to_all_single(received, flat[:n].contiguous(), splits, splits, group=self.group)
-        flat[:n].add_(received)  # a + b == b + a: both partners hold the same node
 
     # ---- the norm ------------------------------------------------------------------------------
     def _norm_pieces(self, model: nn.Module) -> List[Tuple[nn.Module, Optional[nn.Parameter]]]:
@@ -480,8 +483,10 @@ class GradientTree:
 
     def held_bytes(self) -> int:
         """Bytes of the partial sums this tree holds now (between micro-batches: up to log2(A) per
-        parameter, a sharded expert weight's the size of its local shard; none after `reduce`)."""
-        return sum(t.numel() * t.element_size() for e in self._entries for _, t in e.stack)
+        parameter, a sharded expert weight's the size of its local shard, the last micro-step's
+        node still in its overlapped exchange included; none after `reduce`)."""
+        stacked = sum(t.numel() * t.element_size() for e in self._entries for _, t in e.stack)
+        return stacked + self._exchange.held_bytes()
 
     def global_mean(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` [A] (e.g. this rank's micro-batch losses, detached) -> their mean over the L

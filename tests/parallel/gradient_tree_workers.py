@@ -85,17 +85,25 @@ def layouts_worker(rank: int, world_size: int, device: str = "cpu", dtype: torch
     return out
 
 
-def held_bytes_worker(rank: int, world_size: int) -> List[int]:
+def held_bytes_worker(rank: int, world_size: int) -> Dict[bool, List[float]]:
     """The issue's model at (2, 2, 4): the bytes the tree holds after each of the 4 micro-batches,
-    in units of this rank's trained parameters in fp32 (its expert shard, the replicated rest)."""
-    model = Net(CONFIG, dist.group.WORLD, "cpu")
-    tree = GradientTree(model, micro_batches=4)
-    unit = sum(p.numel() * 4 for p in model.parameters())
-    held = []
-    for a in range(4):
-        x, y = micro_batch(0, tree.micro_batch_index(a), CONFIG, "cpu")
-        F.cross_entropy(model(x).float(), y).backward()
-        tree.add_micro_batch()
-        held.append(tree.held_bytes() / unit)
-    tree.reduce()
-    return held
+    in units of this rank's trained parameters in fp32 (its expert shard, the replicated rest), by
+    ``overlap``; and whether both trees' gradients are bitwise the same."""
+    out: Dict = {}
+    grads = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = Net(CONFIG, dist.group.WORLD, "cpu")
+        tree = GradientTree(model, micro_batches=4, overlap=overlap)
+        unit = sum(p.numel() * 4 for p in model.parameters())
+        held = []
+        for a in range(4):
+            x, y = micro_batch(0, tree.micro_batch_index(a), CONFIG, "cpu")
+            F.cross_entropy(model(x).float(), y).backward()
+            tree.add_micro_batch()
+            held.append(tree.held_bytes() / unit)
+        tree.reduce()
+        out[overlap] = held
+        grads[overlap] = [p.grad.clone() for p in model.parameters()]
+    out["same grads"] = all(torch.equal(u, v) for u, v in zip(grads[False], grads[True]))
+    return out

@@ -7,8 +7,6 @@ different reduction order, so the ranks' subtrees no longer nest with each rank'
 One rank gives a SKIP row with its reason and no number."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,20 +24,20 @@ ROWS = ["layouts: 3 training steps, (world 4, EP 4, A 1) vs (world 4, EP 1, A 1)
 FP8 = ["--fp8"]
 
 
-def _reversed_doubling(self, flat: torch.Tensor, entries) -> None:
-    """GradientTree._doubling with its steps in the other order: step log2(W)-1 first."""
-    for k in reversed(range(int(math.log2(self.world)))):
-        self._doubling_step(flat, entries, k)
+def _reversed_doubling(self, flat: torch.Tensor, prefix, stream) -> None:
+    """DoublingExchange._doubling with its steps in the other order: step log2(W)-1 first."""
+    for k in reversed(range(self.steps)):
+        self._step(flat, prefix[k], k)
 
 
 def _worker(rank: int, world: int) -> dict:
-    from moe_dispatch.parallel.gradient_tree import GradientTree
+    from moe_dispatch.parallel.tree_exchange import DoublingExchange
 
     cpu = torch.device("cpu")
     args = build_parser().parse_args([])  # the check's defaults: bf16, 128 tokens per micro-batch
     out = {"tree": layout_rows(args, cpu)}
     out["fp8"] = layout_rows(build_parser().parse_args(FP8), cpu)
-    GradientTree._doubling = _reversed_doubling  # this spawned rank's class only
+    DoublingExchange._doubling = _reversed_doubling  # this spawned rank's class only
     out["reversed"] = layout_rows(args, cpu)
     out["fp8 reversed"] = layout_rows(build_parser().parse_args(FP8), cpu)
     return out
