@@ -105,6 +105,7 @@ def test_single_process_misuse():
                                                                            ffn_hidden_size=8), layer_index=0))
     assert value_error_of(lambda: GradientTree(model, 0)).startswith("micro_batches must be a power of two")
     assert value_error_of(lambda: GradientTree(model, True)).startswith("micro_batches must be a power of two")
+    assert value_error_of(lambda: GradientTree(model, 2, overlap=1)) == "overlap must be True or False, got 1"
     tree = GradientTree(model, micro_batches=2)
     assert value_error_of(tree.reduce).startswith("reduce: 0 micro-batches")
     assert value_error_of(lambda: tree.clip_grad_norm_(1.0)).startswith("clip_grad_norm_: call reduce()")
