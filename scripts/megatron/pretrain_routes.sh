@@ -24,6 +24,9 @@
 #   head-te-fp8  HEAD, TE, --fp8-format hybrid --fp8-recipe tensorwise: ours a2a / ours ag / stock
 #   head-local   HEAD, --transformer-impl local: stock / ours alltoall / ours allgather
 #   v019-local   core_v0.19.0, local: stock / ours alltoall / ours allgather
+#   v016-local   core_v0.16.1 (.mlm/v0.16), local, no --spec: stock, then ours alltoall / allgather
+#                through docs/megatron.md's two-line edit of gpt_builders.py, applied to a copy by
+#                scripts/megatron/edit_gpt_builders.py
 # and on request:
 #   head-te-fp8e4m3  TE FP8 recipe on the dense layers and our per-token FP8 in the MoE layers
 #                    (deterministic_layer_spec_fp8), alltoall / allgather
@@ -45,10 +48,12 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONUNBUF
 for tree in head v0.19; do
     [ -f ".mlm/$tree/pretrain_gpt.py" ] || { echo "no .mlm/$tree/pretrain_gpt.py: carry .mlm"; exit 1; }
 done
+case " $ROUTES " in *" v016-"*) [ -f .mlm/v0.16/pretrain_gpt.py ] || { echo "no .mlm/v0.16/pretrain_gpt.py"; exit 1; } ;; esac
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, transformer_engine; print('torch', torch.__version__, 'TE', transformer_engine.__version__)" \
     2>&1 | tail -1
-echo "Megatron-LM: head $(cat .mlm/head/COMMIT 2>/dev/null), v0.19 $(cat .mlm/v0.19/COMMIT 2>/dev/null)"
+echo "Megatron-LM: head $(cat .mlm/head/COMMIT 2>/dev/null), v0.19 $(cat .mlm/v0.19/COMMIT 2>/dev/null)," \
+    "v0.16 $(cat .mlm/v0.16/COMMIT 2>/dev/null)"
 git log -1 --format='moe-dispatch commit %H' 2>/dev/null || true
 
 MODEL=(--mock-data --tokenizer-type NullTokenizer --vocab-size 4096 --num-layers 4 --hidden-size 1024
@@ -67,8 +72,10 @@ FREQ=(--moe-layer-freq "[0,1,0,1]")
 start_all=$SECONDS
 port=29500
 
-run() {  # run NAME TREE [pretrain_gpt.py flags beyond MODEL]
+run() {  # run NAME TREE [pretrain_gpt.py flags beyond MODEL]; TREE: under .mlm, or an absolute path
     local name=$1 tree=$2; shift 2
+    local dir=$ROOT/.mlm/$tree
+    case $tree in /*) dir=$tree ;; esac
     local spent=$((SECONDS - start_all))
     if [ "$spent" -gt "$BUDGET" ]; then
         echo "$name: skipped (${spent} s spent, BUDGET $BUDGET)"
@@ -76,8 +83,8 @@ run() {  # run NAME TREE [pretrain_gpt.py flags beyond MODEL]
     fi
     port=$((port + 1))
     local t0=$SECONDS
-    (cd "$WORK" && MASTER_PORT=$port PYTHONPATH="$ROOT/.mlm/$tree:$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
-        timeout -k 10 "$RUN_TIMEOUT" $PY "$ROOT/scripts/megatron/run_pretrain.py" "$ROOT/.mlm/$tree/pretrain_gpt.py" \
+    (cd "$WORK" && MASTER_PORT=$port PYTHONPATH="$dir:$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
+        timeout -k 10 "$RUN_TIMEOUT" $PY "$ROOT/scripts/megatron/run_pretrain.py" "$dir/pretrain_gpt.py" \
         "${MODEL[@]}" "$@") > "$WORK/logs/$name.log" 2>&1
     local rc=$?
     printf '%s\t%s\t%s\t%s\n' "$name" "$rc" $((SECONDS - t0)) "$tree $*" >> "$WORK/logs/routes.tsv"
@@ -126,6 +133,12 @@ for route in $ROUTES; do
             run head-te-fp8e4m3.ours-ag head --train-iters "$ITERS" "${TE[@]}" "${FP8[@]}" "${AG[@]}" "${OURS_FP8[@]}" ;;
         head-local) trio head-local head "${LOCAL[@]}" ;;
         v019-local) trio v019-local v0.19 "${LOCAL[@]}" ;;
+        v016-local)
+            edited=$WORK/v0.16-edited
+            rm -rf "$edited" && cp -r .mlm/v0.16 "$edited" && $PY scripts/megatron/edit_gpt_builders.py "$edited/gpt_builders.py"
+            run v016-local.stock v0.16 --train-iters "$ITERS" "${LOCAL[@]}" "${A2A[@]}"
+            run v016-local.ours-a2a "$edited" --train-iters "$ITERS" "${LOCAL[@]}" "${A2A[@]}"
+            run v016-local.ours-ag "$edited" --train-iters "$ITERS" "${LOCAL[@]}" "${AG[@]}" ;;
         head-te-again)
             run head-te.ours-a2a-again head --train-iters "$ITERS" "${TE[@]}" "${A2A[@]}" "${OURS[@]}"
             run head-te.stock-again head --train-iters "$ITERS" "${TE[@]}" "${A2A[@]}" ;;
