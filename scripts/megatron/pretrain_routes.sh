@@ -31,7 +31,9 @@
 #   head-te-fp8e4m3  TE FP8 recipe on the dense layers and our per-token FP8 in the MoE layers
 #                    (deterministic_layer_spec_fp8), alltoall / allgather
 #   head-te-again    HEAD, TE: ours alltoall and stock once more (run-to-run controls)
-# Env: ITERS (20), RUN_TIMEOUT (100 s per run), BUDGET (430 s), OUT (/tmp/out), PY (python3).
+# Env: ITERS (20), RUN_TIMEOUT (100 s per run), BUDGET (430 s), OUT (/tmp/out), PY (python3), WORK
+# (/tmp/pretrain_routes) and PORT (29500, the first run's is PORT + 1): give two instances run side by
+# side their own WORK and PORT (their step times then mean nothing; their losses still do).
 # Output: $OUT/routes_report.txt (the table, also printed) and $OUT/routes_logs.txt (every run's log).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -70,7 +72,7 @@ AG=(--moe-token-dispatcher-type allgather)
 FP8=(--fp8-format hybrid --fp8-recipe tensorwise)
 FREQ=(--moe-layer-freq "[0,1,0,1]")
 start_all=$SECONDS
-port=29500
+port=${PORT:-29500}
 
 run() {  # run NAME TREE [pretrain_gpt.py flags beyond MODEL]; TREE: under .mlm, or an absolute path
     local name=$1 tree=$2; shift 2
