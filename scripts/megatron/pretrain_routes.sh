@@ -64,7 +64,7 @@ MODEL=(--mock-data --tokenizer-type NullTokenizer --vocab-size 4096 --num-layers
        --disable-bias-linear --bf16 --no-gradient-accumulation-fusion --attention-backend unfused
        --eval-iters 0 --eval-interval 1000 --log-interval 1 --seed 1234)
 TE=(--transformer-impl transformer_engine --moe-grouped-gemm --moe-permute-fusion)
-LOCAL=(--transformer-impl local)
+LOCAL=(--transformer-impl local --no-persist-layer-norm --no-masked-softmax-fusion)  # no apex kernels
 OURS=(--spec moe_dispatch.integrations.megatron deterministic_layer_spec)
 OURS_FP8=(--spec moe_dispatch.integrations.megatron deterministic_layer_spec_fp8)
 A2A=(--moe-token-dispatcher-type alltoall)
@@ -109,7 +109,7 @@ checkpoint_round_trip() {
         --exit-on-missing-checkpoint
     run ckpt.stock-load-save head "${common[@]}" --load "$ck/ours" --save "$ck/back" --exit-on-missing-checkpoint
     if [ -d "$ck/back" ]; then
-        PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" timeout 120 $PY scripts/megatron/compare_checkpoints.py \
+        PYTHONPATH="$ROOT/.mlm/head:$ROOT${PYTHONPATH:+:$PYTHONPATH}" timeout 120 $PY scripts/megatron/compare_checkpoints.py \
             "$ck/stock" "$ck/ours" "$ck/back" > "$WORK/logs/checkpoint.txt" 2>&1
     else
         echo "no checkpoint from the last run (see ckpt.*.log)" > "$WORK/logs/checkpoint.txt"
