@@ -6,7 +6,7 @@ Profiles 5 forward + backward steps of the EP-1 layer (torch.profiler with Pytho
 prints, per step, the aten operators whose own kernels took the most time, with their input shapes
 and the moe_dispatch frames around them (innermost first), from the profiler's Python events.
 The copies, casts, adds and fills of the profile's "other" category have no line of ours to point
-at; this names it. On CUDA (torch 2.11, session 43) the profiler did not link those Python events
+at; this names it. On CUDA (torch 2.11, one H200, 2026-12-05) the profiler did not link those Python events
 to the aten ops (every row read "(autograd engine)"), so the GPU run gives the operators and shapes,
 and the same command with ``--device cpu`` at small sizes (ranked by CPU time) the lines behind a
 shape.

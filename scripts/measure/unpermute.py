@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_dispatch.ops import guard, permute
-from moe_dispatch.ops.kernels import permute as KT
+from moe_dispatch.ops import guard, kernels, permute
+from moe_dispatch.ops.kernels import unpermute as KT
+from moe_dispatch.ops.kernels.slot_rows import _num_warps
 from moe_dispatch.ops.torch_twin import block_h
 from moe_dispatch.tools.benchmarks import copy_bandwidth, routing
 from moe_dispatch.tools.profiling import graph_median_ms
@@ -63,8 +64,8 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}, triton {triton.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s, "
-          f"slots per step {KT.LAUNCH['unpermute_bwd_slots_per_step']}, "
-          f"probs-gradient warps {KT.LAUNCH['probs_grad_warps']}")
+          f"slots per step {kernels.LAUNCH['unpermute_bwd_slots_per_step']}, "
+          f"probs-gradient warps {kernels.LAUNCH['probs_grad_warps']}")
     print("| T,E,H,K | what | ms | / floor |")
     print("|---|---|---|---|")
     for T, E, H, K in shapes:
@@ -83,13 +84,13 @@ def main() -> None:
         grad_probs = torch.empty((T, E), device="cuda", dtype=torch.float32)
         partial = torch.empty((T, K, chunks), device="cuda", dtype=torch.float32)
         status = guard.status(y.device)
-        per_step = KT.LAUNCH["unpermute_bwd_slots_per_step"]
+        per_step = kernels.LAUNCH["unpermute_bwd_slots_per_step"]
 
         def rows_kernel():
             KT._unpermute_bwd_kernel[(T * chunks,)](
                 g, y, slots, probs, grad_rows, partial, status, T, H, E, N, K, chunks, g.stride(0), g.stride(1),
                 y.stride(0), y.stride(1), probs.stride(0), probs.stride(1), HAS_PROBS=True, ACC_FP64=False,
-                BLOCK_H=bh, TOKEN_MAJOR=False, SLOTS_PER_STEP=per_step, num_warps=KT._num_warps(bh),
+                BLOCK_H=bh, TOKEN_MAJOR=False, SLOTS_PER_STEP=per_step, num_warps=_num_warps(bh),
                 enable_fp_fusion=False)
 
         def probs_kernel(warps):
@@ -99,7 +100,7 @@ def main() -> None:
 
         def same_traffic():
             _same_traffic_kernel[(T * chunks,)](g, y, slots, probs, grad_rows, H, E, BLOCK_H=bh,
-                                                SLOTS_PER_STEP=per_step, num_warps=KT._num_warps(bh))
+                                                SLOTS_PER_STEP=per_step, num_warps=_num_warps(bh))
 
         half = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
         half_dst = torch.empty_like(half)
@@ -117,7 +118,7 @@ def main() -> None:
         forward = [("forward, shipped (probs)", lambda: KT.unpermute_rows(y, slots, probs)),
                    ("forward without probs", lambda: KT.unpermute_rows(y, slots, None)),
                    ("permute backward (the same rows summed)",
-                    lambda: KT.permute_rows_backward(y, slots, None, torch.float32)),
+                    lambda: kernels.permute_rows_backward(y, slots, None, torch.float32)),
                    ("copy of the forward's bytes", lambda: half_dst.copy_(half))]
         for name, fn in forward:
             ms = graph_median_ms(fn)

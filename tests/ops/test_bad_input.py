@@ -11,7 +11,7 @@ import triton.language as tl
 
 from moe_dispatch.ops import RowIdMap, check_device_errors, guard, permute, set_backend, unpermute
 from moe_dispatch.ops import torch_twin as TW
-from moe_dispatch.ops.kernels.permute import _expert_weights
+from moe_dispatch.ops.kernels.row_map import _expert_weights
 from tests.ops.oracle import random_routing
 
 BACKENDS = ["torch", "triton"]
@@ -123,7 +123,7 @@ def test_right_sizes_pass_and_give_the_synchronising_result():
 def test_kernel_flags_exactly_the_wrong_sizes(E):
     """_slots_kernel sets the SIZES status word iff the given total, split (hashed) or bound on
     experts per token is wrong: the same verdict as the host's exact comparison."""
-    from moe_dispatch.ops.kernels import permute as K
+    from moe_dispatch.ops.kernels import row_map as K
 
     gen = torch.Generator().manual_seed(E)
     T, k = 40, min(4, E)
@@ -162,7 +162,7 @@ def test_counts_hash_matches_the_kernels_weights():
 def test_status_poisons_every_kernel():
     """Once the device's status records a bad input, every kernel writes NaN (here set by hand,
     as the CUDA path would before the error reaches the host)."""
-    from moe_dispatch.ops.kernels import permute as K
+    from moe_dispatch.ops import kernels as K
 
     routing_map, tokens, probs = _case()
     slots, stats = K.make_slots(routing_map, 1)
@@ -189,7 +189,7 @@ def test_status_poisons_every_kernel():
 
 def test_status_poisons_float8_results():
     """The same for float8 rows and results (written as bytes): NaN bytes, NaN row scales."""
-    from moe_dispatch.ops.kernels import permute as K
+    from moe_dispatch.ops import kernels as K
 
     routing_map, tokens, probs = _case()
     fp8 = torch.float8_e4m3fn
@@ -214,7 +214,7 @@ def test_status_poisons_float8_results():
 # CUDA): every buffer the launchers allocate gets sentinel rows after it that must survive.
 # ---------------------------------------------------------------------------------------------
 class _GuardedTorch:
-    """Stands in for ``torch`` inside kernels/permute.py: empty/zeros return the leading view of a
+    """Stands in for ``torch`` inside the permutation kernels' modules: empty/zeros return the leading view of a
     buffer with PAD sentinel rows after it; ``check()`` asserts the sentinels are intact."""
 
     PAD = 64
@@ -247,10 +247,12 @@ class _GuardedTorch:
 
 @pytest.fixture
 def guarded(monkeypatch):
-    from moe_dispatch.ops.kernels import permute as K
+    from moe_dispatch.ops import kernels as K
+    from moe_dispatch.ops.kernels import permute, row_map, slot_rows, unpermute
 
     fake = _GuardedTorch()
-    monkeypatch.setattr(K, "torch", fake)
+    for module in (permute, row_map, slot_rows, unpermute):
+        monkeypatch.setattr(module, "torch", fake)
     yield K
     fake.check()
 

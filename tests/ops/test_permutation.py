@@ -16,7 +16,8 @@ def garbage_buffers(monkeypatch, request):
     """The Triton launchers' output buffers start as all-ones bytes (NaN in every float dtype), so a
     row the kernels leave unwritten, or a pad row left unzeroed, cannot pass as zeros by chance; with
     both ways of zeroing (the whole buffer first, or only the rows no slot points at)."""
-    from moe_dispatch.ops.kernels import permute as K
+    from moe_dispatch.ops import kernels as K
+    from moe_dispatch.ops.kernels import slot_rows
 
     monkeypatch.setitem(K.LAUNCH, "zero_only_uncovered", request.param)
 
@@ -24,7 +25,7 @@ def garbage_buffers(monkeypatch, request):
         out = torch.empty(shape, dtype=dtype, device=device)
         out.view(torch.uint8).fill_(0xFF)
         return out
-    monkeypatch.setattr(K, "_uninitialised", garbage)
+    monkeypatch.setattr(slot_rows, "uninitialised_buffer", garbage)
 
 
 def _run(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs=None, **kw):
@@ -175,7 +176,7 @@ def test_launch_tuning_changes_no_value(monkeypatch, token_major, warps, rows_pe
     unrolled step of the summing kernels, the block size of the kernels whose sums run per element,
     and the alternative route: the unpermute backward per token) are free to tune: the interpreted
     kernels give the same bits with any of them."""
-    from moe_dispatch.ops.kernels import permute as K
+    from moe_dispatch.ops import kernels as K
 
     routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(23, 8, 3, 40, torch.float32,
                                                                        torch.float32, seed=6)
@@ -219,7 +220,7 @@ def test_triton_interpreter_matches_torch_twin(monkeypatch, garbage_buffers, dty
     N = int(padded.sum())
     y, g_perm, g_perm_probs = y[:N], g_perm[:N], g_perm_probs[:N]
     if routes:
-        from moe_dispatch.ops.kernels import permute as K
+        from moe_dispatch.ops import kernels as K
         monkeypatch.setitem(K.LAUNCH, "unpermute_bwd_per_token", True)
         monkeypatch.setitem(K.LAUNCH, "map_chunks", 3)
     a, b = _both_backends(tokens, routing_map, probs, y, g_out, g_perm, g_perm_probs, pad_multiple=pad_multiple)
@@ -558,7 +559,7 @@ def test_cuda_alternative_routes_are_bitwise_equal(monkeypatch, T, E, K, H):
     """LAUNCH's alternative route on CUDA (the unpermute backward per token) gives the default
     route's bits, with and without counts, whatever the map's chunking, the slots per step and the
     probs-gradient kernel's warps."""
-    from moe_dispatch.ops.kernels import permute as KT
+    from moe_dispatch.ops import kernels as KT
 
     routing_map, tokens, probs, y, g_out, g_perm, g_perm_probs = _case(T, E, K, H, torch.bfloat16, seed=8,
                                                                        pad_multiple=8)

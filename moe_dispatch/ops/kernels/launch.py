@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-# Filled by the family modules (permute.py, quantize.py) with their settings and defaults.
+# Filled by the family modules (slot_rows.py, quantize.py) with their settings and defaults.
 LAUNCH: dict = {}
 
 
