@@ -11,7 +11,12 @@ if [ $# -gt 0 ]; then
     exec .venv/bin/python -m pytest -q "$@"
 fi
 status=0
+# The floor venv (a few GB of wheels) downloads and installs while the main suite runs; its
+# tests run after, alone. A failed preparation is retried, and reported, by the floor step.
+bash scripts/test_floor_torch.sh --prepare > .floor-prepare.log 2>&1 &
+prepare=$!
 .venv/bin/python -m pytest -q || status=$?
 MAIN_STATUS=$status bash scripts/test_megatron_versions.sh || status=1
+wait $prepare || echo "floor torch: preparing .venv-floor beside the suite failed (retried below): $(tail -3 .floor-prepare.log)"
 bash scripts/test_floor_torch.sh || status=1
 exit $status

@@ -4,6 +4,8 @@
 # left with another torch, triton, numpy or checkout; megatron-core is not needed there (PyPI's
 # 2.11.0 Linux wheel is the CUDA build: a few GB, a minute to install, CPU is all the tests use).
 # Usage: bash scripts/test_floor_torch.sh [pytest args, default: the floor tests below]
+#        bash scripts/test_floor_torch.sh --prepare   (the venv only, no tests: test.sh runs this
+#        beside the main suite, so the download and install overlap the tests)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FLOOR_TORCH=2.11.0
@@ -15,6 +17,8 @@ TESTS=(tests/test_functions_compile.py tests/test_layer_compile.py tests/experts
        tests/experts/test_fp8_weights.py
        # EP 4 compiles what EP 2 does (the main suite runs it): a minute and more saved
        --deselect "tests/test_layer_compile.py::test_compiled_layer_is_bitwise_eager[aot_eager-4-1-None]")
+PREPARE=0
+if [ "${1:-}" = "--prepare" ]; then PREPARE=1; shift; fi
 [ $# -gt 0 ] && TESTS=("$@")
 start=$SECONDS
 
@@ -39,6 +43,10 @@ got=$(state)
 if [ "$got" != "$want" ]; then
     echo "floor torch: $VENV has '$got', expected '$want'" >&2
     exit 1
+fi
+if [ "$PREPARE" = 1 ]; then
+    echo "   floor torch $FLOOR_TORCH: .venv-floor ready ($((SECONDS - start)) s)"
+    exit 0
 fi
 echo "== floor torch $FLOOR_TORCH (.venv-floor): pytest ${TESTS[*]}"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
