@@ -31,6 +31,8 @@
 #   head-te-fp8e4m3  TE FP8 recipe on the dense layers and our per-token FP8 in the MoE layers
 #                    (deterministic_layer_spec_fp8), alltoall / allgather
 #   head-te-again    HEAD, TE: ours alltoall and stock once more (run-to-run controls)
+#   head-te-seq      HEAD, TE without --moe-grouped-gemm: SequentialMLP experts with TE's linears,
+#                    stock / ours alltoall / ours allgather
 # Env: ITERS (20), RUN_TIMEOUT (100 s per run), BUDGET (430 s), OUT (/tmp/out), PY (python3), WORK
 # (/tmp/pretrain_routes) and PORT (29500, the first run's is PORT + 1): give two instances run side by
 # side their own WORK and PORT (their step times then mean nothing; their losses still do).
@@ -141,6 +143,7 @@ for route in $ROUTES; do
             run v016-local.stock v0.16 --train-iters "$ITERS" "${LOCAL[@]}" "${A2A[@]}"
             run v016-local.ours-a2a "$edited" --train-iters "$ITERS" "${LOCAL[@]}" "${A2A[@]}"
             run v016-local.ours-ag "$edited" --train-iters "$ITERS" "${LOCAL[@]}" "${AG[@]}" ;;
+        head-te-seq) trio head-te-seq head --transformer-impl transformer_engine --moe-permute-fusion ;;
         head-te-again)
             run head-te.ours-a2a-again head --train-iters "$ITERS" "${TE[@]}" "${A2A[@]}" "${OURS[@]}"
             run head-te.stock-again head --train-iters "$ITERS" "${TE[@]}" "${A2A[@]}" ;;
