@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Megatron + TransformerEngine on the GPU machine, in few calls (the machine reaches no index).
-# Before: here, `bash ../shared/te/fetch.sh`-style files in .te/ (the TE 2.20.2 wheel in five parts,
-# its sha256, wheels/, the extension's sdist, build.sh), `bash scripts/megatron/prepare_trees.sh
+# Before, on a machine with a package index: in .te/, TransformerEngine 2.20.2's core wheel (cp312,
+# CUDA 13) split into five parts of at most 56 MiB (tewhl.part0..4) with its sha256, the
+# meta-package and the Python packages TE imports in wheels/, the transformer_engine_torch sdist,
+# and a build.sh that joins and installs them into /tmp/site and builds the extension against the
+# GPU machine's torch; `bash scripts/megatron/prepare_trees.sh
 # <Megatron-LM clone>` (.mlm/) and the cp312 megatron-core 0.19.2 wheel in .whl/. There: five calls
 # that each carry one part and run `mkdir -p /tmp/te && cp .te/tewhl.partN /tmp/te/`, then
 #

@@ -21,11 +21,8 @@ from moe_dispatch import MoEConfig, MoELayer
 def digest(t: torch.Tensor) -> str:
     """sha256 of the tensor's bytes (its dtype and shape in front), first 16 hex digits."""
     t = t.detach().contiguous().cpu()
-    raw = t.view(torch.uint8) if t.dtype.itemsize == 1 else t.view(torch.int16 if t.dtype.itemsize == 2 else
-                                                                       torch.int32 if t.dtype.itemsize == 4 else
-                                                                       torch.int64)
     h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
-    h.update(raw.numpy().tobytes())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
