@@ -13,11 +13,13 @@
 #       builds TE into /tmp/site (about 150 s), installs megatron-core into /tmp/mc, times the EP-1
 #       layers (ours, install() on Megatron + TE, stock Megatron + TE: bench_ep.py) and then, alone
 #       on the GPU, the timed pretrain_gpt.py routes (ROUTES, default "head-te ckpt head-te-fp8")
-#       while DEADLINE (s, default 555) allows;
+#       while DEADLINE (s, default 555) allows; TIMED=0 builds only;
 #   bash scripts/device_te.sh routes "G1" "G2" ...    carry .mlm .whl
 #       each quoted group of pretrain_routes.sh routes as its own instance, side by side on the GPU
-#       (their step times then mean nothing; their losses do), with GPU_TESTS=1 the GPU suite beside
-#       them, and BITS_AGAINST=<checkout> scripts/measure/layer_bits.py here and there (carry it).
+#       (their step times then mean nothing; their losses do); beside them, SANITIZE=1 runs
+#       scripts/sanitize_ops.py under compute-sanitizer's memcheck, BITS_AGAINST=<checkout>
+#       scripts/measure/layer_bits.py here and there (carry it), and GPU_TESTS="PATH ..." the GPU
+#       tests of those paths (GPU_TESTS=1: all of tests/).
 # Output under $OUT (default /tmp/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +39,7 @@ build)
     echo "TE build: $((SECONDS - t0)) s"
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     install_mc
+    [ "${TIMED:-1}" = 1 ] || { echo "device_te.sh build: $((SECONDS - t0)) s"; exit 0; }
     PYTHONPATH=/tmp/site:/tmp/mc:$PWD timeout 170 torchrun --nproc-per-node 1 --master-port 29400 scripts/bench_ep.py \
         --what ep1 --ep1-layers ours,installed-te,stock-te 2>&1 | grep -v Warning | tee "$OUT/bench_te_layer.txt" | tail -20
     echo "bench: $((SECONDS - t0)) s"
@@ -54,6 +57,11 @@ routes)
         OUT=$OUT/r$i WORK=/tmp/routes$i PORT=$((29600 + 100 * i)) BUDGET=$((DEADLINE - RUN_TIMEOUT - 20)) ROUTES="$group" \
             bash scripts/megatron/pretrain_routes.sh > "$OUT/routes_$i.txt" 2>&1 &
     done
+    if [ "${SANITIZE:-0}" = 1 ]; then
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
+            python3 scripts/sanitize_ops.py --no-large > "$OUT/memcheck.log" 2>&1
+        echo "memcheck rc $?"; grep -E "PASS|FAIL|ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -8
+    fi
     if [ -n "${BITS_AGAINST:-}" ]; then
         for tree in "$PWD" "$BITS_AGAINST"; do
             PYTHONPATH=/tmp/site:$tree timeout 120 python3 scripts/measure/layer_bits.py > "$OUT/bits_$(basename "$tree").txt" 2>&1
@@ -61,9 +69,11 @@ routes)
         diff "$OUT/bits_$(basename "$BITS_AGAINST").txt" "$OUT/bits_$(basename "$PWD").txt" > "$OUT/bits_diff.txt" \
             && echo "layer bits: the same as $BITS_AGAINST" || echo "layer bits: DIFFER (bits_diff.txt)"
     fi
-    if [ "${GPU_TESTS:-0}" = 1 ]; then
+    if [ "${GPU_TESTS:-0}" != 0 ]; then
+        paths=$GPU_TESTS; [ "$paths" = 1 ] && paths=tests
+        # shellcheck disable=SC2086  # PATH ... is a list
         PYTHONPATH=/tmp/site:/tmp/mc:$PWD timeout $((DEADLINE - 40 - (SECONDS - t0))) python3 -m pytest -q \
-            -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.log" 2>&1
+            -p no:cacheprovider -m gpu $paths > "$OUT/gpu_tests.log" 2>&1
         echo "gpu tests rc $?"; tail -15 "$OUT/gpu_tests.log"
     fi
     wait
