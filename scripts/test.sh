@@ -11,9 +11,10 @@ if [ $# -gt 0 ]; then
     exec .venv/bin/python -m pytest -q "$@"
 fi
 status=0
-# The floor venv (a few GB of wheels) downloads and installs while the main suite runs; its
-# tests run after, alone. A failed preparation is retried, and reported, by the floor step.
-bash scripts/test_floor_torch.sh --prepare > .floor-prepare.log 2>&1 &
+# The floor venv (a few GB of wheels) downloads and installs while the main suite runs, at the
+# lowest CPU priority so that it takes only the cores the suite leaves idle; its tests run after,
+# alone. A failed preparation is retried, and reported, by the floor step.
+nice -n 19 bash scripts/test_floor_torch.sh --prepare > .floor-prepare.log 2>&1 &
 prepare=$!
 # Two workers, each file on one (its module-scoped spawns shared): the serial suite keeps about
 # 0.7 of the 2 cores busy, so this takes about 6 min instead of 7 to 8.
