@@ -58,7 +58,7 @@ routes)
             bash scripts/megatron/pretrain_routes.sh > "$OUT/routes_$i.txt" 2>&1 &
     done
     if [ "${SANITIZE:-0}" = 1 ]; then
-        PYTHONPATH=$PWD:$PYTHONPATH PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck \
+        PYTHONPATH=$PWD:$PYTHONPATH PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool memcheck \
             --error-exitcode 3 python3 scripts/sanitize_ops.py --no-large > "$OUT/memcheck.log" 2>&1
         echo "memcheck rc $?"; grep -E "PASS|FAIL|ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -8
     fi
