@@ -16,7 +16,7 @@ status=0
 bash scripts/test_floor_torch.sh --prepare > .floor-prepare.log 2>&1 &
 prepare=$!
 # Two workers, each file on one (its module-scoped spawns shared): the serial suite keeps about
-# 0.7 of the 2 cores busy, so this takes 6 to 6.5 min instead of 7 to 8.
+# 0.7 of the 2 cores busy, so this takes 6 to 7 min instead of 7 to 8.
 .venv/bin/python -m pytest -q -n 2 --dist loadfile || status=$?
 MAIN_STATUS=$status bash scripts/test_megatron_versions.sh || status=1
 wait $prepare || echo "floor torch: preparing .venv-floor beside the suite failed (retried below): $(tail -3 .floor-prepare.log)"
