@@ -18,7 +18,10 @@ Columns: ms per step (median over --iters; wall clock between barriers, so every
 the gloo host copies count; phases: the A micro-batches' forward + backward + accumulation, the
 reduction, clipping + optimizer); peak MiB (max_memory_allocated over a step, CUDA only: with
 the activations and the transients of the backward); grad MiB (the most held for gradients after
-a micro-batch or the reduction: every .grad, the tree's partial sums, DDP's buckets). The goal
+a micro-batch's backward, after its add_micro_batch or after the reduction: every .grad, the
+experts' per-source gradients, the tree's partial sums and nodes in flight, DDP's buckets).
+``--breakdown`` adds (c): those parts, and where the tree's time goes (its exchange's time and
+bytes; on CUDA the host<->device copies of one profiled step). The goal
 beside them: <= 10% slower, <= 1.5x the gradient memory. ``--serial`` adds GradientTree with
 overlap=False (each micro-step's exchange in its add_micro_batch, not beside the next micro-batch).
 """
@@ -96,9 +99,10 @@ def sync(device: torch.device) -> None:
 
 
 def grad_bytes(model: nn.Module, tree: "GradientTree | None") -> int:
-    """Bytes held for gradients now: every .grad, and the tree's partial sums."""
+    """Bytes held for gradients now: every .grad, and the tree's partial sums, its nodes in flight and
+    the experts' per-source gradients waiting for add_micro_batch."""
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    return grads + (tree.held_bytes() if tree is not None else 0)
+    return grads + (sum(tree.held_bytes_by_part().values()) if tree is not None else 0)
 
 
 def run(method: str, ep: int, args, groups: Groups, device: torch.device) -> dict:
@@ -120,57 +124,91 @@ def run(method: str, ep: int, args, groups: Groups, device: torch.device) -> dic
         bucket_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in ignored)
         AuxLossScaler.set_loss_scale(1.0 / A)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    cost: Dict[str, float] = {}  # the breakdown's measures: seconds and bytes summed over the timed steps
+    most: Dict[str, Dict[str, int]] = {}  # at each checkpoint, the parts when their total was the most
+
+    def snapshot(where: str) -> None:
+        parts = {".grad": grad_bytes(model, None), **tree.held_bytes_by_part()}
+        if sum(parts.values()) > sum(most.get(where, {}).values()):
+            most[where] = parts
+
+    def one_step(step: int, timed: bool) -> Tuple[Tuple[float, float, float], int]:
+        """One optimizer step: (micro-batches, reduce, clip + optimizer) seconds, gradient bytes held."""
+        held = 0
+        t0 = time.perf_counter()
+        for a in range(A):
+            x, y = batch(step, a * world + rank, args, device)  # GradientTree.micro_batch_index(a)
+            if tree is not None:
+                F.cross_entropy(forward(x).float(), y).backward()
+                held = max(held, grad_bytes(model, tree))  # the leaves beside the partials
+                if timed:
+                    snapshot("after backward")  # .grad, and the experts' per-source blocks the backward left
+                t_add = time.perf_counter()
+                tree.add_micro_batch()
+                if timed:
+                    cost["add_micro_batch s"] = cost.get("add_micro_batch s", 0) + time.perf_counter() - t_add
+                    snapshot("after add_micro_batch")
+            elif a < A - 1:
+                with ddp.no_sync():
+                    (F.cross_entropy(forward(x).float(), y) / A).backward()
+            else:
+                (F.cross_entropy(forward(x).float(), y) / A).backward()
+            held = max(held, grad_bytes(model, tree))
+        sync(device)
+        t1 = time.perf_counter()
+        if tree is not None:
+            tree.reduce()
+        elif ep > 1:
+            allreduce_expert_grads(model, groups.expert_dp[ep], dp_size=world)
+        held = max(held, grad_bytes(model, tree))
+        sync(device)
+        t2 = time.perf_counter()
+        if tree is not None:
+            tree.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        sync(device)
+        return (t1 - t0, t2 - t1, time.perf_counter() - t2), held
+
     times: List[Tuple[float, float, float]] = []
     peaks, grads = [], []
     try:
+        exchanged = (0.0, 0)
         for step in range(args.warmup + args.iters):
             sync(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            held = 0
-            t0 = time.perf_counter()
-            for a in range(A):
-                x, y = batch(step, a * world + rank, args, device)  # GradientTree.micro_batch_index(a)
-                if tree is not None:
-                    F.cross_entropy(forward(x).float(), y).backward()
-                    tree.add_micro_batch()
-                elif a < A - 1:
-                    with ddp.no_sync():
-                        (F.cross_entropy(forward(x).float(), y) / A).backward()
-                else:
-                    (F.cross_entropy(forward(x).float(), y) / A).backward()
-                held = max(held, grad_bytes(model, tree))
-            sync(device)
-            t1 = time.perf_counter()
-            if tree is not None:
-                tree.reduce()
-            elif ep > 1:
-                allreduce_expert_grads(model, groups.expert_dp[ep], dp_size=world)
-            held = max(held, grad_bytes(model, tree))
-            sync(device)
-            t2 = time.perf_counter()
-            if tree is not None:
-                tree.clip_grad_norm_(1.0)
-            else:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            sync(device)
-            t3 = time.perf_counter()
+            if step == args.warmup and tree is not None:
+                exchanged = tree.exchange_totals()
+            phases, held = one_step(step, timed=step >= args.warmup)
             if step >= args.warmup:
-                times.append((t1 - t0, t2 - t1, t3 - t2))
+                times.append(phases)
                 peaks.append(torch.cuda.max_memory_allocated() if device.type == "cuda" else 0)
                 grads.append(held + bucket_bytes)
+        if tree is not None:
+            seconds, sent = tree.exchange_totals()
+            cost["exchange s"], cost["exchange bytes"] = seconds - exchanged[0], sent - exchanged[1]
+        if args.breakdown and device.type == "cuda":  # one more step under the profiler: host<->device copies
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                one_step(args.warmup + args.iters, timed=False)
+            copies = [e for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" in e.name]
+            cost["copies"] = len(copies)
+            cost["copy s"] = sum(e.device_time for e in copies) * 1e-6
     finally:
         AuxLossScaler.set_loss_scale(1.0)
     params = by_global_id(model)
-    del model, tree, ddp, forward, opt
+    model = tree = ddp = forward = opt = None  # freed before the next run (one_step holds the names)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     phases = [statistics.median(t[i] for t in times) * 1e3 for i in range(3)]
+    cost = {k: v / args.iters if k in ("add_micro_batch s", "exchange s", "exchange bytes") else v
+            for k, v in cost.items()}  # per step
     return {"ms": sum(phases), "phases": phases, "peak": max(peaks) / 2**20, "grad": max(grads) / 2**20,
-            "params": params}
+            "params": params, "cost": cost, "most": most, "buckets": bucket_bytes}
 
 
 def gather_params(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -216,6 +254,8 @@ def main() -> None:
     parser.add_argument("--skip-check", action="store_true", help="no (a)")
     parser.add_argument("--serial", action="store_true",
                         help="also GradientTree(overlap=False): each micro-step's exchange in its call")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also (c): where the memory and the time go (CUDA: one more step under torch.profiler)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="parameters' dtype (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
@@ -282,6 +322,8 @@ def report(rows, finals, args, world: int) -> None:
             print(f"{str((world, ep, args.micro_batches)):12} {name:22} {r['ms']:8.1f} {r['phases'][0]:8.1f} "
                   f"{r['phases'][1]:8.1f} {r['phases'][2]:7.1f} {r['peak']:9.1f} {r['grad']:9.2f} {tx:7.2f} "
                   f"{gx:7.2f}{verdict}")
+    if args.breakdown:
+        breakdown(rows, world, args.micro_batches)
     if "tree-serial" in finals:
         same = all(torch.equal(f[k], g[k]) for f, g in zip(finals["tree"], finals["tree-serial"]) for k in f)
         print(f"GradientTree overlapped vs serial exchange: parameters {'bitwise' if same else 'DIFFER'}")
@@ -291,6 +333,31 @@ def report(rows, finals, args, world: int) -> None:
         print(f"{name}: parameters after {args.warmup + args.iters} steps across the table's layouts: "
               f"{'bitwise' if same else 'differ'}")
 
+
+def breakdown(rows, world: int, A: int) -> None:
+    """(c): rank 0's measures behind (b)'s memory and time columns."""
+    mib = 2.0 ** -20
+    print("\n(c) breakdown, rank 0. Memory (MiB), at the two points of a micro-step, each when its total was the "
+          "most: .grad, the experts' per-source blocks, the tree's partials, its nodes in flight. Time, per "
+          "step: in add_micro_batch (host), the exchange's doubling steps (on its thread when overlapped), bytes "
+          "sent; CUDA: host<->device copies in one profiled step (all ranks' copies share the GPU).")
+    print(f"{'(W, EP, A)':12} {'method':20} {'point':22} {'.grad':>7} {'source':>7} {'partials':>8} "
+          f"{'flight':>7} {'total':>7} | {'in add ms':>9} {'exch ms':>8} {'sent MiB':>9} {'copies':>7} {'copy ms':>8}")
+    for ep, got in rows:
+        for m, name in (("tree", "GradientTree"), ("tree-serial", "GradientTree serial")):
+            if m not in got:
+                continue
+            c, most = got[m]["cost"], got[m]["most"]
+            copies = f"{c['copies']:7.0f} {c['copy s'] * 1e3:8.1f}" if "copies" in c else f"{'-':>7} {'-':>8}"
+            for i, (where, parts) in enumerate(most.items()):
+                times = (f"{c.get('add_micro_batch s', 0) * 1e3:9.1f} {c.get('exchange s', 0) * 1e3:8.1f} "
+                         f"{c.get('exchange bytes', 0) * mib:9.2f} {copies}") if i == 0 else ""
+                print(f"{str((world, ep, A)):12} {name:20} {where:22} {parts['.grad'] * mib:7.2f} "
+                      f"{parts['source blocks'] * mib:7.2f} {parts['partials'] * mib:8.2f} "
+                      f"{parts['in flight'] * mib:7.2f} {sum(parts.values()) * mib:7.2f} | {times}")
+        base = got["ddp"]
+        print(f"{str((world, ep, A)):12} {'DDP':20} {'the most':22} {base['grad'] - base['buckets'] * mib:7.2f} "
+              f"{'':7} {'':8} {'':7} {base['grad']:7.2f} | buckets {base['buckets'] * mib:.2f} MiB")
 
 if __name__ == "__main__":
     main()

@@ -37,3 +37,7 @@ class SourceGrads:
         """The gradients of weight ``name`` added since the last take, in order ([] if none); they
         are the caller's alone from here (it may add into them)."""
         return self._by_weight.pop(name, [])
+
+    def held_bytes(self) -> int:
+        """Bytes of the gradients waiting here now (between a backward and their `take`)."""
+        return sum(g.numel() * g.element_size() for grads in self._by_weight.values() for g in grads)

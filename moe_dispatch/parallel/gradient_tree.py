@@ -485,8 +485,22 @@ class GradientTree:
         """Bytes of the partial sums this tree holds now (between micro-batches: up to log2(A) per
         parameter, a sharded expert weight's the size of its local shard, the last micro-step's
         node still in its overlapped exchange included; none after `reduce`)."""
-        stacked = sum(t.numel() * t.element_size() for e in self._entries for _, t in e.stack)
-        return stacked + self._exchange.held_bytes()
+        parts = self.held_bytes_by_part()
+        return parts["partials"] + parts["in flight"]
+
+    def held_bytes_by_part(self) -> Dict[str, int]:
+        """`held_bytes` by part: "partials" (the stacks) and "in flight" (micro-step nodes in the
+        overlapped exchange); beside them, "source blocks": the sharded experts' per-source
+        gradients that a backward left for the next `add_micro_batch` (not counted in `held_bytes`)."""
+        stores = {id(e.source_grads): e.source_grads for e in self._entries if e.source_grads is not None}
+        return {"partials": sum(t.numel() * t.element_size() for e in self._entries for _, t in e.stack),
+                "in flight": self._exchange.held_bytes(),
+                "source blocks": sum(store.held_bytes() for store in stores.values())}
+
+    def exchange_totals(self) -> Tuple[float, int]:
+        """(seconds, bytes) that this rank's cross-rank exchange has spent and sent since the tree
+        was built: the wall time of its doubling steps and the bytes of its sends."""
+        return self._exchange.busy_seconds, self._exchange.sent_bytes
 
     def global_mean(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` [A] (e.g. this rank's micro-batch losses, detached) -> their mean over the L

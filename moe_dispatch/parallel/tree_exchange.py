@@ -10,6 +10,7 @@ agreements, the layers' dispatch); the values are the same either way.
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -40,7 +41,11 @@ class DoublingExchange:
     ``prefix[k]`` values (the parameters that have joined by step k come first), then calls
     ``then()``. With ``overlap`` and not ``at_once`` it returns at once and the work runs on the
     worker thread, on the CUDA stream ``flat`` was made on; ``finish()`` waits for it and calls
-    the ``then``s in order (an error in the exchange raises there)."""
+    the ``then``s in order (an error in the exchange raises there).
+
+    ``busy_seconds`` and ``sent_bytes`` count, since it was made, the wall time of the doubling
+    steps (on the worker thread when overlapped; gloo waits for its host copies inside them) and
+    the bytes this rank sent: what a benchmark reads to say where a step's time goes."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], world: int, rank: int, overlap: bool) -> None:
         self.world, self.rank, self.steps = world, rank, int(math.log2(world))
@@ -50,6 +55,7 @@ class DoublingExchange:
             self._group = WeakGroup(_exchange_group(group))
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="GradientTree")
         self._pending: List[Tuple[Future, torch.Tensor, Callable[[], None]]] = []
+        self.busy_seconds, self.sent_bytes = 0.0, 0
 
     def start(self, flat: torch.Tensor, prefix: Sequence[int], then: Callable[[], None], at_once: bool) -> None:
         if self._worker is None or at_once:
@@ -76,13 +82,15 @@ class DoublingExchange:
         return sum(flat.numel() * flat.element_size() for _, flat, _ in self._pending)
 
     def _doubling(self, flat: torch.Tensor, prefix: Sequence[int], stream: Optional[torch.cuda.Stream]) -> None:
+        start = time.perf_counter()
         if stream is None:
             for k in range(self.steps):
                 self._step(flat, prefix[k], k)
-            return
-        with torch.cuda.stream(stream):  # a new thread would start on the device's default stream
-            for k in range(self.steps):
-                self._step(flat, prefix[k], k)
+        else:
+            with torch.cuda.stream(stream):  # a new thread would start on the device's default stream
+                for k in range(self.steps):
+                    self._step(flat, prefix[k], k)
+        self.busy_seconds += time.perf_counter() - start
 
     def _step(self, flat: torch.Tensor, n: int, k: int) -> None:
         """Step k: add the first n values of group rank (rank xor 2^k)."""
@@ -93,3 +101,4 @@ class DoublingExchange:
         received = torch.empty(n, dtype=flat.dtype, device=flat.device)
         dist.all_to_all_single(received, flat[:n].contiguous(), splits, splits, group=self._group())
         flat[:n].add_(received)  # a + b == b + a: both partners hold the same node
+        self.sent_bytes += n * flat.element_size()

@@ -141,3 +141,14 @@ def test_local_experts_collect_per_source_grads():
     experts.collect_source_grads(None)
     experts(ExpertRows(x, host_rows_per_expert=torch.tensor(COUNTS))).square().sum().backward()
     assert experts.weight1.grad is not None and store.take("weight1") == []
+
+
+def test_store_held_bytes_counts_what_waits():
+    store = SourceGrads()
+    assert store.held_bytes() == 0
+    store.add("weight1", torch.zeros(2, 3, 4))  # fp32: 96 bytes
+    store.add("weight1", torch.zeros(2, 3, 4, dtype=torch.bfloat16))  # 48
+    store.add("weight2", torch.zeros(5, dtype=torch.float64))  # 40
+    assert store.held_bytes() == 96 + 48 + 40
+    store.take("weight1")
+    assert store.held_bytes() == 40

@@ -4,7 +4,7 @@ each layout's gradients with today's reducers, and GradientTree's refusals.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -85,10 +85,12 @@ def layouts_worker(rank: int, world_size: int, device: str = "cpu", dtype: torch
     return out
 
 
-def held_bytes_worker(rank: int, world_size: int) -> Dict[bool, List[float]]:
+def held_bytes_worker(rank: int, world_size: int) -> Dict:
     """The issue's model at (2, 2, 4): the bytes the tree holds after each of the 4 micro-batches,
     in units of this rank's trained parameters in fp32 (its expert shard, the replicated rest), by
-    ``overlap``; and whether both trees' gradients are bitwise the same."""
+    ``overlap``; and whether both trees' gradients are bitwise the same. Beside them, from the
+    overlapped tree: held_bytes_by_part() after each backward and each add_micro_batch, the units'
+    split, and exchange_totals() after the step."""
     out: Dict = {}
     grads = {}
     for overlap in (False, True):
@@ -96,14 +98,21 @@ def held_bytes_worker(rank: int, world_size: int) -> Dict[bool, List[float]]:
         model = Net(CONFIG, dist.group.WORLD, "cpu")
         tree = GradientTree(model, micro_batches=4, overlap=overlap)
         unit = sum(p.numel() * 4 for p in model.parameters())
-        held = []
+        held, parts = [], []
         for a in range(4):
             x, y = micro_batch(0, tree.micro_batch_index(a), CONFIG, "cpu")
             F.cross_entropy(model(x).float(), y).backward()
+            parts.append(tree.held_bytes_by_part())
             tree.add_micro_batch()
             held.append(tree.held_bytes() / unit)
+            parts.append(tree.held_bytes_by_part())
         tree.reduce()
         out[overlap] = held
         grads[overlap] = [p.grad.clone() for p in model.parameters()]
+        if overlap:
+            experts = [m for m in model.modules() if isinstance(m, LocalExperts) and m.ep_group is not None]
+            out["parts"], out["unit"] = parts, unit
+            out["expert bytes"] = sum(w.numel() * 4 for m in experts for w in (m.weight1, m.weight2))
+            out["exchange"] = tree.exchange_totals()
     out["same grads"] = all(torch.equal(u, v) for u, v in zip(grads[False], grads[True]))
     return out

@@ -79,6 +79,24 @@ def test_partials_do_not_grow_with_ep_size():
         assert held["same grads"]
 
 
+def test_held_bytes_by_part_and_exchange_totals():
+    """What bench_gradient_tree.py --breakdown reads. At (2, 2, 4), fp32: after each backward the
+    experts' per-source gradients wait, [E_local, P = 2, ...]: twice the local expert weights; after
+    add_micro_batch none. "partials" + "in flight" is held_bytes. The exchange (W = 2, one doubling
+    step, which the experts sharded over both ranks do not join) sends the replicated parameters in
+    fp32 once per micro-batch: 4 x 4 bytes a value."""
+    for held in run_ranks(held_bytes_worker, 2, timeout=120):
+        unit, experts = held["unit"], held["expert bytes"]
+        after_backward, after_add = held["parts"][0::2], held["parts"][1::2]
+        assert [p["source blocks"] for p in after_backward] == [2 * experts] * 4, held["parts"]
+        assert [p["source blocks"] for p in after_add] == [0] * 4, held["parts"]
+        assert [(p["partials"] + p["in flight"]) / unit for p in after_add] == held[True], held["parts"]
+        assert [p["in flight"] / unit for p in after_add] == [1.0, 1.0, 1.0, 0.0], held["parts"]
+        seconds, sent = held["exchange"]
+        assert sent == 4 * (unit - experts), (sent, unit, experts)
+        assert seconds > 0
+
+
 def test_todays_reducers_differ_across_layouts(cpu_results):
     merged = assemble(cpu_results, "today")
     ref = merged[LAYOUTS[0]]
