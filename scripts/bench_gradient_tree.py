@@ -339,7 +339,7 @@ def breakdown(rows, world: int, A: int) -> None:
     mib = 2.0 ** -20
     print("\n(c) breakdown, rank 0. Memory (MiB), at the two points of a micro-step, each when its total was the "
           "most: .grad, the experts' per-source blocks, the tree's partials, its nodes in flight. Time, per "
-          "step: in add_micro_batch (host), the exchange's doubling steps (on its thread when overlapped), bytes "
+          "step: in add_micro_batch (host), the exchange's steps (on its thread when overlapped), bytes "
           "sent; CUDA: host<->device copies in one profiled step (all ranks' copies share the GPU).")
     print(f"{'(W, EP, A)':12} {'method':20} {'point':22} {'.grad':>7} {'source':>7} {'partials':>8} "
           f"{'flight':>7} {'total':>7} | {'in add ms':>9} {'exch ms':>8} {'sent MiB':>9} {'copies':>7} {'copy ms':>8}")

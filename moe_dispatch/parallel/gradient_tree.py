@@ -18,7 +18,9 @@ changes with the layout, its value does not:
   the partial of rank r xor 2^k. The two partners hold the two halves of one tree node, and a + b
   is the same bits as b + a, so both hold the node. The experts join at step log2(P), where the
   partner holds the same experts. With ``overlap`` (the default) it runs while the next
-  micro-batch computes (tree_exchange.py); the values are the same either way;
+  micro-batch computes; a large vector goes as a reduce-scatter by recursive halving and an
+  all-gather, which add the same pairs and send fewer bytes (tree_exchange.py); the values are
+  the same either way;
 - over the micro-steps, on every rank alike: a stack of log2(A) partials (a binary counter).
 
 So parameters, their gradients and the clipped norm are bitwise the same for every layout with the
@@ -43,7 +45,7 @@ from ..distributed.comm import WeakGroup, all_gather_rows
 from ..experts import LocalExperts, SourceGrads
 from ..numerics.fixed_order import tree_sum
 from ..router import TopKRouter
-from .tree_exchange import DoublingExchange
+from .tree_exchange import TreeExchange
 
 
 def _power_of_two(n: int) -> bool:
@@ -218,7 +220,7 @@ class GradientTree:
         self._added = 0
         self._reduced = False
         self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()  # the .grad tensors reduce() wrote
-        self._exchange = DoublingExchange(self.group, self.world, self.rank, overlap is True)
+        self._exchange = TreeExchange(self.group, self.world, self.rank, overlap is True)
 
     @property
     def group(self) -> Optional[dist.ProcessGroup]:
@@ -285,8 +287,8 @@ class GradientTree:
     def add_micro_batch(self) -> None:
         """Take this micro-batch's gradients (each ``.grad``, then set to None; the experts'
         per-source gradients, paired in order) as leaves of the tree, sum the micro-step's W leaves
-        over ``group`` by recursive doubling and push that node on the stack (with ``overlap``, but
-        for the step's last micro-batch: the doubling starts here and runs while the next
+        over ``group`` in tree order and push that node on the stack (with ``overlap``, but
+        for the step's last micro-batch: the exchange starts here and runs while the next
         micro-batch computes; the next call finishes it). Call after each micro-batch's backward.
         Collective over ``group``: first one small fixed-size all-gather, so that a misuse on one
         rank (a .grad reduce() wrote, a rank in another call) raises the same ValueError on every
@@ -499,7 +501,7 @@ class GradientTree:
 
     def exchange_totals(self) -> Tuple[float, int]:
         """(seconds, bytes) that this rank's cross-rank exchange has spent and sent since the tree
-        was built: the wall time of its doubling steps and the bytes of its sends."""
+        was built: the wall time of its steps and the bytes of its sends."""
         return self._exchange.busy_seconds, self._exchange.sent_bytes
 
     def global_mean(self, values: torch.Tensor) -> torch.Tensor:

@@ -24,20 +24,30 @@ ROWS = ["layouts: 3 training steps, (world 4, EP 4, A 1) vs (world 4, EP 1, A 1)
 FP8 = ["--fp8"]
 
 
-def _reversed_doubling(self, flat: torch.Tensor, prefix, stream) -> None:
-    """DoublingExchange._doubling with its steps in the other order: step log2(W)-1 first."""
+def _reversed_levels(self, flat: torch.Tensor, prefix) -> None:
+    """In place of TreeExchange's two ways to sum the levels: in the other order (level
+    log2(W)-1 first), each by both partners adding the whole joined prefix."""
+    import torch.distributed as dist
+
     for k in reversed(range(self.steps)):
-        self._step(flat, prefix[k], k)
+        n = prefix[k]
+        if n == 0:
+            continue
+        peer = self.rank ^ (1 << k)
+        splits = [n if r == peer else 0 for r in range(self.world)]
+        received = torch.empty(n, dtype=flat.dtype, device=flat.device)
+        dist.all_to_all_single(received, flat[:n].contiguous(), splits, splits, group=self._group())
+        flat[:n].add_(received)
 
 
 def _worker(rank: int, world: int) -> dict:
-    from moe_dispatch.parallel.tree_exchange import DoublingExchange
+    from moe_dispatch.parallel.tree_exchange import TreeExchange
 
     cpu = torch.device("cpu")
     args = build_parser().parse_args([])  # the check's defaults: bf16, 128 tokens per micro-batch
     out = {"tree": layout_rows(args, cpu)}
     out["fp8"] = layout_rows(build_parser().parse_args(FP8), cpu)
-    DoublingExchange._doubling = _reversed_doubling  # this spawned rank's class only
+    TreeExchange._halving_then_gather = TreeExchange._doubling = _reversed_levels  # this spawned rank's class only
     out["reversed"] = layout_rows(args, cpu)
     out["fp8 reversed"] = layout_rows(build_parser().parse_args(FP8), cpu)
     return out
