@@ -10,10 +10,11 @@ the last step every value is complete on one rank, and the all-gather steps, in 
 finished segments back. Every value is summed by the same pairs in the same order as if both
 partners added the whole vector at every level (recursive doubling), so the bits are the same;
 each rank sends 2 (W - 1) / W times the vector instead of log2(W) times, in 2 log2(W) collectives
-instead of log2(W). A vector of fewer than ``halving_min_bytes`` (default 1 MiB) goes by recursive
-doubling itself, where the collectives' latency, not the bytes, bounds the time: on 4 gloo ranks
-on CPU at 0.65 MiB the halving took 1.2x to 2.4x doubling's time. Both give the same bits, and
-every rank chooses alike (the vector's size is the same on every rank).
+instead of log2(W). A vector of fewer than ``halving_min_bytes`` (default 8 MiB) goes by recursive
+doubling itself, where the collectives' latency, not the bytes, bounds the time: on 4 and 8 gloo
+ranks on CPU the two break even at 4-8 MiB, halving 1.5-2.2x faster at 64 MiB and up to 2x slower
+at 1 MiB (scripts/measure/tree_exchange.py). Both give the same bits, and every rank chooses alike
+(the vector's size is the same on every rank).
 
 Values join at their own level (``prefix``: the values of level k come first); a group of values
 that joins at level j is halved over levels j.. only. Overlapped, the steps run on a worker thread
@@ -62,7 +63,7 @@ class TreeExchange:
     the bytes this rank sent: what a benchmark reads to say where a step's time goes."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], world: int, rank: int, overlap: bool,
-                 halving_min_bytes: int = 1 << 20) -> None:
+                 halving_min_bytes: int = 8 << 20) -> None:
         self.world, self.rank, self.steps = world, rank, int(math.log2(world))
         self.halving_min_bytes = halving_min_bytes
         self._worker: Optional[ThreadPoolExecutor] = None
