@@ -116,3 +116,28 @@ def held_bytes_worker(rank: int, world_size: int) -> Dict:
             out["exchange"] = tree.exchange_totals()
     out["same grads"] = all(torch.equal(u, v) for u, v in zip(grads[False], grads[True]))
     return out
+
+
+def halving_worker(rank: int, world_size: int) -> dict:
+    """The six layouts (fp32, CPU) trained twice: with the exchange's default (recursive doubling at
+    this model's size) and with its halving form on every vector; and how many exchanges took the
+    halving form in each run."""
+    from moe_dispatch.parallel import tree_exchange
+
+    groups = Groups(rank)
+    exchange = tree_exchange.TreeExchange
+    halved = {"calls": 0}
+    halving = exchange._halving_then_gather
+
+    def counted(self, flat, prefix):
+        halved["calls"] += 1
+        return halving(self, flat, prefix)
+
+    exchange._halving_then_gather = counted  # this spawned rank's class only
+    out = {"default": layouts.layouts_worker(rank, world_size, "cpu", torch.float32, False, groups)["tree"]}
+    out["default calls"] = halved["calls"]
+    init = exchange.__init__
+    exchange.__init__ = lambda self, *args, **kwargs: init(self, *args, **{**kwargs, "halving_min_bytes": 0})
+    out["halving"] = layouts.layouts_worker(rank, world_size, "cpu", torch.float32, False, groups)["tree"]
+    out["halving calls"] = halved["calls"] - out["default calls"]
+    return out

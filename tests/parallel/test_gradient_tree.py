@@ -17,7 +17,7 @@ from moe_dispatch.parallel import GradientTree
 from tests.dispatcher.harness import run_ranks, value_error_of
 
 from .gradient_tree_refusal_workers import refusal_worker
-from .gradient_tree_workers import LAYOUTS, VARIANTS, assemble, held_bytes_worker, layouts_worker
+from .gradient_tree_workers import LAYOUTS, VARIANTS, assemble, halving_worker, held_bytes_worker, layouts_worker
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +95,20 @@ def test_held_bytes_by_part_and_exchange_totals():
         seconds, sent = held["exchange"]
         assert sent == 4 * (unit - experts), (sent, unit, experts)
         assert seconds > 0
+
+
+def test_layouts_bitwise_with_the_halving_exchange():
+    """The exchange's halving form (a reduce-scatter by recursive halving and an all-gather, which
+    the tree takes from 8 MiB a micro-step) forced on this small model: every layout's parameters,
+    losses and norms bitwise those of recursive doubling, so bitwise across the layouts too."""
+    results = run_ranks(halving_worker, 4, timeout=300)
+    assert sum(r["default calls"] for r in results) == 0
+    assert all(r["halving calls"] > 0 for r in results[:2])  # ranks 0-1 run every layout with W > 1
+    default, halved = assemble(results, "default"), assemble(results, "halving")
+    _check_bitwise(halved)
+    for layout in LAYOUTS:
+        differ = [k for k in default[layout] if not torch.equal(default[layout][k], halved[layout][k])]
+        assert not differ, (layout, differ[:8])
 
 
 def test_todays_reducers_differ_across_layouts(cpu_results):
