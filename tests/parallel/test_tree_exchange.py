@@ -43,7 +43,12 @@ def _cases(world: int):
     return out
 
 
-def _worker(rank: int, world: int, halving_min_bytes: int) -> list:
+def _worker(rank: int, world: int) -> dict:
+    """{halving: results}: halving_min_bytes 0 (every vector halved) and 1 GiB (every vector here doubled)."""
+    return {halving: _run(rank, world, 0 if halving else 1 << 30) for halving in (True, False)}
+
+
+def _run(rank: int, world: int, halving_min_bytes: int) -> list:
     results = []
     exchange = TreeExchange(dist.group.WORLD, world, rank, overlap=False, halving_min_bytes=halving_min_bytes)
     steps = int(math.log2(world))
@@ -64,11 +69,15 @@ def _worker(rank: int, world: int, halving_min_bytes: int) -> list:
     return results
 
 
+@pytest.fixture(scope="module")
+def spawned():
+    return {world: run_ranks(_worker, world, timeout=240) for world in (2, 4, 8)}
+
+
 @pytest.mark.parametrize("halving", [True, False], ids=["halving", "doubling"])
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_every_value_gets_recursive_doublings_bits(world, halving):
-    # halving_min_bytes 0: every vector halved; 1 GiB: every vector here doubled
-    per_rank = run_ranks(_worker, world, 0 if halving else 1 << 30, timeout=240)
+def test_every_value_gets_recursive_doublings_bits(spawned, world, halving):
+    per_rank = [out[halving] for out in spawned[world]]
     for rank, results in enumerate(per_rank):
         for r in results:
             assert r["same"] and r["done"] and r["untouched"], (world, rank, r)
