@@ -330,7 +330,8 @@ def report(rows, finals, args, world: int) -> None:
     for m, name in (("tree", "GradientTree"), ("ddp", "DDP + allreduce_expert_grads")):
         ref = finals[m][0]
         same = all(torch.equal(f[k], ref[k]) for f in finals[m][1:] for k in ref)
-        print(f"{name}: parameters after {args.warmup + args.iters} steps across the table's layouts: "
+        steps = args.warmup + args.iters + (1 if args.breakdown and not args.cpu else 0)  # (c)'s profiled step
+        print(f"{name}: parameters after {steps} steps across the table's layouts: "
               f"{'bitwise' if same else 'differ'}")
 
 
@@ -356,8 +357,10 @@ def breakdown(rows, world: int, A: int) -> None:
                       f"{parts['source blocks'] * mib:7.2f} {parts['partials'] * mib:8.2f} "
                       f"{parts['in flight'] * mib:7.2f} {sum(parts.values()) * mib:7.2f} | {times}")
         base = got["ddp"]
+        c = base["cost"]
+        copies = f"; {c['copies']:.0f} copies, {c['copy s'] * 1e3:.1f} ms" if "copies" in c else ""
         print(f"{str((world, ep, A)):12} {'DDP':20} {'the most':22} {base['grad'] - base['buckets'] * mib:7.2f} "
-              f"{'':7} {'':8} {'':7} {base['grad']:7.2f} | buckets {base['buckets'] * mib:.2f} MiB")
+              f"{'':7} {'':8} {'':7} {base['grad']:7.2f} | buckets {base['buckets'] * mib:.2f} MiB{copies}")
 
 if __name__ == "__main__":
     main()
