@@ -138,19 +138,15 @@ class TreeExchange:
             given.append(give)
             keep = held[:k + 1]
             received = self._swap(flat, give, keep, k)
-            offset = 0
-            for lo, hi in keep:
-                flat[lo:hi].add_(received[offset:offset + hi - lo])  # a + b == b + a: either partner may add
-                offset += hi - lo
+            for (lo, hi), part in zip(keep, received.split([hi - lo for lo, hi in keep])):
+                flat[lo:hi].add_(part)  # a + b == b + a: either partner may add
         for k in reversed(range(self.steps)):  # all-gather: hand back the finished segments
             if prefix[k] == 0:
                 continue
             mine, theirs = held[:k + 1], given[k]
             received = self._swap(flat, mine, theirs, k)
-            offset = 0
-            for j, (lo, hi) in enumerate(theirs):
-                flat[lo:hi].copy_(received[offset:offset + hi - lo])
-                offset += hi - lo
+            for j, ((lo, hi), part) in enumerate(zip(theirs, received.split([hi - lo for lo, hi in theirs]))):
+                flat[lo:hi].copy_(part)
                 held[j] = (min(lo, held[j][0]), max(hi, held[j][1]))  # the two halves: step k's segment
 
     def _swap(self, flat: torch.Tensor, send: Sequence[Tuple[int, int]], receive: Sequence[Tuple[int, int]],
@@ -160,9 +156,8 @@ class TreeExchange:
         n_send, n_receive = sum(hi - lo for lo, hi in send), sum(hi - lo for lo, hi in receive)
         received = torch.empty(n_receive, dtype=flat.dtype, device=flat.device)
         peer = self.rank ^ (1 << k)
-        outgoing = torch.cat([flat[lo:hi] for lo, hi in send]) if send else flat[:0]
+        outgoing = torch.cat([flat[lo:hi] for lo, hi in send])
         dist.all_to_all_single(received, outgoing, [n_receive if r == peer else 0 for r in range(self.world)],
                                [n_send if r == peer else 0 for r in range(self.world)], group=self._group())
         self.sent_bytes += n_send * flat.element_size()
         return received
-

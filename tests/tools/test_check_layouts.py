@@ -27,17 +27,9 @@ FP8 = ["--fp8"]
 def _reversed_levels(self, flat: torch.Tensor, prefix) -> None:
     """In place of TreeExchange's two ways to sum the levels: in the other order (level
     log2(W)-1 first), each by both partners adding the whole joined prefix."""
-    import torch.distributed as dist
-
     for k in reversed(range(self.steps)):
-        n = prefix[k]
-        if n == 0:
-            continue
-        peer = self.rank ^ (1 << k)
-        splits = [n if r == peer else 0 for r in range(self.world)]
-        received = torch.empty(n, dtype=flat.dtype, device=flat.device)
-        dist.all_to_all_single(received, flat[:n].contiguous(), splits, splits, group=self._group())
-        flat[:n].add_(received)
+        if prefix[k]:
+            flat[:prefix[k]].add_(self._swap(flat, [(0, prefix[k])], [(0, prefix[k])], k))
 
 
 def _worker(rank: int, world: int) -> dict:
