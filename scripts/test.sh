@@ -11,14 +11,15 @@ if [ $# -gt 0 ]; then
     exec .venv/bin/python -m pytest -q "$@"
 fi
 status=0
-# The floor venv (a few GB of wheels) downloads and installs while the main suite runs; its
-# tests run after, alone. A failed preparation is retried, and reported, by the floor step.
+# Two workers, each file on one (its module-scoped spawns shared), slow files handed out first
+# (tests/conftest.py): the serial suite keeps about 0.7 of the 2 cores busy.
+.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder || status=$?
+# The floor venv (a few GB of wheels) downloads and installs beside the Megatron releases' tests,
+# which keep one core busy, not beside the main suite, which keeps both. A failed preparation is
+# retried, and reported, by the floor step.
 bash scripts/test_floor_torch.sh --prepare > .floor-prepare.log 2>&1 &
 prepare=$!
-# Two workers, each file on one (its module-scoped spawns shared): the serial suite keeps about
-# 0.7 of the 2 cores busy, so this takes 6 to 7 min instead of 7 to 8.
-.venv/bin/python -m pytest -q -n 2 --dist loadfile || status=$?
 MAIN_STATUS=$status bash scripts/test_megatron_versions.sh || status=1
-wait $prepare || echo "floor torch: preparing .venv-floor beside the suite failed (retried below): $(tail -3 .floor-prepare.log)"
+wait $prepare || echo "floor torch: preparing .venv-floor beside the Megatron releases failed (retried below): $(tail -3 .floor-prepare.log)"
 bash scripts/test_floor_torch.sh || status=1
 exit $status

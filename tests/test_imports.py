@@ -129,6 +129,15 @@ def test_no_import_circle():
                        "included):\n" + "\n".join(shown))
 
 
+MAX_MODULE_LINES = 500  # a module past this is read in parts: split it by concern
+
+
+def test_no_module_over_the_line_limit():
+    long = {str(p.relative_to(ROOT)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
 @pytest.mark.parametrize("lower, higher", [
     ("moe_dispatch.distributed", "moe_dispatch.dispatcher"),
     ("moe_dispatch.ops", "moe_dispatch.dispatcher"),

@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,38 +46,11 @@ from ..experts import LocalExperts, SourceGrads
 from ..numerics.fixed_order import tree_sum
 from ..router import TopKRouter
 from .tree_exchange import TreeExchange
+from .tree_partials import ParameterPartials, accumulation_dtype, first_differences, pairwise_sum, push_views
 
 
 def _power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
-
-
-def _pairwise(x: torch.Tensor) -> torch.Tensor:
-    """[2^k, ...] -> [...]: ((x0 + x1) + (x2 + x3)) + ..., adjacent pairs level by level."""
-    while x.shape[0] > 1:
-        x = x[0::2] + x[1::2]
-    return x[0]
-
-
-def _first_differences(descriptions: List[List[str]]) -> str:
-    """Each rank's first trained parameter that differs from the most common list's (on a tie, the
-    lowest rank's), as text: descriptions[r] is group rank r's list."""
-    common = max(descriptions, key=lambda d: (descriptions.count(d), -descriptions.index(d)))
-    ref = descriptions.index(common)
-    out = []
-    for r, mine in enumerate(descriptions):
-        if mine == common:
-            continue
-        i = next((i for i, (a, b) in enumerate(zip(mine, common)) if a != b), min(len(mine), len(common)))
-        here = mine[i] if i < len(mine) else "(none)"
-        there = common[i] if i < len(common) else "(none)"
-        out.append(f"group rank {r}'s trained parameter #{i} is {here}, group rank {ref}'s is {there} "
-                   f"({len(mine)} and {len(common)} trained parameters)")
-    return ("the trained parameters (name, shape, dtype, in model order) differ: " + "; ".join(out))
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 _REBUILD = ("which parameters train is fixed when the GradientTree is built: build a new GradientTree(model, ...) "
@@ -86,58 +59,6 @@ _ADD, _REDUCE = 1, 2  # which call a rank is in, in the calls' agreement
 _CALLS = {_ADD: "add_micro_batch", _REDUCE: "reduce"}
 _ORDER = ("the order of a step: loss.backward() and add_micro_batch() for each micro-batch, reduce(), "
           "clip_grad_norm_(), optimizer.step(), optimizer.zero_grad()")
-
-
-class _Entry:
-    """One trained parameter: its partials (a stack of (level, tensor)) and where it joins the
-    cross-rank tree (``start``: the first doubling step; log2(P) for experts sharded over P ranks).
-    ``source_grads``: a sharded expert weight's per-source gradients (its module's store), else None.
-    ``name``: its name in its module (the store's key); ``qualname``: in the model."""
-
-    def __init__(self, param: nn.Parameter, source_grads: Optional[SourceGrads], name: str, qualname: str,
-                 start: int) -> None:
-        self.param, self.source_grads, self.name, self.qualname = param, source_grads, name, qualname
-        self.start = start
-        self.dtype, self.shape = param.dtype, param.shape  # as built: the agreed layout
-        self.stack: List[Tuple[int, torch.Tensor]] = []
-
-    def describe(self) -> str:
-        """'moe.0.experts.weight1 [2, 16, 32] float32 (EP 2)': what the ranks agree on, as text."""
-        ep = f" (EP {1 << self.start})" if self.start else ""
-        return f"{self.qualname} {list(self.shape)} {str(self.dtype).replace('torch.', '')}{ep}"
-
-    def changed(self) -> Optional[str]:
-        """How the parameter differs from the one the tree was built with (None: it does not)."""
-        p = self.param
-        if not p.requires_grad:
-            return f"{self.qualname} was frozen (requires_grad=False) after the GradientTree was built"
-        if p.dtype != self.dtype or p.shape != self.shape:
-            return (f"{self.qualname} is {list(p.shape)} {str(p.dtype).replace('torch.', '')} now, "
-                    f"{list(self.shape)} {str(self.dtype).replace('torch.', '')} when the GradientTree was built")
-        return None
-
-    def push(self, leaf: torch.Tensor, acc: torch.dtype) -> None:
-        """Add a micro-batch's gradient (any float dtype; ours to keep or modify) to the stack. A
-        leaf that completes a pair is added into its left partner in ``acc`` directly: the same
-        bits as converting it first (the conversion is exact), without an ``acc`` copy of it."""
-        if self.stack and self.stack[-1][0] == 0:
-            _, left = self.stack.pop()
-            self.stack.append((1, left.add_(leaf)))
-        else:
-            self.stack.append((0, leaf.to(acc)))
-        while len(self.stack) >= 2 and self.stack[-1][0] == self.stack[-2][0]:
-            level, right = self.stack.pop()
-            _, left = self.stack.pop()
-            self.stack.append((level + 1, left.add_(right)))
-
-
-def _push(flat: torch.Tensor, entries: Sequence[_Entry], acc: torch.dtype) -> None:
-    """Push each entry's node, a view of ``flat`` (the entries' nodes in order), on its stack."""
-    offset = 0
-    for e in entries:  # views of flat: it lives as long as a node of this micro-step does
-        n = e.shape.numel()
-        e.push(flat[offset:offset + n].view(e.shape), acc)
-        offset += n
 
 
 class GradientTree:
@@ -195,7 +116,7 @@ class GradientTree:
                 problems += [f"model.{name}: {why}; GradientTree needs each micro-batch's loss to be its own "
                              "(no layout-invariant gradient exists otherwise)"
                              for why in module.losses_across_micro_batches()]
-        self._entries: List[_Entry] = []
+        self._entries: List[ParameterPartials] = []
         seen: set = set()
         stores: List[Tuple[LocalExperts, SourceGrads]] = []  # handed to the sharded experts once the ranks agree
         for name, module in model.named_modules():
@@ -209,7 +130,7 @@ class GradientTree:
                     seen.add(id(p))
                     start = int(math.log2(dist.get_world_size(module.ep_group))) if store is not None else 0
                     qualname = f"{name}.{pname}" if name else pname
-                    self._entries.append(_Entry(p, store, pname, qualname, start))
+                    self._entries.append(ParameterPartials(p, store, pname, qualname, start))
         self._agree(problems[:1], micro_batches if valid else -1)  # the first: the others often repeat it per layer
         self._trained = {id(e.param) for e in self._entries}
         # the cross-rank exchange packs prefixes: the entries that join at step k come first
@@ -260,7 +181,7 @@ class GradientTree:
         if len({tuple(row[1:]) for row in rows}) > 1:
             gathered: list = [None] * self.world
             dist.all_gather_object(gathered, description, group=self.group)
-            mismatch.append(_first_differences(gathered))
+            mismatch.append(first_differences(gathered))
         if mismatch:
             raise ValueError("GradientTree: the ranks of group must build it alike: " + "; ".join(mismatch))
 
@@ -312,9 +233,9 @@ class GradientTree:
                 break
         self._agree_call(problems, _ADD)
         self._exchange.finish()
-        by_dtype: Dict[torch.dtype, List[Tuple[_Entry, torch.Tensor]]] = {}
+        by_dtype: Dict[torch.dtype, List[Tuple[ParameterPartials, torch.Tensor]]] = {}
         for e in self._entries:  # in order: each dtype's entries keep the prefix order of their start
-            acc = _acc_dtype(e.dtype)  # as built: the same exchange on every rank
+            acc = accumulation_dtype(e.dtype)  # as built: the same exchange on every rank
             p = e.param
             if e.changed():  # its place in the exchange stays, as zeros; reduce() refuses the step
                 if e.source_grads is not None:
@@ -331,12 +252,12 @@ class GradientTree:
             flat = torch.cat([node.reshape(-1).to(acc) for _, node in pairs])  # the leaves, converted exactly
             del pairs
             prefix = [sum(e.shape.numel() for e in entries if e.start <= k) for k in range(self._exchange.steps)]
-            self._exchange.start(flat, prefix, functools.partial(_push, flat, entries, acc),
+            self._exchange.start(flat, prefix, functools.partial(push_views, flat, entries, acc),
                                  at_once=self._added == self.micro_batches - 1)  # the last: reduce() is next
         self._added += 1
         self._reduced = False
 
-    def _source_node(self, e: _Entry, acc: torch.dtype) -> torch.Tensor:
+    def _source_node(self, e: ParameterPartials, acc: torch.dtype) -> torch.Tensor:
         """[E_local, ...]: the micro-step's per-source gradients ([E_local, P, ...], in the weight's
         dtype; the layer ran twice: their sum in order, in ``acc``) paired over the P sources in
         order, ((s0 + s1) + (s2 + s3)) + ..., by a binary counter: each block is converted to ``acc``
@@ -509,7 +430,7 @@ class GradientTree:
         micro-batches by the same tree, the same on every rank (a 0-dim tensor). Collective."""
         if values.shape != (self.micro_batches,):
             raise ValueError(f"values must be [{self.micro_batches}] (micro_batches), got {list(values.shape)}")
-        v = values.detach().to(_acc_dtype(values.dtype)).contiguous()
+        v = values.detach().to(accumulation_dtype(values.dtype)).contiguous()
         if self.world > 1:  # rank-major [W * A] -> by global index a*W + r
             v = all_gather_rows(v, self.group).view(self.world, self.micro_batches).t().reshape(-1)
-        return _pairwise(v) / v.numel()
+        return pairwise_sum(v) / v.numel()
