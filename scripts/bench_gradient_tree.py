@@ -133,27 +133,37 @@ def run(method: str, ep: int, args, groups: Groups, device: torch.device) -> dic
             most[where] = parts
 
     def one_step(step: int, timed: bool) -> Tuple[Tuple[float, float, float], int]:
-        """One optimizer step: (micro-batches, reduce, clip + optimizer) seconds, gradient bytes held."""
+        """One optimizer step: (micro-batches, reduce, clip + optimizer) seconds, gradient bytes held.
+        The byte counting (host-side sums over the parameters) is timed apart and left out."""
         held = 0
+        counting = 0.0
+
+        def count(where: str = "") -> None:
+            nonlocal held, counting
+            started = time.perf_counter()
+            held = max(held, grad_bytes(model, tree))
+            if where and timed:
+                snapshot(where)
+            counting += time.perf_counter() - started
+
         t0 = time.perf_counter()
         for a in range(A):
             x, y = batch(step, a * world + rank, args, device)  # GradientTree.micro_batch_index(a)
             if tree is not None:
                 F.cross_entropy(forward(x).float(), y).backward()
-                held = max(held, grad_bytes(model, tree))  # the leaves beside the partials
-                if timed:
-                    snapshot("after backward")  # .grad, and the experts' per-source blocks the backward left
+                count("after backward")  # .grad, and the experts' per-source blocks the backward left
                 t_add = time.perf_counter()
                 tree.add_micro_batch()
                 if timed:
                     cost["add_micro_batch s"] = cost.get("add_micro_batch s", 0) + time.perf_counter() - t_add
-                    snapshot("after add_micro_batch")
+                count("after add_micro_batch")
             elif a < A - 1:
                 with ddp.no_sync():
                     (F.cross_entropy(forward(x).float(), y) / A).backward()
+                count()
             else:
                 (F.cross_entropy(forward(x).float(), y) / A).backward()
-            held = max(held, grad_bytes(model, tree))
+                count()
         sync(device)
         t1 = time.perf_counter()
         if tree is not None:
@@ -170,7 +180,7 @@ def run(method: str, ep: int, args, groups: Groups, device: torch.device) -> dic
         opt.step()
         opt.zero_grad()
         sync(device)
-        return (t1 - t0, t2 - t1, time.perf_counter() - t2), held
+        return (t1 - t0 - counting, t2 - t1, time.perf_counter() - t2), held
 
     times: List[Tuple[float, float, float]] = []
     peaks, grads = [], []
