@@ -3,6 +3,7 @@ gradients reset, as ``moe-dispatch check``, the benchmarks and the GPU tests cap
 MoE step."""
 from __future__ import annotations
 
+import gc
 from typing import Any, Callable
 
 import torch
@@ -18,7 +19,8 @@ def capture_step(module: torch.nn.Module, x: torch.Tensor, step: Callable[[], An
     Before each run, ``module``'s gradients and ``x.grad`` are set to None, so the captured step
     writes fresh ``.grad`` tensors, which every replay overwrites (as after
     ``zero_grad(set_to_none=True)``). The ``warmup`` runs go on a side stream first: Triton compiles
-    its kernels and the allocator fills its pools there, off the capture stream. To replay on new
+    its kernels and the allocator fills its pools there, off the capture stream. Python's garbage
+    collector runs just before the capture and not during it. To replay on new
     inputs, copy them into ``x`` (and any other static input) and call ``graph.replay()``."""
     def reset() -> None:
         module.zero_grad(set_to_none=True)
@@ -33,6 +35,17 @@ def capture_step(module: torch.nn.Module, x: torch.Tensor, step: Callable[[], An
     torch.cuda.current_stream().wait_stream(side)
     reset()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = step()
+    # torch.cuda.graph no longer collects garbage before it captures. A dead reference cycle that
+    # holds an earlier CUDA graph (make_graphed_callables leaves its graphs in one) would then be
+    # collected whenever the collector next runs, mid-capture among others, and freeing that
+    # graph's memory inside the capture invalidates it. So collect now, and not during the capture.
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph):
+            result = step()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, result

@@ -133,3 +133,46 @@ def test_ops_deferred_error_under_capture():
     assert torch.isnan(out).all()
     with pytest.raises(ValueError, match="tokens_per_expert"):
         check_device_errors()
+
+
+def test_capture_step_collects_a_dead_graph_before_capturing():
+    """A CUDA graph left in a reference cycle (make_graphed_callables leaves its graphs in one) is
+    collected before capture_step's capture, never during it, even with the collector set to run at
+    nearly every allocation: freeing a graph's memory inside a capture invalidates that capture
+    (scripts/measure/capture_gc.py shows it with torch.cuda.graph alone)."""
+    import gc
+
+    src = torch.ones(1 << 20, device="cuda")
+    old_graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        src * 2
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(old_graph):
+        doubled = src * 2
+    holder = {"graph": old_graph, "out": doubled}
+    holder["self"] = holder
+    del holder, old_graph, doubled
+
+    layer = MoELayer(_config(), layer_index=0).cuda()
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    upstream = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    collections_while_capturing = []
+
+    def watch(phase, info):
+        if phase == "start" and torch.cuda.is_current_stream_capturing():
+            collections_while_capturing.append(info)
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(watch)
+    gc.set_threshold(1, 1, 1)
+    try:
+        graph, out, _ = _capture(layer, x, upstream)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(watch)
+    assert collections_while_capturing == []
+    eager = _eager(MoELayer(_config(), layer_index=0).cuda(), x.detach(), upstream)
+    graph.replay()
+    assert torch.equal(out, eager[0])
