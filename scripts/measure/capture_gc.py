@@ -5,7 +5,8 @@ can leave the process's CUDA state unusable):
     python scripts/measure/capture_gc.py            # both cases, one line each
 
 - ``raw``: ``torch.cuda.graph`` as torch ships it (it no longer collects garbage before a capture),
-  with the collector set to run at nearly every allocation of a tracked object;
+  the dead graph made just before it, and the collector set to run at nearly every allocation of
+  a tracked object;
 - ``capture_step``: ``moe_dispatch.tools.capture.capture_step``, which collects before the capture
   and not during it, under the same setting.
 
@@ -50,11 +51,11 @@ def _case(name: str) -> str:
     during = []
     gc.callbacks.append(lambda phase, info: during.append(1) if phase == "start"
                         and torch.cuda.is_current_stream_capturing() else None)
-    _dead_graph_in_a_cycle()
     old = gc.get_threshold()
-    gc.set_threshold(1, 1, 1)
     try:
         if name == "capture_step":
+            _dead_graph_in_a_cycle()
+            gc.set_threshold(1, 1, 1)
             capture_step(layer, x, step)
         else:
             side = torch.cuda.Stream()
@@ -66,6 +67,8 @@ def _case(name: str) -> str:
             torch.cuda.current_stream().wait_stream(side)
             layer.zero_grad(set_to_none=True)
             x.grad = None
+            _dead_graph_in_a_cycle()  # young: the first collection inside the capture frees it
+            gc.set_threshold(1, 1, 1)
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 step()
         outcome = "captured"
