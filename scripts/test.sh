@@ -11,11 +11,11 @@ if [ $# -gt 0 ]; then
     exec .venv/bin/python -m pytest -q "$@"
 fi
 status=0
-# Two workers, each file on one (its module-scoped spawns shared), slow files handed out first
-# (tests/conftest.py): the serial suite keeps about 0.7 of the 2 cores busy.
+# Two workers, each file on one (its module-scoped spawns shared): the serial suite keeps about
+# 0.7 of the 2 cores busy, two keep both busy.
 # The compiled layer at EP 4 (four ranks compiling what two compile at EP 2) runs once, in the
 # floor torch's step below, not here as well.
-.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
+.venv/bin/python -m pytest -q -n 2 --dist loadfile \
     --deselect "tests/test_layer_compile.py::test_compiled_layer_is_bitwise_eager[aot_eager-4-1-None]" || status=$?
 # The floor venv (a few GB of wheels) downloads and installs beside the Megatron releases' tests,
 # which keep one core busy, not beside the main suite, which keeps both. A failed preparation is
