@@ -5,7 +5,7 @@
 # 2.11.0 Linux wheel is the CUDA build: a few GB, a minute to install, CPU is all the tests use).
 # Usage: bash scripts/test_floor_torch.sh [pytest args, default: the floor tests below]
 #        bash scripts/test_floor_torch.sh --prepare   (the venv only, no tests: test.sh runs this
-#        beside the main suite, so the download and install overlap the tests)
+#        beside the Megatron releases' tests, so the download and install overlap them)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FLOOR_TORCH=2.11.0
