@@ -28,6 +28,7 @@ overlap=False (each micro-step's exchange in its add_micro_batch, not beside the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -157,12 +158,9 @@ def run(method: str, ep: int, args, groups: Groups, device: torch.device) -> dic
                 if timed:
                     cost["add_micro_batch s"] = cost.get("add_micro_batch s", 0) + time.perf_counter() - t_add
                 count("after add_micro_batch")
-            elif a < A - 1:
-                with ddp.no_sync():
+            else:  # DDP reduces in the last micro-batch's backward
+                with ddp.no_sync() if a < A - 1 else contextlib.nullcontext():
                     (F.cross_entropy(forward(x).float(), y) / A).backward()
-                count()
-            else:
-                (F.cross_entropy(forward(x).float(), y) / A).backward()
                 count()
         sync(device)
         t1 = time.perf_counter()
