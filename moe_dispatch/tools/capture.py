@@ -35,10 +35,9 @@ def capture_step(module: torch.nn.Module, x: torch.Tensor, step: Callable[[], An
     torch.cuda.current_stream().wait_stream(side)
     reset()
     graph = torch.cuda.CUDAGraph()
-    # torch.cuda.graph no longer collects garbage before it captures. A dead reference cycle that
-    # holds an earlier CUDA graph (make_graphed_callables leaves its graphs in one) would then be
-    # collected whenever the collector next runs, mid-capture among others, and freeing that
-    # graph's memory inside the capture invalidates it. So collect now, and not during the capture.
+    # torch.cuda.graph no longer collects garbage before it captures (torch >= 2.9). A collection
+    # inside the capture runs arbitrary finalizers, and one that calls CUDA (TransformerEngine met
+    # a graph's destruction doing so) invalidates the capture. So collect now, and not during it.
     gc.collect()
     collecting = gc.isenabled()
     gc.disable()

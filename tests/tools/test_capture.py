@@ -138,8 +138,8 @@ def test_ops_deferred_error_under_capture():
 def test_capture_step_collects_a_dead_graph_before_capturing():
     """A CUDA graph left in a reference cycle (make_graphed_callables leaves its graphs in one) is
     collected before capture_step's capture, never during it, even with the collector set to run at
-    nearly every allocation: freeing a graph's memory inside a capture invalidates that capture
-    (scripts/measure/capture_gc.py shows it with torch.cuda.graph alone)."""
+    nearly every allocation: a collection inside a capture runs finalizers, and any that calls CUDA
+    invalidates it. torch.cuda.graph alone lets collections start (scripts/measure/capture_gc.py)."""
     import gc
 
     src = torch.ones(1 << 20, device="cuda")
