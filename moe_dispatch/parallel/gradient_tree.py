@@ -12,8 +12,8 @@ changes with the layout, its value does not:
 - the routed experts at EP P: one backward mixes P sources (the P ranks of the EP group, which are
   consecutive ranks: the lowest log2(P) bits of the index), so their weight gradient is computed
   per (local expert, source) block (the tree hands the experts a store,
-  ``LocalExperts.collect_source_grads``) and the P blocks are paired
-  locally in ``add_micro_batch``: one partial per local expert, whatever P;
+  ``LocalExperts.collect_source_grads``), which pairs the P blocks as each backward gives them:
+  one partial per local expert waits for ``add_micro_batch``, whatever P;
 - across ranks, from each ``add_micro_batch``, by recursive doubling: at step k group rank r adds
   the partial of rank r xor 2^k. The two partners hold the two halves of one tree node, and a + b
   is the same bits as b + a, so both hold the node. The experts join at step log2(P), where the
@@ -46,7 +46,8 @@ from ..experts import LocalExperts, SourceGrads
 from ..numerics.fixed_order import tree_sum
 from ..router import TopKRouter
 from .tree_exchange import TreeExchange
-from .tree_partials import ParameterPartials, accumulation_dtype, first_differences, pairwise_sum, push_views
+from .tree_partials import (PairedSourceGrads, ParameterPartials, accumulation_dtype, first_differences, pairwise_sum,
+                            push_views)
 
 
 def _power_of_two(n: int) -> bool:
@@ -123,7 +124,7 @@ class GradientTree:
             store = None
             if isinstance(module, LocalExperts) and module.ep_group is not None:
                 problems += self._experts_problems(name, module)
-                store = SourceGrads()
+                store = PairedSourceGrads()
                 stores.append((module, store))
             for pname, p in module.named_parameters(recurse=False):
                 if p.requires_grad and id(p) not in seen:
@@ -258,30 +259,13 @@ class GradientTree:
         self._reduced = False
 
     def _source_node(self, e: ParameterPartials, acc: torch.dtype) -> torch.Tensor:
-        """[E_local, ...]: the micro-step's per-source gradients ([E_local, P, ...], in the weight's
-        dtype; the layer ran twice: their sum in order, in ``acc``) paired over the P sources in
-        order, ((s0 + s1) + (s2 + s3)) + ..., by a binary counter: each block is converted to ``acc``
-        on its own, so at most log2(P) + 1 blocks of [E_local, ...] in ``acc`` live at once."""
-        p, P = e.param, 1 << e.start
+        """[E_local, ...] in ``acc``: the micro-step's per-source gradients, already paired over the
+        P sources in order as each backward gave them (`PairedSourceGrads`); zeros if none came."""
         grads = e.source_grads.take(e.name)
         if not grads:
-            return torch.zeros(e.shape, dtype=acc, device=p.device)
-        leaf = grads[0]  # the popped tensors are this tree's alone: adding into them is safe
-        if len(grads) > 1:
-            leaf = leaf.to(acc, copy=True)
-            for g in grads[1:]:
-                leaf.add_(g)
-        del grads
-        stack: List[Tuple[int, torch.Tensor]] = []
-        for s in range(P):
-            block = leaf[:, s].to(acc)
-            level = 0
-            while stack and stack[-1][0] == level:
-                block = stack.pop()[1].add_(block)
-                level += 1
-            stack.append((level, block))
-        (_, node), = stack
-        return node
+            return torch.zeros(e.shape, dtype=acc, device=e.param.device)
+        (node,) = grads
+        return node.to(acc)
 
     def _agree_call(self, problems: List[str], call: int) -> None:
         """The fixed-size all-gather that starts `add_micro_batch` and `reduce`: every rank's local
@@ -414,7 +398,8 @@ class GradientTree:
     def held_bytes_by_part(self) -> Dict[str, int]:
         """`held_bytes` by part: "partials" (the stacks) and "in flight" (micro-step nodes in the
         overlapped exchange); beside them, "source blocks": the sharded experts' per-source
-        gradients that a backward left for the next `add_micro_batch` (not counted in `held_bytes`)."""
+        gradients, paired over the sources as they came, that a backward left for the next
+        `add_micro_batch` (not counted in `held_bytes`)."""
         stores = {id(e.source_grads): e.source_grads for e in self._entries if e.source_grads is not None}
         return {"partials": sum(t.numel() * t.element_size() for e in self._entries for _, t in e.stack),
                 "in flight": self._exchange.held_bytes(),

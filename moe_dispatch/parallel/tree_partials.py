@@ -1,5 +1,6 @@
 """The GradientTree's per-parameter state: a stack of partial sums over the micro-steps (a binary
-counter), and the small helpers the tree and its agreement share."""
+counter), the store that pairs the experts' per-source gradients as they arrive, and the small
+helpers the tree and its agreement share."""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
@@ -36,6 +37,37 @@ def first_differences(descriptions: List[List[str]]) -> str:
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def pair_sources(grad: torch.Tensor) -> torch.Tensor:
+    """[E_local, P, ...] (one backward's per-source weight gradients, in the weight's dtype) ->
+    [E_local, ...] in the accumulation dtype: the P blocks paired in source order,
+    ((s0 + s1) + (s2 + s3)) + ..., by a binary counter, each block converted on its own (exact),
+    so at most log2(P) + 1 converted blocks live at once."""
+    acc = accumulation_dtype(grad.dtype)
+    stack: List[Tuple[int, torch.Tensor]] = []
+    for s in range(grad.shape[1]):
+        block = grad[:, s].to(acc)
+        level = 0
+        while stack and stack[-1][0] == level:
+            block = stack.pop()[1].add_(block)
+            level += 1
+        stack.append((level, block))
+    (_, node), = stack
+    return node
+
+
+class PairedSourceGrads(SourceGrads):
+    """The tree's store for a sharded `LocalExperts`: each backward's [E_local, P, ...] is paired
+    over its sources as it arrives (`pair_sources`), so from the backward to `add_micro_batch` a
+    weight holds one [E_local, ...] partial in the accumulation dtype, whatever P, instead of P
+    blocks. A further backward in the same micro-batch (the experts run twice) adds its pair into
+    it, in backward order. `take` gives [that partial] ([] if none)."""
+
+    def add(self, name: str, grad: torch.Tensor) -> None:
+        node = pair_sources(grad)
+        held = self.take(name)
+        super().add(name, held[0].add_(node) if held else node)
 
 
 class ParameterPartials:
