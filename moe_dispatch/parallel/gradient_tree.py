@@ -46,8 +46,14 @@ from ..experts import LocalExperts, SourceGrads
 from ..numerics.fixed_order import tree_sum
 from ..router import TopKRouter
 from .tree_exchange import TreeExchange
-from .tree_partials import (PairedSourceGrads, ParameterPartials, accumulation_dtype, first_differences, pairwise_sum,
-                            push_views)
+from .tree_partials import (
+    PairedSourceGrads,
+    ParameterPartials,
+    accumulation_dtype,
+    first_differences,
+    pairwise_sum,
+    push_views,
+)
 
 
 def _power_of_two(n: int) -> bool:
