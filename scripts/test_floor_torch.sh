@@ -16,17 +16,14 @@ TESTS=(tests/test_functions_compile.py tests/test_layer_compile.py tests/experts
        tests/dispatcher/test_contract.py tests/router/test_router_gating.py tests/router/test_router_invariance.py
        tests/experts/test_fp8_weights.py)
 # The compiled layer at EP 4 runs here only: test.sh's main suite leaves it out.
-# Two workers, each file on one: the compiled-layer file (its ranks on both cores) beside the
-# others, which run one process each.
-WORKERS=(-n 2 --dist loadfile)
 PREPARE=0
 if [ "${1:-}" = "--prepare" ]; then PREPARE=1; shift; fi
-[ $# -gt 0 ] && TESTS=("$@") && WORKERS=()
+[ $# -gt 0 ] && TESTS=("$@")
 start=$SECONDS
 
 state() {  # what .venv-floor has, as one line; run outside the checkout so that cwd cannot supply moe_dispatch
     (cd / && "$VENV/bin/python" -c "
-import os, numpy, pytest, pytest_timeout, xdist, torch, triton, moe_dispatch
+import os, numpy, pytest, pytest_timeout, torch, triton, moe_dispatch
 np_ok = tuple(int(p) for p in numpy.__version__.split('.')[:2]) < (2, 4)
 print('torch', torch.__version__.split('+')[0], 'triton', triton.__version__, 'numpy<2.4', np_ok,
       'moe_dispatch', os.path.dirname(os.path.dirname(os.path.realpath(moe_dispatch.__file__))))
@@ -38,7 +35,7 @@ if [ -e "$VENV" ] && ! "$VENV/bin/python" -c "" 2>/dev/null; then
 fi
 if [ "$(state)" != "$want" ]; then
     [ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV" || exit 1
-    "$VENV/bin/python" -m pip install -q "torch==$FLOOR_TORCH" "triton==$TRITON" 'numpy<2.4' pytest pytest-timeout pytest-xdist \
+    "$VENV/bin/python" -m pip install -q "torch==$FLOOR_TORCH" "triton==$TRITON" 'numpy<2.4' pytest pytest-timeout \
         && "$VENV/bin/python" -m pip install -q --no-deps -e . || { echo "floor torch: install failed" >&2; exit 1; }
 fi
 got=$(state)
@@ -51,7 +48,7 @@ if [ "$PREPARE" = 1 ]; then
     exit 0
 fi
 echo "== floor torch $FLOOR_TORCH (.venv-floor): pytest ${TESTS[*]}"
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider "${WORKERS[@]}" "${TESTS[@]}"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
 status=$?
 echo "   floor torch $FLOOR_TORCH: $([ $status -eq 0 ] && echo passed || echo failed) ($((SECONDS - start)) s)"
 exit $status
