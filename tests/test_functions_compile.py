@@ -70,3 +70,29 @@ def test_fixed_order_sums_are_not_recompiled_per_size():
         got, want = fn(a, b), (tree_sum(a, 1), ordered_mm(a, b))
         assert all(torch.equal(x, y) for x, y in zip(got, want)), k
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_layer_steps_of_one_shape_compile_once(dispatcher):
+    """From its third step a compiled layer compiles nothing more at the same shapes (the second
+    recompiles once, where an int such as the layer's step count changed and dynamo makes it
+    symbolic): nothing a dispatch creates (its handle's number among them) becomes a guard that
+    every new step fails, which would recompile each step until dynamo's recompile limit and then
+    leave that frame eager."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from moe_dispatch import MoEConfig, MoELayer
+
+    torch._dynamo.reset()
+    counters.clear()
+    layer = MoELayer(MoEConfig(hidden_size=8, num_experts=4, topk=2, ffn_hidden_size=16, dispatcher=dispatcher),
+                     layer_index=0)
+    compiled = torch.compile(layer, backend="eager")  # dynamo's tracing and guards alone: quick
+    g = torch.Generator().manual_seed(0)
+    graphs = []
+    for _ in range(5):
+        x = torch.randn(6, 8, generator=g).requires_grad_(True)
+        compiled(x).sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[2:] == [graphs[1]] * 3, graphs

@@ -134,7 +134,10 @@ class Plan(ABC):
 _DISPATCH_IDS = itertools.count(1)  # this process's dispatches, numbered (compared only here)
 
 
+@torch.compiler.disable
 def new_dispatch_id() -> int:
+    # Run outside torch.compile: traced, the counter's state becomes a guard, and every new
+    # dispatch would recompile the frame that makes the handle.
     return next(_DISPATCH_IDS)
 
 
