@@ -15,7 +15,7 @@ VENV=$ROOT/.venv-floor
 TESTS=(tests/test_functions_compile.py tests/test_layer_compile.py tests/experts/test_row_stability.py
        tests/dispatcher/test_contract.py tests/router/test_router_gating.py tests/router/test_router_invariance.py
        tests/experts/test_fp8_weights.py)
-# The compiled layer at EP 4 runs here only: test.sh's main suite leaves it out.
+# The compiled layer at EP 4 and with dynamic=True runs here only: test.sh's main suite leaves them out.
 PREPARE=0
 if [ "${1:-}" = "--prepare" ]; then PREPARE=1; shift; fi
 [ $# -gt 0 ] && TESTS=("$@")

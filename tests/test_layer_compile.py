@@ -4,7 +4,8 @@ bitwise equal to eager, with both dispatchers. aot_eager at EP 2 and 4, and with
 graph) at EP 2 only; the FP8 layer (``fp8="e4m3"``) with aot_eager at EP 2. Graph breaks are
 expected around the collectives and the size exchange's one host read; the test checks that
 graphs were compiled and that the results do not change. Also run under the floor torch
-(scripts/test_floor_torch.sh); CI's main suite (scripts/test.sh) leaves the EP-4 case to that step."""
+(scripts/test_floor_torch.sh); CI's main suite (scripts/test.sh) leaves the EP-4 and dynamic=True
+cases to that step."""
 from __future__ import annotations
 
 import pytest
