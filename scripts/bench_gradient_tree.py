@@ -20,9 +20,10 @@ reduction, clipping + optimizer); peak MiB (max_memory_allocated over a step, CU
 the activations and the transients of the backward); grad MiB (the most held for gradients after
 a micro-batch's backward, after its add_micro_batch or after the reduction: every .grad, the
 experts' per-source gradients, the tree's partial sums and nodes in flight, DDP's buckets).
-``--breakdown`` adds (c): those parts, and where the tree's time goes (its exchange's time and
-bytes; on CUDA the host<->device copies of one profiled step). The goal
-beside them: <= 10% slower, <= 1.5x the gradient memory. ``--serial`` adds GradientTree with
+``--breakdown`` adds (c): those parts, the largest per-source weight gradient a backward handed
+the tree (alive inside that backward until paired; in neither point above), and where the
+tree's time goes (its exchange's time and bytes; on CUDA the host<->device copies of one
+profiled step). The goal beside them: <= 10% slower, <= 1.5x the gradient memory. ``--serial`` adds GradientTree with
 overlap=False (each micro-step's exchange in its add_micro_batch, not beside the next micro-batch).
 """
 from __future__ import annotations
@@ -198,6 +199,7 @@ def run(method: str, ep: int, args, groups: Groups, device: torch.device) -> dic
         if tree is not None:
             seconds, sent = tree.exchange_totals()
             cost["exchange s"], cost["exchange bytes"] = seconds - exchanged[0], sent - exchanged[1]
+            cost["transient bytes"] = tree.source_grads_transient_bytes()
         if args.breakdown and device.type == "cuda":  # one more step under the profiler: host<->device copies
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -350,8 +352,11 @@ def breakdown(rows, world: int, A: int) -> None:
           "most: .grad, the experts' per-source blocks, the tree's partials, its nodes in flight. Time, per "
           "step: in add_micro_batch (host), the exchange's steps (on its thread when overlapped), bytes "
           "sent; CUDA: host<->device copies in one profiled step (all ranks' copies share the GPU).")
+    print("Beside them, inside each backward and counted in neither point: the largest per-source weight "
+          "gradient [E_local, P, ...] a backward handed over (\"in backward\", MiB), alive until paired.")
     print(f"{'(W, EP, A)':12} {'method':20} {'point':22} {'.grad':>7} {'source':>7} {'partials':>8} "
-          f"{'flight':>7} {'total':>7} | {'in add ms':>9} {'exch ms':>8} {'sent MiB':>9} {'copies':>7} {'copy ms':>8}")
+          f"{'flight':>7} {'total':>7} | {'in add ms':>9} {'exch ms':>8} {'sent MiB':>9} {'copies':>7} {'copy ms':>8} "
+          f"{'in backward':>11}")
     for ep, got in rows:
         for m, name in (("tree", "GradientTree"), ("tree-serial", "GradientTree serial")):
             if m not in got:
@@ -360,7 +365,8 @@ def breakdown(rows, world: int, A: int) -> None:
             copies = f"{c['copies']:7.0f} {c['copy s'] * 1e3:8.1f}" if "copies" in c else f"{'-':>7} {'-':>8}"
             for i, (where, parts) in enumerate(most.items()):
                 times = (f"{c.get('add_micro_batch s', 0) * 1e3:9.1f} {c.get('exchange s', 0) * 1e3:8.1f} "
-                         f"{c.get('exchange bytes', 0) * mib:9.2f} {copies}") if i == 0 else ""
+                         f"{c.get('exchange bytes', 0) * mib:9.2f} {copies} "
+                         f"{c.get('transient bytes', 0) * mib:11.2f}") if i == 0 else ""
                 print(f"{str((world, ep, A)):12} {name:20} {where:22} {parts['.grad'] * mib:7.2f} "
                       f"{parts['source blocks'] * mib:7.2f} {parts['partials'] * mib:8.2f} "
                       f"{parts['in flight'] * mib:7.2f} {sum(parts.values()) * mib:7.2f} | {times}")

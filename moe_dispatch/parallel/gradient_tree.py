@@ -411,6 +411,14 @@ class GradientTree:
                 "in flight": self._exchange.held_bytes(),
                 "source blocks": sum(store.held_bytes() for store in stores.values())}
 
+    def source_grads_transient_bytes(self) -> int:
+        """The largest per-source weight gradient ``[E_local, P, ...]`` (in the weights' dtype) that a
+        sharded experts' backward handed to the tree since it was built: it lives inside that
+        backward, beside what `held_bytes_by_part` counts, until the store pairs it (0 without
+        sharded experts)."""
+        return max((e.source_grads.largest_handed for e in self._entries
+                    if isinstance(e.source_grads, PairedSourceGrads)), default=0)
+
     def exchange_totals(self) -> Tuple[float, int]:
         """(seconds, bytes) that this rank's cross-rank exchange has spent and sent since the tree
         was built: the wall time of its steps and the bytes of its sends."""

@@ -62,9 +62,16 @@ class PairedSourceGrads(SourceGrads):
     over its sources as it arrives (`pair_sources`), so from the backward to `add_micro_batch` a
     weight holds one [E_local, ...] partial in the accumulation dtype, whatever P, instead of P
     blocks. A further backward in the same micro-batch (the experts run twice) adds its pair into
-    it, in backward order. `take` gives [that partial] ([] if none)."""
+    it, in backward order. `take` gives [that partial] ([] if none). ``largest_handed``: the bytes
+    of the largest [E_local, P, ...] a backward handed over since the store was made, which lives
+    inside that backward until paired (P times the local experts' weight, in its dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest_handed = 0
 
     def add(self, name: str, grad: torch.Tensor) -> None:
+        self.largest_handed = max(self.largest_handed, grad.numel() * grad.element_size())
         node = pair_sources(grad)
         held = self.take(name)
         super().add(name, held[0].add_(node) if held else node)

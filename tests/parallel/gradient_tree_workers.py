@@ -113,6 +113,8 @@ def held_bytes_worker(rank: int, world_size: int) -> Dict:
             experts = [m for m in model.modules() if isinstance(m, LocalExperts) and m.ep_group is not None]
             out["parts"], out["unit"] = parts, unit
             out["expert bytes"] = sum(w.numel() * 4 for m in experts for w in (m.weight1, m.weight2))
+            out["largest expert weight"] = max(w.numel() * 4 for m in experts for w in (m.weight1, m.weight2))
+            out["transient"] = tree.source_grads_transient_bytes()
             out["exchange"] = tree.exchange_totals()
     out["same grads"] = all(torch.equal(u, v) for u, v in zip(grads[False], grads[True]))
     return out

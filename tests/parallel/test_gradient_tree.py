@@ -83,7 +83,9 @@ def test_held_bytes_by_part_and_exchange_totals():
     """What bench_gradient_tree.py --breakdown reads. At (2, 2, 4), fp32: after each backward the
     experts' per-source gradients wait already paired over the P = 2 sources: one fp32 copy of the
     local expert weights, not the backward's [E_local, P, ...] (twice them); after add_micro_batch
-    none. "partials" + "in flight" is held_bytes. The exchange (W = 2, one doubling
+    none. Inside the backward the largest [E_local, P, ...] handed over is P = 2 times the largest
+    local expert weight (source_grads_transient_bytes). "partials" + "in flight" is held_bytes.
+    The exchange (W = 2, one doubling
     step, which the experts sharded over both ranks do not join) sends the replicated parameters in
     fp32 once per micro-batch: 4 x 4 bytes a value."""
     for held in run_ranks(held_bytes_worker, 2, timeout=120):
@@ -91,6 +93,7 @@ def test_held_bytes_by_part_and_exchange_totals():
         after_backward, after_add = held["parts"][0::2], held["parts"][1::2]
         assert [p["source blocks"] for p in after_backward] == [experts] * 4, held["parts"]
         assert [p["source blocks"] for p in after_add] == [0] * 4, held["parts"]
+        assert held["transient"] == 2 * held["largest expert weight"], held["transient"]
         assert [(p["partials"] + p["in flight"]) / unit for p in after_add] == held[True], held["parts"]
         assert [p["in flight"] / unit for p in after_add] == [1.0, 1.0, 1.0, 0.0], held["parts"]
         seconds, sent = held["exchange"]
