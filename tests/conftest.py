@@ -13,10 +13,11 @@ import pytest  # noqa: E402
 def _patch_triton_interpreter_once_per_launch() -> None:
     """Under TRITON_INTERPRET=1, Triton 3.x patches triton.language again (inspect.getmembers over
     the module, tl.tensor and tl.math) at every call of a @triton.jit function from inside a
-    kernel (tl.sum and our helpers among them), once per program instance: 30-70% of an
-    interpreted test's time. Those nested patches are never undone and bind the same builder, so
-    within one launch a repeat for the same modules changes nothing; this skips the repeats. The
-    first of each, and the launch's own patch and its restore, are Triton's."""
+    kernel (tl.sum and our helpers among them), once per program instance: about half of
+    tests/ops/test_permutation.py's time. Those nested patches are never undone and bind the same
+    builder, so within one launch a repeat for the same modules changes nothing; this skips the
+    repeats. The first of each, and the launch's own patch and its restore, are Triton's. A
+    repeat wrongly skipped would fail loudly (an unpatched builtin raises in the kernel)."""
     try:
         from triton.runtime import interpreter
     except ImportError:
