@@ -16,7 +16,7 @@ status=0
 # Two compiled-layer cases run once, in the floor torch's step below, not here as well: EP 4
 # (four ranks compiling what two compile at EP 2) and dynamic=True (symbolic sizes from the first
 # call, which the two-step aot_eager case here reaches on its second step by dynamo's automatic
-# dynamic shapes; the costliest case, its experts recompiled per weight shape).
+# dynamic shapes; the costliest of the aot_eager cases).
 .venv/bin/python -m pytest -q -n 2 --dist loadfile \
     --deselect "tests/test_layer_compile.py::test_compiled_layer_is_bitwise_eager[aot_eager-4-1-None]" \
     --deselect "tests/test_layer_compile.py::test_compiled_layer_is_bitwise_eager[aot_eager-2-2-True]" || status=$?
