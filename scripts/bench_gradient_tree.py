@@ -23,8 +23,9 @@ experts' per-source gradients, the tree's partial sums and nodes in flight, DDP'
 ``--breakdown`` adds (c): those parts, the largest per-source weight gradient a backward handed
 the tree (alive inside that backward until paired; in neither point above), and where the
 tree's time goes (its exchange's time and bytes; on CUDA the host<->device copies of one
-profiled step). The goal beside them: <= 10% slower, <= 1.5x the gradient memory. ``--serial`` adds GradientTree with
-overlap=False (each micro-step's exchange in its add_micro_batch, not beside the next micro-batch).
+profiled step). The goal beside them: <= 10% slower, <= 1.5x the gradient memory. ``--serial``
+adds GradientTree with overlap=False (each micro-step's exchange in its add_micro_batch, not
+beside the next micro-batch).
 """
 from __future__ import annotations
 

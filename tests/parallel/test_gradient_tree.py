@@ -85,9 +85,8 @@ def test_held_bytes_by_part_and_exchange_totals():
     local expert weights, not the backward's [E_local, P, ...] (twice them); after add_micro_batch
     none. Inside the backward the largest [E_local, P, ...] handed over is P = 2 times the largest
     local expert weight (source_grads_transient_bytes). "partials" + "in flight" is held_bytes.
-    The exchange (W = 2, one doubling
-    step, which the experts sharded over both ranks do not join) sends the replicated parameters in
-    fp32 once per micro-batch: 4 x 4 bytes a value."""
+    The exchange (W = 2, one doubling step, which the experts sharded over both ranks do not join)
+    sends the replicated parameters in fp32 once per micro-batch: 4 x 4 bytes a value."""
     for held in run_ranks(held_bytes_worker, 2, timeout=120):
         unit, experts = held["unit"], held["expert bytes"]
         after_backward, after_add = held["parts"][0::2], held["parts"][1::2]
